@@ -1,0 +1,179 @@
+"""An offline parallel corpus of real text, for the demo and the tests (no network needed).
+
+Entries come from packages installed with the `offline` extra:
+- gettext catalogs shipped by Django and Sphinx (English message -> its translation),
+- CLDR territory and language names from babel,
+- dates written out in full by babel's CLDR formats,
+- numbers spelled out by num2words (de, fr, ru, ja; num2words has no Chinese).
+Samples join several entries, one per line, so that answers are long enough for drafting to matter.
+Entries are split into train and test by a hash of their text, so held-out samples never share an
+entry with training samples.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import glob
+import hashlib
+import io
+import os
+import random
+from dataclasses import dataclass
+
+LOCALE_DIRS = {"de": ["de"], "fr": ["fr"], "ru": ["ru"], "ja": ["ja"], "zh": ["zh_Hans", "zh_CN"]}
+MAX_ENTRY_CHARS = 160
+KINDS = ("catalog", "name", "date", "number")
+
+
+@dataclass(frozen=True)
+class Entry:
+    source: str
+    target: str
+    kind: str
+
+
+def _missing(package: str) -> ImportError:
+    return ImportError(
+        f"the offline corpus needs `{package}`: install the offline extra, `pip install -e .[offline]`"
+    )
+
+
+def _split_of(text: str, test_fraction: float) -> str:
+    digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
+    return "test" if digest / 2**64 < test_fraction else "train"
+
+
+@functools.lru_cache(maxsize=8)
+def catalog_entries(lang: str) -> tuple[Entry, ...]:
+    """English -> `lang` message pairs from the gettext catalogs of Django and Sphinx."""
+    try:
+        import django
+        import sphinx
+        from babel.messages.pofile import read_po
+    except ImportError as err:
+        raise _missing(err.name or "babel") from err
+    roots = [os.path.dirname(django.__file__), os.path.dirname(sphinx.__file__)]
+    files = sorted(
+        f
+        for root in roots
+        for locale in LOCALE_DIRS[lang]
+        for f in glob.glob(f"{root}/**/locale/{locale}/LC_MESSAGES/*.po", recursive=True)
+    )
+    pairs: dict[str, str] = {}
+    for path in files:
+        # some catalogs carry more plural forms than they declare; babel prints a warning for each
+        with (
+            open(path, "rb") as handle,
+            contextlib.redirect_stderr(io.StringIO()),
+            contextlib.redirect_stdout(io.StringIO()),
+        ):
+            catalog = read_po(handle)
+        for message in catalog:
+            english, translated = message.id, message.string
+            if isinstance(english, tuple | list):
+                english, translated = english[0], translated[0] if translated else ""
+            if not english or not translated or message.fuzzy:
+                continue
+            english, translated = " ".join(english.split()), " ".join(translated.split())
+            if 0 < len(english) <= MAX_ENTRY_CHARS and len(translated) <= MAX_ENTRY_CHARS:
+                pairs.setdefault(translated, english)
+    return tuple(Entry(source=s, target=t, kind="catalog") for s, t in sorted(pairs.items()))
+
+
+@functools.lru_cache(maxsize=8)
+def name_entries(lang: str) -> tuple[Entry, ...]:
+    """CLDR names of territories and languages, in `lang` and in English."""
+    try:
+        from babel import Locale
+    except ImportError as err:
+        raise _missing("babel") from err
+    here, english = Locale.parse(lang), Locale("en")
+    entries: dict[str, str] = {}
+    for table in ("territories", "languages"):
+        theirs, ours = getattr(here, table), getattr(english, table)
+        for code, name in sorted(theirs.items()):
+            if code in ours and name and ours[code] and not code.isdigit():
+                entries.setdefault(name, ours[code])
+    return tuple(Entry(source=s, target=t, kind="name") for s, t in sorted(entries.items()))
+
+
+def date_entry(lang: str, rng: random.Random) -> Entry:
+    try:
+        from babel.dates import format_date
+    except ImportError as err:
+        raise _missing("babel") from err
+    day = datetime.date(1900, 1, 1) + datetime.timedelta(days=rng.randrange(200 * 366))
+    style = rng.choice(["full", "long"])
+    return Entry(format_date(day, style, locale=lang), format_date(day, style, locale="en"), "date")
+
+
+def number_entry(lang: str, rng: random.Random) -> Entry | None:
+    if lang == "zh":
+        return None
+    try:
+        from num2words import num2words
+    except ImportError as err:
+        raise _missing("num2words") from err
+    value = rng.choice([rng.randrange(10, 100), rng.randrange(100, 10_000), rng.randrange(10_000, 1_000_000)])
+    return Entry(num2words(value, lang=lang), num2words(value, lang="en"), "number")
+
+
+def _pick(lang: str, split: str, test_fraction: float, rng: random.Random) -> Entry:
+    """One entry of the given split; kinds are drawn evenly, then an entry of that kind."""
+    while True:
+        kind = rng.choice(KINDS)
+        if kind == "catalog":
+            entry: Entry | None = rng.choice(catalog_entries(lang))
+        elif kind == "name":
+            entry = rng.choice(name_entries(lang))
+        elif kind == "date":
+            entry = date_entry(lang, rng)
+        else:
+            entry = number_entry(lang, rng)
+        if entry is not None and _split_of(entry.source, test_fraction) == split:
+            return entry
+
+
+def offline_pairs(
+    pair: str,
+    split: str,
+    num_samples: int,
+    entries_per_sample: tuple[int, int] = (2, 4),
+    test_fraction: float = 0.1,
+    seed: int = 0,
+) -> list[dict[str, str]]:
+    """Translation samples for `pair` (e.g. `de-en`): `{"id", "source", "target"}`, entries one per line."""
+    lang, into = pair.split("-")
+    if into != "en" or lang not in LOCALE_DIRS:
+        raise ValueError(f"the offline corpus has X->en pairs for {sorted(LOCALE_DIRS)}, not {pair!r}")
+    if split not in ("train", "test"):
+        raise ValueError(f"offline split must be `train` or `test`, not {split!r}")
+    rng = random.Random(f"{pair}/{split}/{seed}")
+    low, high = entries_per_sample
+    samples = []
+    for index in range(num_samples):
+        entries = [_pick(lang, split, test_fraction, rng) for _ in range(rng.randint(low, high))]
+        samples.append(
+            {
+                "id": f"offline/{pair}/{split}/{index}",
+                "source": "\n".join(e.source for e in entries),
+                "target": "\n".join(e.target for e in entries),
+            }
+        )
+    return samples
+
+
+def offline_texts(langs: list[str], num_documents: int, seed: int = 0) -> list[dict[str, str]]:
+    """Generic documents for pretraining: each document is a run of English or foreign entries."""
+    rng = random.Random(f"texts/{','.join(langs)}/{seed}")
+    documents = []
+    for index in range(num_documents):
+        lang = rng.choice(langs)
+        entries = [_pick(lang, "train", 0.1, rng) for _ in range(rng.randint(3, 8))]
+        side = rng.choice(["source", "target"])
+        documents.append(
+            {"id": f"offline/text/{index}", "text": "\n".join(getattr(e, side) for e in entries)}
+        )
+    return documents

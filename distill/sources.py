@@ -1,0 +1,205 @@
+"""Reading the rows of a data source declared in a recipe: `datasets` hub names, local files, the offline corpus.
+
+Rows come out normalised by format:
+- translation: `{"id", "pair", "source", "target"}` (the target is the reference translation)
+- chat: `{"id", "conversations": [{"role": "user"|"assistant"|"system", "content": str}, ...]}`
+- text: `{"id", "text"}`
+- prompts: `{"id", "prompt"}`
+A row with a missing or empty field is an error naming the source, the row index and the field, unless
+`skip_invalid` is set: then it is counted and reported, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from distill.offline import offline_pairs, offline_texts
+
+log = logging.getLogger(__name__)
+
+ROLES = {
+    "translation": ("source", "target"),
+    "chat": ("conversations",),
+    "text": ("text",),
+    "prompts": ("prompt",),
+}
+# ShareGPT spells roles `from: human|gpt`; OpenAI-style data spells them `role: user|assistant`.
+CHAT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+    "system": "system",
+}
+
+
+class SourceError(ValueError):
+    """A row of a data source that cannot be used; the message names source, row and field."""
+
+
+@dataclass
+class SourceRows:
+    """The rows of one source plus what was skipped, so that nothing disappears silently."""
+
+    description: str
+    rows: list[dict[str, Any]]
+    invalid: int = 0
+    invalid_examples: list[str] = field(default_factory=list)
+
+
+def describe(kind: str, format: str, path: str | None, name: str | None, split: str, pair: str | None) -> str:
+    if kind == "offline":
+        return f"offline[{format}{', ' + pair if pair else ''}, {split}]"
+    return f"{kind}:{path}{'/' + name if name else ''}[{split}]"
+
+
+def _get(row: dict[str, Any], dotted: str) -> Any:
+    value: Any = row
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def _conversation(value: Any) -> list[dict[str, str]] | None:
+    """ShareGPT `[{"from": "human", "value": ...}]` or `[{"role": "user", "content": ...}]` -> role/content turns."""
+    if not isinstance(value, list) or not value:
+        return None
+    turns = []
+    for turn in value:
+        if not isinstance(turn, dict):
+            return None
+        role = CHAT_ROLES.get(str(turn.get("from", turn.get("role", ""))).lower())
+        content = turn.get("value", turn.get("content"))
+        if role is None or not isinstance(content, str) or not content.strip():
+            return None
+        turns.append({"role": role, "content": content})
+    return turns
+
+
+def normalise(
+    raw: Iterable[tuple[int, dict[str, Any]]],
+    format: str,
+    fields: dict[str, str],
+    pair: str | None,
+    description: str,
+    skip_invalid: bool,
+    id_prefix: str,
+) -> SourceRows:
+    out = SourceRows(description=description, rows=[])
+    for index, row in raw:
+        record: dict[str, Any] = {"id": str(row.get("id", f"{id_prefix}/{index}"))}
+        if pair is not None:
+            record["pair"] = pair
+        problem = None
+        for role in ROLES[format]:
+            path = fields.get(role, role)
+            value = _get(row, path)
+            if role == "conversations":
+                value = _conversation(value)
+            if value is None or (isinstance(value, str) and not value.strip()):
+                problem = f"row {index}: field {path!r} is missing or empty"
+                break
+            record[role] = value
+        if problem is None:
+            out.rows.append(record)
+        elif skip_invalid:
+            out.invalid += 1
+            if len(out.invalid_examples) < 5:
+                out.invalid_examples.append(problem)
+        else:
+            raise SourceError(
+                f"{description}: {problem} (set skip_invalid: true to count and skip such rows)"
+            )
+    if out.invalid:
+        log.warning(
+            "%s: skipped %d invalid rows (e.g. %s)", description, out.invalid, out.invalid_examples[0]
+        )
+    return out
+
+
+def _load_hf(path: str, name: str | None, split: str, revision: str | None, streaming: bool) -> Any:
+    import datasets
+
+    return datasets.load_dataset(path, name, split=split, revision=revision, streaming=streaming)
+
+
+def _load_local(path: str, split: str) -> Any:
+    import datasets
+
+    root = Path(path)
+    files = (
+        sorted(p for p in root.rglob("*") if p.suffix in (".jsonl", ".json", ".parquet"))
+        if root.is_dir()
+        else [root]
+    )
+    if not files or not all(f.exists() for f in files):
+        raise SourceError(f"local:{path}: no .jsonl/.json/.parquet file found")
+    builder = "parquet" if files[0].suffix == ".parquet" else "json"
+    return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")
+
+
+def read_source(
+    *,
+    kind: str,
+    format: str,
+    path: str | None = None,
+    name: str | None = None,
+    split: str = "train",
+    revision: str | None = None,
+    streaming: bool = False,
+    fields: dict[str, str] | None = None,
+    pair: str | None = None,
+    limit: int | None = None,
+    skip_invalid: bool = False,
+    seed: int = 0,
+    offline_entries_per_sample: tuple[int, int] = (2, 4),
+    offline_test_fraction: float = 0.1,
+    offline_samples: int = 4000,
+) -> SourceRows:
+    """All (or `limit`, shuffled with `seed`) rows of one source, normalised for its format."""
+    fields = fields or {}
+    description = describe(kind, format, path, name, split, pair)
+    if kind == "offline":
+        if format == "translation":
+            count = offline_samples if split == "train" else max(1, offline_samples // 10)
+            raw: Any = offline_pairs(
+                pair or "", split, count, offline_entries_per_sample, offline_test_fraction, seed
+            )
+        elif format == "text":
+            raw = offline_texts(["de", "fr", "ru", "ja", "zh"], offline_samples, seed)
+        else:
+            raise SourceError(
+                f"{description}: the offline corpus has `translation` and `text` rows, not {format!r}"
+            )
+        rows = list(enumerate(raw))[:limit]
+        return normalise(
+            rows, format, {}, pair, description, skip_invalid, f"offline/{pair or 'text'}/{split}"
+        )
+    dataset = (
+        _load_hf(path or "", name, split, revision, streaming)
+        if kind == "hf"
+        else _load_local(path or "", split)
+    )
+    if streaming:
+        # a stream has no random access: shuffle within a buffer; row indices count the shuffled stream
+        stream = dataset.shuffle(seed=seed, buffer_size=10_000)
+        indexed: Iterable[tuple[int, dict[str, Any]]] = enumerate(
+            stream.take(limit) if limit is not None else stream
+        )
+    else:
+        # shuffle indices, not the dataset, so that errors name a row by its index in the source
+        order = list(range(len(dataset)))
+        random.Random(seed).shuffle(order)
+        indexed = ((i, dataset[i]) for i in order[:limit])
+    return normalise(indexed, format, fields, pair, description, skip_invalid, f"{kind}:{path}/{split}")

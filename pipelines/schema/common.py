@@ -1,0 +1,159 @@
+"""Blocks of the recipe shared by several stages: target, data, launch, tracking.
+
+Every field's default lives here and is documented once, in the docstring under it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+LanguagePair = Literal["de-en", "fr-en", "ru-en", "ja-en", "zh-en"]
+"""A translation direction, source language first. The drafters of seed 003 translate into English."""
+
+
+class StrictModel(BaseModel):
+    """Base of every config block: unknown keys and wrong types are errors, never coerced."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True)
+
+
+class BootstrapConfig(StrictModel):
+    """A small Llama-family target built and trained here, for offline demos and tests only.
+
+    The build is cached by the hash of this block (and of the offline corpus options), so later runs
+    reuse it instead of training again.
+    """
+
+    vocab_size: int = 2048
+    """Size of the byte-level BPE vocabulary trained on the offline corpus."""
+    hidden_size: int = 128
+    num_layers: int = 12
+    """Deep and narrow on purpose: on a CPU, batch-1 decode latency grows with depth, not width."""
+    num_heads: int = 4
+    intermediate_size: int = 384
+    max_position_embeddings: int = 512
+    steps: int = 300
+    """Optimizer steps of the brief training run on the offline corpus."""
+    batch_size: int = 32
+    seq_len: int = 256
+    lr: float = 3e-3
+    seed: int = 0
+    cache_dir: str = "~/.cache/polydraft/bootstrap"
+    """Folder of cached builds, one sub-folder per config hash (relative paths: from the working directory)."""
+
+
+class TargetConfig(StrictModel):
+    """The target LLM whose outputs the drafters imitate and whose speedups are measured."""
+
+    path: str | None = None
+    """A local Hugging Face folder or a hub id (e.g. `lmsys/vicuna-7b-v1.3`). Exactly one of `path` and
+    `bootstrap` is set."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) when `path` is a hub id."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """`auto` loads bfloat16 on a GPU and float32 on a CPU."""
+    trust_remote_code: bool = False
+    """Off unless the recipe says so: remote code runs arbitrary Python from the hub."""
+    bootstrap: BootstrapConfig | None = None
+    """Build a small target here instead of loading one (offline demos and tests)."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TargetConfig:
+        if (self.path is None) == (self.bootstrap is None):
+            raise ValueError("set exactly one of target.path and target.bootstrap")
+        return self
+
+
+class SourceConfig(StrictModel):
+    """One dataset. `kind` says where its rows come from, `format` what a row holds."""
+
+    kind: Literal["offline", "hf", "local"]
+    """`offline`: the built-in offline parallel corpus (gettext catalogs, CLDR names and dates,
+    spelled-out numbers); `hf`: a `datasets` hub name; `local`: a JSONL/JSON/Parquet file or folder."""
+    format: Literal["translation", "chat", "text", "prompts"] = "translation"
+    """`translation`: a source sentence and its reference; `chat`: ShareGPT-style conversations;
+    `text`: plain documents (pretraining); `prompts`: one prompt per row."""
+    path: str | None = None
+    """`hf`: the dataset name (e.g. `wmt16`); `local`: the file or folder. Unused for `offline`."""
+    name: str | None = None
+    """`hf`: the dataset config (e.g. `de-en`)."""
+    split: str = "train"
+    """Dataset split. For `offline`, `train` and `test` are disjoint deterministic splits."""
+    revision: str | None = None
+    streaming: bool = False
+    """Stream an `hf` dataset instead of downloading it whole (corpora that do not fit, e.g. C4)."""
+    fields: dict[str, str] = Field(default_factory=dict)
+    """Role -> dotted field path in a row. Roles: translation `source`, `target`; chat `conversations`;
+    text `text`; prompts `prompt`. Missing roles use the role name itself as the field."""
+    pair: LanguagePair | None = None
+    """The language pair a `translation` source serves (required for translation)."""
+    limit: int | None = None
+    """Keep at most this many rows, after shuffling with `data.seed`."""
+    skip_invalid: bool = False
+    """Count and report rows with a missing or empty field instead of failing on the first one."""
+
+    @model_validator(mode="after")
+    def _check(self) -> SourceConfig:
+        if self.kind in ("hf", "local") and not self.path:
+            raise ValueError(f"a `{self.kind}` source needs `path`")
+        if self.format == "translation" and self.pair is None:
+            raise ValueError("a `translation` source needs `pair`")
+        return self
+
+
+class OfflineCorpusConfig(StrictModel):
+    """Options of the offline parallel corpus (kind `offline`)."""
+
+    entries_per_sample: list[int] = Field(default_factory=lambda: [2, 4])
+    """Each sample joins between these many catalog entries, names, dates and numbers (inclusive),
+    so that answers are long enough for drafting to matter."""
+    test_fraction: float = 0.1
+    """Share of entries held out for the `test` split (chosen by a hash of the entry, so stable)."""
+    samples_per_pair: int = 4000
+    """Number of composite samples generated per language pair and split `train` (a tenth for `test`)."""
+
+
+class DataConfig(StrictModel):
+    """Where prompts, training text and evaluation sets come from."""
+
+    pairs: list[LanguagePair] = Field(min_length=1)
+    """Language pairs of this run; finetune trains one drafter per pair."""
+    seed: int = 0
+    """Seed of every shuffle and subsample of the data."""
+    offline: OfflineCorpusConfig = Field(default_factory=OfflineCorpusConfig)
+    distill: list[SourceConfig] = Field(default_factory=list)
+    """Prompt sources answered by the target in the distill stage."""
+    open: list[SourceConfig] = Field(default_factory=list)
+    """Open-source data mixed with the distilled records (seed 001 keeps some)."""
+    pretrain: list[SourceConfig] = Field(default_factory=list)
+    """Generic corpora for drafter pretraining (C4, ShareGPT, ...)."""
+    eval: list[SourceConfig] = Field(default_factory=list)
+    """Held-out evaluation sets for the measure stage."""
+
+
+class LaunchConfig(StrictModel):
+    """How training stages are launched: a subprocess through `accelerate launch`."""
+
+    accelerate_config: str = "recipes/accelerate/single.yaml"
+    """An accelerate config file (single process, DDP, FSDP, DeepSpeed ZeRO-2/3, multi-node).
+    A relative path is looked up from the working directory, then from the package's recipes."""
+    num_processes: int | None = None
+    """Overrides the config file's `num_processes` when set."""
+    cpu: bool = False
+    """Train on the CPU even when a GPU exists. Multi-process CPU runs use gloo DDP."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Extra environment variables for the training processes."""
+
+
+class TrackingConfig(StrictModel):
+    """Weights & Biases tracking: one run per stage, grouped per pipeline run."""
+
+    project: str = "polydraft"
+    entity: str | None = None
+    run_name: str | None = None
+    """Name of the run group; defaults to the run directory's name."""
+    tags: list[str] = Field(default_factory=list)
+    mode: Literal["online", "offline", "disabled"] = "offline"
+    """`offline` writes a local run folder under `<run_dir>/wandb` that `wandb sync` can upload later."""

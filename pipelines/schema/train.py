@@ -1,0 +1,139 @@
+"""Blocks of the training stages: pretrain, finetune, early_exit, calibrate."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from pipelines.schema.common import StrictModel
+
+DrafterArch = Literal["llama-68m", "vicuna-68m", "gemma-250m", "custom"]
+
+
+class OptimConfig(StrictModel):
+    """AdamW with a warmup + cosine schedule (seed 003 App. F.3)."""
+
+    lr: float | None = None
+    """Peak learning rate. None: the stage's own default (documented on the stage)."""
+    weight_decay: float = 0.0
+    betas: list[float] = Field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    warmup_ratio: float = 0.03
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = 0.0
+    """Floor of the decayed learning rate, as a fraction of the peak."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm; 0 disables it."""
+
+
+class LoopConfig(StrictModel):
+    """The parts of an explicit training loop every trainer shares."""
+
+    epochs: float = 3.0
+    """Passes over the training data (fractions allowed). `max_steps` wins when set."""
+    max_steps: int | None = None
+    per_device_batch_size: int = 2
+    grad_accum_steps: int = 1
+    max_length: int = 2048
+    """Maximum sequence length in tokens (packed length for pretraining)."""
+    seed: int = 0
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    """`auto`: bf16 on a GPU that supports it, fp32 on a CPU."""
+    attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = "auto"
+    """`auto`: flash attention 2 when installed on a GPU, else SDPA."""
+    compile: bool = False
+    """torch.compile the model (GPU)."""
+    log_every: int = 10
+    eval_every: int = 200
+    """Steps between held-out evaluations (loss and top-1 agreement with the target); 0: only at the end."""
+    eval_batches: int = 20
+    checkpoint_every: int = 500
+    """Steps between checkpoints; a final one is always written."""
+    keep_checkpoints: int = 2
+
+
+class DrafterConfig(StrictModel):
+    """The drafter architecture and where its weights start."""
+
+    arch: DrafterArch = "llama-68m"
+    """Named shapes: llama-68m and vicuna-68m (Llama, hidden 768, 2 layers, 12 heads, intermediate 3072);
+    gemma-250m (seed 003 Table 4); custom (the fields below)."""
+    init: str | None = None
+    """None: random init (or the pretrain stage's output for finetune); else a local folder or hub id."""
+    hidden_size: int | None = None
+    """custom: hidden size (also overrides a named arch when set)."""
+    num_layers: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    intermediate_size: int | None = None
+
+    @model_validator(mode="after")
+    def _custom_complete(self) -> DrafterConfig:
+        if self.arch == "custom" and None in (
+            self.hidden_size,
+            self.num_layers,
+            self.num_heads,
+            self.intermediate_size,
+        ):
+            raise ValueError("arch `custom` needs hidden_size, num_layers, num_heads and intermediate_size")
+        return self
+
+
+class PretrainConfig(StrictModel):
+    """P: causal LM training of the drafter on generic corpora (data.pretrain)."""
+
+    enabled: bool = True
+    drafter: DrafterConfig = Field(default_factory=DrafterConfig)
+    token_budget: int = 1_000_000_000
+    """Tokens of packed generic text to train on (the loop stops when it is spent)."""
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=3e-4, weight_decay=0.01))
+    loop: LoopConfig = Field(default_factory=lambda: LoopConfig(epochs=1.0, per_device_batch_size=8))
+
+
+class FinetuneConfig(StrictModel):
+    """F: the drafter trained on the distilled records of each language pair (seed 003 App. F.3)."""
+
+    enabled: bool = True
+    drafter: DrafterConfig = Field(default_factory=DrafterConfig)
+    """Used as is when pretrain is disabled (the seed's F-only baseline); else the pretrained drafter."""
+    temperatures: list[float] | None = None
+    """Keep only records distilled at these temperatures; None keeps all."""
+    loss: Literal["ce", "kd"] = "ce"
+    """`ce`: hard-label cross-entropy on the assistant tokens; `kd`: forward KL to the target's top-k logits."""
+    kd_top_k: int = 64
+    kd_weight: float = 1.0
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    """lr None: 2e-5 for vicuna-68m, 3e-5 otherwise."""
+    loop: LoopConfig = Field(default_factory=LoopConfig)
+    """epochs: 3 after pretraining, 5 when finetuning only (set it explicitly for the F baseline)."""
+
+
+class EarlyExitConfig(StrictModel):
+    """EESD: a trainable exit layer + norm + head on the target's frozen first N layers (seed 001)."""
+
+    enabled: bool = True
+    num_shared_layers: int = 3
+    """N: frozen first layers of the target (seed: 3 for 13B, 5 for 70B, 5%-10% of the layers)."""
+    num_exit_layers: int = 1
+    """Trainable transformer layers after the first N; 0 trains the head only (Table 4 ablation)."""
+    loss: Literal["ce", "ce+kl"] = "ce"
+    kl_weight: float = 1.0
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3))
+    loop: LoopConfig = Field(default_factory=lambda: LoopConfig(epochs=4.0, per_device_batch_size=8))
+    """Table 9: lr 1e-3, batch 64 (8 x 8 GPUs or accumulation), sequence 2k/4k, 4-6 epochs."""
+
+
+class CalibrateConfig(StrictModel):
+    """The calibration model of seed 001 eq. 5, predicting draft acceptance for Cali-TS."""
+
+    enabled: bool = True
+    drafters: Literal["early_exit", "all"] = "early_exit"
+    """Which drafters get a calibration model: the early-exit head only, or every trained drafter too."""
+    draft_length: int = 10
+    """K tokens drafted from each sampled position to build labels (W^i capped at 10)."""
+    num_positions: int = 2000
+    """Positions sampled from the training data to build labels."""
+    heldout_fraction: float = 0.1
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3))
+    loop: LoopConfig = Field(default_factory=lambda: LoopConfig(epochs=3.0, per_device_batch_size=64))

@@ -1,0 +1,193 @@
+"""What a stage sees: its context (folders, target, tracker, launcher) and what it returns.
+
+A stage is a function `run(recipe, ctx) -> StageResult`. It writes everything into `ctx.work_dir`
+(`<run_dir>/<stage>.partial/`); the runner renames that folder to `<run_dir>/<stage>/` only after the
+stage returned and its manifest was written, so a folder without `.partial` is always complete. The
+partial folder survives a crash or a kill, so a rerun of the same config can resume from what it holds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipelines.schema import Recipe
+from pipelines.tracking import Tracker, start_tracking
+
+log = logging.getLogger(__name__)
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+class StageFailed(RuntimeError):
+    """A stage that cannot complete; the message says why and what to do about it."""
+
+
+@dataclass(frozen=True)
+class ResolvedTarget:
+    """The target as stages load it: a local folder or hub id, after any bootstrap build."""
+
+    path: str
+    revision: str | None
+    dtype: str
+    trust_remote_code: bool
+
+
+@dataclass
+class StageResult:
+    """Headline metrics of a stage, copied into its manifest (and the run summary)."""
+
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StageContext:
+    name: str
+    run_dir: Path
+    work_dir: Path
+    """Write outputs here. Kept across a crash so that a rerun can resume; renamed on success."""
+    upstream: dict[str, Path]
+    """Completed folders of the upstream stages this stage consumes, by stage name (enabled ones only)."""
+    target: ResolvedTarget
+    tracker: Tracker
+    quiet: bool = False
+    verbose: bool = False
+
+    def progress(
+        self, iterable: Any = None, total: int | None = None, desc: str = "", unit: str = "it"
+    ) -> Any:
+        """A tqdm progress bar, hidden with --quiet."""
+        from tqdm.auto import tqdm
+
+        return tqdm(
+            iterable,
+            total=total,
+            desc=f"{self.name}: {desc}" if desc else self.name,
+            unit=unit,
+            disable=self.quiet,
+            dynamic_ncols=True,
+        )
+
+
+# ----------------------------------------------------------------------------- training subprocesses
+
+
+@dataclass
+class StageSpec:
+    """Everything a training subprocess needs, written as JSON by the runner side of a stage."""
+
+    stage: str
+    run_dir: str
+    work_dir: str
+    upstream: dict[str, str]
+    target: dict[str, Any]
+    recipe: dict[str, Any]
+    quiet: bool = False
+    verbose: bool = False
+
+    def write(self, path: Path) -> Path:
+        path.write_text(json.dumps(self.__dict__, indent=2), encoding="utf-8")
+        return path
+
+    @classmethod
+    def read(cls, path: str | Path) -> StageSpec:
+        return cls(**json.loads(Path(path).read_text(encoding="utf-8")))
+
+    @property
+    def parsed_recipe(self) -> Recipe:
+        return Recipe.model_validate(self.recipe)
+
+    @property
+    def resolved_target(self) -> ResolvedTarget:
+        return ResolvedTarget(**self.target)
+
+
+def spec_for(recipe: Recipe, ctx: StageContext) -> StageSpec:
+    return StageSpec(
+        stage=ctx.name,
+        run_dir=str(ctx.run_dir),
+        work_dir=str(ctx.work_dir),
+        upstream={k: str(v) for k, v in ctx.upstream.items()},
+        target=ctx.target.__dict__,
+        recipe=recipe.model_dump(mode="json"),
+        quiet=ctx.quiet,
+        verbose=ctx.verbose,
+    )
+
+
+def tracker_for_spec(spec: StageSpec, is_main_process: bool) -> Tracker:
+    """The wandb run of a training subprocess (main process only; other ranks log nothing)."""
+    recipe = spec.parsed_recipe
+    tracking = recipe.tracking
+    mode = tracking.mode if is_main_process else "disabled"
+    run_dir = Path(spec.run_dir)
+    return start_tracking(
+        stage=spec.stage,
+        group=tracking.run_name or run_dir.name,
+        wandb_dir=run_dir,
+        config=spec.recipe,
+        project=tracking.project,
+        entity=tracking.entity,
+        tags=tracking.tags,
+        mode=mode,
+    )
+
+
+def resolve_accelerate_config(path: str) -> Path:
+    """A config path as given, else relative to the project (`recipes/accelerate/...`)."""
+    for candidate in (Path(path), PROJECT_ROOT / path):
+        if candidate.is_file():
+            return candidate.resolve()
+    raise StageFailed(f"launch.accelerate_config: no such file {path!r} (see recipes/accelerate/)")
+
+
+def accelerate_command(
+    config_file: Path, num_processes: int | None, module: str, args: list[str]
+) -> list[str]:
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file)]
+    if num_processes is not None:
+        command += ["--num_processes", str(num_processes)]
+    return [*command, "-m", module, *args]
+
+
+def launch_training(recipe: Recipe, ctx: StageContext, module: str) -> None:
+    """Run `module` as `accelerate launch ... -m module SPEC` and wait; raise StageFailed on failure.
+
+    On a machine without a GPU (or with `launch.cpu`), ACCELERATE_USE_CPU=true turns a multi-process
+    config into real gloo DDP ranks. (`accelerate launch --cpu --num_processes 2` would silently run
+    one process.) The subprocess's output goes to the console and to `<work_dir>/<stage>.log`.
+    """
+    import torch
+
+    launch = recipe.launch
+    spec_path = spec_for(recipe, ctx).write(ctx.work_dir / "spec.json")
+    command = accelerate_command(
+        resolve_accelerate_config(launch.accelerate_config), launch.num_processes, module, [str(spec_path)]
+    )
+    env = {
+        **os.environ,
+        **launch.env,
+        "PYTHONPATH": os.pathsep.join([str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    if launch.cpu or not torch.cuda.is_available():
+        env["ACCELERATE_USE_CPU"] = "true"
+    log.info("[%s] launching: %s", ctx.name, " ".join(command))
+    log_path = ctx.work_dir / f"{ctx.name}.log"
+    with open(log_path, "ab") as log_file:
+        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        assert process.stdout is not None
+        for line in process.stdout:
+            log_file.write(line)
+            log_file.flush()
+            if not ctx.quiet:
+                sys.stderr.buffer.write(line)
+                sys.stderr.flush()
+        code = process.wait()
+    if code != 0:
+        raise StageFailed(f"{ctx.name}: training exited with status {code}; see {log_path}")

@@ -1,0 +1,81 @@
+"""Weights & Biases tracking: one wandb run per stage, all runs of a pipeline run in one group."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class Tracker:
+    """Logs metrics to wandb (when enabled) and always to the console logger."""
+
+    def __init__(self, run: Any | None, stage: str):
+        self._run = run
+        self.stage = stage
+
+    def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+        log.info("[%s]%s %s", self.stage, f" step {step}" if step is not None else "", shown)
+        if self._run is not None:
+            self._run.log(metrics, step=step)
+
+    def summary(self, metrics: dict[str, Any]) -> None:
+        if self._run is not None:
+            for key, value in metrics.items():
+                self._run.summary[key] = value
+
+    def log_table(self, key: str, rows: list[dict[str, Any]]) -> None:
+        """A list of flat dicts as a wandb Table (results tables of measure/export)."""
+        if self._run is None or not rows:
+            return
+        import wandb
+
+        columns = list(rows[0])
+        self._run.log(
+            {key: wandb.Table(columns=columns, data=[[row.get(c) for c in columns] for row in rows])}
+        )
+
+    @property
+    def run_dir(self) -> Path | None:
+        return Path(self._run.dir) if self._run is not None else None
+
+    def finish(self, failed: bool = False) -> None:
+        if self._run is not None:
+            self._run.finish(exit_code=1 if failed else 0)
+            self._run = None
+
+
+def start_tracking(
+    *,
+    stage: str,
+    group: str,
+    wandb_dir: Path,
+    config: dict[str, Any],
+    project: str,
+    entity: str | None,
+    tags: list[str],
+    mode: str,
+) -> Tracker:
+    """A wandb run named `<group>/<stage>` in group `group`; mode `disabled` logs to the console only."""
+    if mode == "disabled":
+        return Tracker(None, stage)
+    import wandb
+
+    wandb_dir.mkdir(parents=True, exist_ok=True)
+    run = wandb.init(
+        project=project,
+        entity=entity,
+        group=group,
+        name=f"{group}/{stage}",
+        job_type=stage,
+        tags=tags,
+        config=config,
+        dir=str(wandb_dir),
+        mode=mode,
+        reinit="create_new",
+        settings=wandb.Settings(silent=True, console="off"),
+    )
+    return Tracker(run, stage)
