@@ -1,0 +1,66 @@
+"""The `mix`: what the training stages read from the distill stage.
+
+`<distill_dir>/mix/<pair>/<split>.jsonl`, one JSON object per line:
+- `id`: unique row id
+- `pair`: language pair (`de-en`, ...) or `chat` for instruction data without a pair
+- `origin`: `distill` (the target's own answer) or `open` (open-source data mixed in, seed 001 §3.2)
+- `prompt`: the exact string the target was prompted with (chat format included)
+- `response`: the text that follows the prompt (the target's answer, or the open-source reference)
+- `temperature`: sampling temperature of a distilled answer (None for open rows)
+- `sample_index`: index of the sample at that temperature (0 for greedy and open rows)
+Trainers tokenize `prompt` then `response` + EOS and put the loss on the response tokens only.
+`split` is `train` or `eval` (held out for eval loss and top-1 agreement).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+MIX_KEYS = ("id", "pair", "origin", "prompt", "response", "temperature", "sample_index")
+
+
+def mix_path(distill_dir: Path, pair: str, split: str) -> Path:
+    return Path(distill_dir) / "mix" / pair / f"{split}.jsonl"
+
+
+def mix_pairs(distill_dir: Path) -> list[str]:
+    """Pairs that have a mix, sorted."""
+    root = Path(distill_dir) / "mix"
+    return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+
+
+def write_mix(rows: Iterable[dict[str, Any]], path: Path) -> int:
+    """Write rows atomically (temporary file, then rename); returns the row count."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".jsonl.tmp")
+    count = 0
+    with open(tmp, "w", encoding="utf-8") as handle:
+        for row in rows:
+            missing = [k for k in MIX_KEYS if k not in row]
+            if missing:
+                raise ValueError(f"mix row {row.get('id')!r} lacks {missing}")
+            handle.write(json.dumps({k: row[k] for k in MIX_KEYS}, ensure_ascii=False) + "\n")
+            count += 1
+        handle.flush()
+        os.fsync(handle.fileno())
+    tmp.replace(path)
+    return count
+
+
+def read_mix(distill_dir: Path, pair: str, split: str, temperatures: list[float] | None = None) -> list[dict[str, Any]]:
+    """Rows of one pair's mix; `temperatures` keeps distilled rows of those temperatures (open rows stay)."""
+    path = mix_path(distill_dir, pair, split)
+    if not path.is_file():
+        available = ", ".join(mix_pairs(distill_dir)) or "none"
+        raise FileNotFoundError(f"{path}: no `{split}` mix for pair {pair!r} (pairs with a mix: {available})")
+    rows = []
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            row = json.loads(line)
+            if temperatures is None or row["origin"] != "distill" or row["temperature"] in temperatures:
+                rows.append(row)
+    return rows
