@@ -62,6 +62,20 @@ def random_distribution(vocab: int, generator: torch.Generator, zeros: int = 0) 
     return (weights / weights.sum()).float()
 
 
+def spread(model: torch.nn.Module, std: float, seed: int) -> torch.nn.Module:
+    """Redraw every weight matrix with a larger std than the init's 0.02.
+
+    A freshly initialised tiny Llama is almost the identity: greedy decoding repeats the last token,
+    which would make the losslessness tests trivial. Larger weights give varied outputs.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 2:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
+    return model
+
+
 def tiny_pair(vocab: int, seed: int = 0) -> tuple[torch.nn.Module, dict[str, torch.nn.Module]]:
     """A 4-layer target and drafters that agree with it to different degrees.
 
@@ -69,10 +83,12 @@ def tiny_pair(vocab: int, seed: int = 0) -> tuple[torch.nn.Module, dict[str, tor
     (partly accepted); `small`: an unrelated 1-layer model of another width (mostly rejected).
     """
     target = build_llama(vocab, hidden_size=64, num_layers=4, num_heads=4, intermediate_size=128, seed=seed)
+    spread(target, 0.2, seed)
     noisy = copy.deepcopy(target)
     generator = torch.Generator().manual_seed(seed + 100)
     with torch.no_grad():
         for parameter in noisy.model.layers[-1].parameters():
             parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
     small = build_llama(vocab, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=seed + 1)
+    spread(small, 0.2, seed + 1)
     return target, {"copy": copy.deepcopy(target), "noisy": noisy, "small": small}
