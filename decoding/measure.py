@@ -63,12 +63,14 @@ RESULTS_FILE = "results.jsonl"
 
 @dataclass
 class Drafter:
-    """A loaded standalone drafter (or the early-exit head) ready to decode with."""
+    """A loaded drafter ready to decode with: a standalone model (`lm`) or the early-exit head attached
+    to the target (`self_speculative`, a `decoding.eesd.SelfSpeculative`)."""
 
     source: DrafterSource
     model: Any
-    lm: CachedLM | None
     size_ratio: float
+    lm: CachedLM | None = None
+    self_speculative: Any = None
     predict: Callable[[int, torch.Tensor, torch.Tensor], float] | None = None
 
 
@@ -103,28 +105,52 @@ def eos_ids_of(model: Any, tokenizer: Any) -> set[int]:
 def load_drafters(
     sources: list[DrafterSource], target: Any, device: torch.device, profile: bool
 ) -> list[Drafter]:
-    """Standalone drafters on the target's device and dtype, checked to share its vocabulary."""
+    """Standalone drafters on the target's device and dtype, checked to share its vocabulary; the
+    early-exit head attached to the target; their calibration models when they have one."""
     from transformers import AutoModelForCausalLM
 
     target_size = parameter_count(target)
     vocab = target.config.get_text_config().vocab_size
     loaded = []
     for source in sources:
+        predict = None
+        if source.calibration is not None:
+            from models.calibration import CalibrationModel
+
+            predict = CalibrationModel.load(source.calibration, device).predict
         if source.kind == "early_exit":
-            continue  # the early-exit head is attached to the target by the eesd decoder
+            from models.early_exit import attach_exit_head
+
+            from decoding.eesd import SelfSpeculative
+
+            try:
+                head = attach_exit_head(target, source.path)
+            except ValueError as err:
+                raise StageFailed(f"measure: {err}") from err
+            loaded.append(
+                Drafter(
+                    source,
+                    head,
+                    parameter_count(head) / target_size,
+                    self_speculative=SelfSpeculative(target, head, profile),
+                    predict=predict,
+                )
+            )
+            continue
         model = AutoModelForCausalLM.from_pretrained(source.path, dtype=target.dtype).to(device).eval()
         if model.config.get_text_config().vocab_size != vocab:
             raise StageFailed(
                 f"measure: drafter {source.name} ({source.path}) has {model.config.get_text_config().vocab_size} "
                 f"tokens, the target {vocab}: a drafter must share the target's vocabulary"
             )
-        predict = None
-        if source.calibration is not None:
-            from models.calibration import CalibrationModel
-
-            predict = CalibrationModel.load(source.calibration, device).predict
         loaded.append(
-            Drafter(source, model, CachedLM(model, profile), parameter_count(model) / target_size, predict)
+            Drafter(
+                source,
+                model,
+                parameter_count(model) / target_size,
+                lm=CachedLM(model, profile),
+                predict=predict,
+            )
         )
     return loaded
 
@@ -176,6 +202,20 @@ def build_methods(
         if pair and eval_set.pair and pair != eval_set.pair and not cfg.cross_pairs:
             continue
         base = {"drafter": d.source.name, "size_ratio": d.size_ratio}
+        if d.self_speculative is not None:
+            if "eesd" in cfg.decoders:
+                from decoding.eesd import self_speculative
+
+                for control, k, controller in controls_for(cfg, seed, d.predict):
+                    methods.append(
+                        Method(
+                            {**base, "decoder": "eesd", "control": control, "draft_length": k},
+                            lambda p, i, c=controller, d=d: self_speculative(
+                                d.self_speculative, p, new, sampling, c, generator(i), eos_ids
+                            ),
+                        )
+                    )
+            continue
         if "sd" in cfg.decoders:
             for control, k, controller in controls_for(cfg, seed, d.predict):
                 methods.append(
