@@ -80,7 +80,12 @@ def assisted(
     clocks = (_CallClock(target, sync), _CallClock(drafter, sync))
     eos = sorted(eos_ids) or None
     try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        cuda = (
+            [device.index if device.index is not None else torch.cuda.current_device()]
+            if device.type == "cuda"
+            else []
+        )
+        with torch.random.fork_rng(devices=cuda):
             torch.manual_seed(seed)
             start = time.perf_counter()
             output = target.generate(
