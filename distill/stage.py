@@ -31,8 +31,18 @@ from pipelines.stage import StageContext, StageFailed, StageResult
 
 log = logging.getLogger(__name__)
 
-OPERATIONAL_FIELDS = {"enabled", "batch_size", "records_per_file", "open_fraction", "eval_fraction", "hf"}
-"""Distill fields that do not change what is generated: a rerun may change them and still resume."""
+OPERATIONAL_FIELDS = {
+    "enabled",
+    "batch_size",
+    "records_per_file",
+    "open_fraction",
+    "eval_fraction",
+    "hf",
+    "shard_index",
+}
+"""Distill fields that do not change what is generated: a rerun may change them and still resume.
+(`shard_index` is left out so that all shards of one distillation share the fingerprint; the plan
+records it separately.)"""
 OPERATIONAL_SUBFIELDS = {
     "vllm": {"gpu_memory_utilization", "submit_size", "tensor_parallel_size"},
     "openai": {
@@ -178,10 +188,11 @@ def write_plan(work_dir: Path, plan: dict[str, Any], items: list[PromptItem]) ->
     path = work_dir / "plan.json"
     if path.is_file():
         old = json.loads(path.read_text(encoding="utf-8"))
-        if old["fingerprint"] != plan["fingerprint"]:
+        if (old["fingerprint"], old["shard_index"]) != (plan["fingerprint"], plan["shard_index"]):
             raise StageFailed(
                 f"distill: {work_dir} holds records of another distill configuration (fingerprint "
-                f"{old['fingerprint']}, now {plan['fingerprint']}); restore that configuration to resume, "
+                f"{old['fingerprint']} shard {old['shard_index']}, now {plan['fingerprint']} shard "
+                f"{plan['shard_index']}); restore that configuration to resume, "
                 f"or delete {work_dir} to start over"
             )
     prompts = work_dir / "prompts.jsonl"
