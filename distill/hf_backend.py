@@ -98,11 +98,13 @@ def generate_hf(
     seed: int,
     batch_size: int,
     emit: Emit,
+    max_length: int | None = None,
 ) -> None:
     """Answer every pending sample, `batch_size` rows per `generate` call, one temperature at a time.
 
     Rows of similar prompt length share a batch (less padding). Each batch seeds torch from its first
-    row's key, so an uninterrupted run is reproducible.
+    row's key, so an uninterrupted run is reproducible. `max_length` (the model's context) caps
+    prompt + answer, as vLLM's max_model_len does: an answer cut there finishes with `length`.
     """
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = _eos_ids(model, tokenizer)
@@ -111,7 +113,6 @@ def generate_hf(
     for temperature in temperatures:
         rows = [(r, s) for r in requests if r.temperature == temperature for s in r.sample_indices]
         rows.sort(key=lambda row: len(row[0].item.prompt_ids or []))
-        config = _generation_config(temperature, top_p, max_new_tokens, stop, pad_id, eos)
         for start in range(0, len(rows), batch_size):
             batch = rows[start : start + batch_size]
             prompts = [r.item.prompt_ids for r, _ in batch]
@@ -121,6 +122,8 @@ def generate_hf(
             # left padding: every row's answer starts at the same position
             input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+            budget = max_new_tokens if max_length is None else max(1, min(max_new_tokens, max_length - width))
+            config = _generation_config(temperature, top_p, budget, stop, pad_id, eos)
             first_request, first_sample = batch[0]
             torch.manual_seed(request_seed(seed, first_request.key(first_sample)))
             with torch.inference_mode():
@@ -133,7 +136,7 @@ def generate_hf(
             for (request, sample_index), prompt, row in zip(
                 batch, prompts, out[:, width:].tolist(), strict=True
             ):
-                ids, ended = cut_answer(row, eos, pad_id, max_new_tokens)
+                ids, ended = cut_answer(row, eos, pad_id, budget)
                 text = tokenizer.decode([t for t in ids if t not in eos], skip_special_tokens=True)
                 text, stopped = cut_at_stop(text, stop)
                 generation = Generation(

@@ -20,7 +20,16 @@ from pathlib import Path
 from typing import Any
 
 from distill.openai_backend import ServerSettings, generate_openai
-from distill.plan import PromptItem, Request, pending_requests, record_id, sample_slots
+from distill.plan import (
+    PromptItem,
+    Request,
+    open_rows,
+    pending_requests,
+    prompt_items,
+    record_id,
+    sample_slots,
+    shard_of,
+)
 from distill.prompts import encode_prompt
 from distill.report import NOT_REACHED, build_mix, choose_open_rows, record_stats, write_failures
 from distill.sources import SourceError, read_source
@@ -116,11 +125,10 @@ def context_limit(recipe: Recipe, ctx: StageContext) -> int | None:
 
 
 def collect_prompts(
-    recipe: Recipe, ctx: StageContext, tokenizer: Any
+    recipe: Recipe, tokenizer: Any, limit: int | None
 ) -> tuple[list[PromptItem], dict[str, int]]:
-    """Prompt items of this shard, after invalid rows and over-long prompts are counted and dropped."""
-    from distill.plan import prompt_items, shard_of
-
+    """Prompt items of this shard, after invalid rows and over-long prompts (`limit`: the engine's
+    context) are counted and dropped."""
     cfg, data = recipe.distill, recipe.data
     if not data.distill:
         raise StageFailed(
@@ -147,7 +155,6 @@ def collect_prompts(
         counts["invalid_rows"] += invalid.count
         items += [item for item in found if shard_of(item.id, cfg.num_shards) == cfg.shard_index]
     if tokenizer is not None:
-        limit = context_limit(recipe, ctx)
         kept = []
         for item in items:
             item.prompt_ids = encode_prompt(tokenizer, item.prompt)
@@ -165,8 +172,6 @@ def collect_prompts(
 
 def collect_open_rows(recipe: Recipe, tokenizer: Any) -> list[dict[str, Any]]:
     """Mix rows of the data.open sources (only read when open_fraction > 0)."""
-    from distill.plan import open_rows
-
     data, cfg = recipe.data, recipe.distill
     if cfg.open_fraction == 0:
         return []
@@ -220,7 +225,12 @@ def api_key_from_env(variable: str | None) -> str:
 
 
 def generate(
-    recipe: Recipe, ctx: StageContext, requests: list[Request], writer: RecordWriter, tokenizer: Any
+    recipe: Recipe,
+    ctx: StageContext,
+    requests: list[Request],
+    writer: RecordWriter,
+    tokenizer: Any,
+    limit: int | None,
 ) -> dict[str, int]:
     """Run the recipe's backend over the pending requests; returns backend counters."""
     cfg, target = recipe.distill, ctx.target
@@ -231,7 +241,15 @@ def generate(
         model = load_model(
             target.path, target.revision, target.dtype, target.trust_remote_code, cfg.hf.device
         )
-        generate_hf(model, tokenizer, requests, batch_size=cfg.batch_size, emit=writer.emit, **sampling)
+        generate_hf(
+            model,
+            tokenizer,
+            requests,
+            batch_size=cfg.batch_size,
+            emit=writer.emit,
+            max_length=limit,
+            **sampling,
+        )
         return {}
     if cfg.backend == "vllm":
         from distill.vllm_backend import engine_kwargs, generate_vllm, import_vllm
@@ -276,6 +294,7 @@ def generate(
 
 
 def run(recipe: Recipe, ctx: StageContext) -> StageResult:
+    """Plan, generate what is missing, then check completeness, compute the stats and write the mix."""
     cfg, target = recipe.distill, ctx.target
     started = time.time()
     needs_tokenizer = (
@@ -284,7 +303,8 @@ def run(recipe: Recipe, ctx: StageContext) -> StageResult:
     tokenizer = (
         load_tokenizer(target.path, target.revision, target.trust_remote_code) if needs_tokenizer else None
     )
-    items, counts = collect_prompts(recipe, ctx, tokenizer)
+    limit = context_limit(recipe, ctx) if tokenizer is not None else None
+    items, counts = collect_prompts(recipe, tokenizer, limit)
     slots = sample_slots(cfg.temperatures, cfg.samples_per_prompt)
     expected = {(item.id, t, s) for item in items for t, s in slots}
     model_name = cfg.openai.model or target.path if cfg.backend == "openai" else target.path
@@ -328,7 +348,7 @@ def run(recipe: Recipe, ctx: StageContext) -> StageResult:
     writer = RecordWriter(store, meta, cfg.seed, cfg.batch_size, done, bar, ctx.tracker.log)
     generation_started = time.time()
     try:
-        backend_stats = generate(recipe, ctx, requests, writer, tokenizer) if requests else {}
+        backend_stats = generate(recipe, ctx, requests, writer, tokenizer, limit) if requests else {}
     finally:
         writer.flush()
         store.close()

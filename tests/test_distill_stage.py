@@ -272,7 +272,11 @@ def test_kill_mid_run_then_rerun_writes_every_record_exactly_once(tmp_path, tiny
     with open(record_files(work)[-1], "a", encoding="utf-8") as handle:
         handle.write('{"id": "0:torn|T=1|s=0", "prompt_id": "0:to')
 
-    result = run(recipe, make_ctx(tiny_target_dir, work))
+    # the batch size is operational: the rerun may use bigger batches and still resume
+    result = run(
+        recipe.model_copy(update={"distill": recipe.distill.model_copy(update={"batch_size": 16})}),
+        make_ctx(tiny_target_dir, work),
+    )
     keys = keys_of(work)
     expected = {(f"0:local:{data}/train/{i}", t, 0) for i in range(16) for t in (0.0, 1.0)}
     assert len(keys) == len(set(keys)), "a record was written twice"
@@ -280,3 +284,30 @@ def test_kill_mid_run_then_rerun_writes_every_record_exactly_once(tmp_path, tiny
     assert result.metrics["generated_this_run"] == 16 * 2 - written_before
     assert all(p.read_bytes().endswith(b"\n") for p in record_files(work))
     assert record_id(sorted(expected)[0]) in {r["id"] for r in iter_records(work)}
+
+
+def test_long_prompts_are_counted_and_answers_fit_the_context(
+    tmp_path, tiny_target_dir, tiny_target, tiny_tokenizer
+):
+    from distill.hf_backend import generate_hf
+    from distill.plan import PromptItem, Request
+    from distill.prompts import encode_prompt
+    from distill.stage import run
+
+    data = write_jsonl(
+        tmp_path / "mixed.jsonl", [{"de": "kurz", "en": "short"}, {"de": "lang " * 100, "en": "long"}]
+    )
+    recipe = make_recipe(tiny_target_dir, [local_source(data)], temperatures=[0.0], max_prompt_tokens=200)
+    result = run(recipe, make_ctx(tiny_target_dir, tmp_path / "run" / "distill"))
+    assert result.metrics["long_prompts"] == 1 and result.metrics["prompts"] == 1
+
+    # the engine's context caps prompt + answer: the answer ends with `length` where the context ends
+    ids = encode_prompt(tiny_tokenizer, "USER: Hallo ASSISTANT:")
+    item = PromptItem("p", "s", "de-en", [], "USER: Hallo ASSISTANT:", prompt_ids=ids)
+    answers = []
+    generate_hf(
+        tiny_target, tiny_tokenizer, [Request(item, 0.0, [0])], top_p=1.0, max_new_tokens=10, stop=[],
+        seed=0, batch_size=1, emit=lambda r, s, g: answers.append(g), max_length=len(ids) + 2,
+    )  # fmt: skip
+    assert len(answers[0].token_ids) <= 2
+    assert answers[0].finish_reason == "length" or answers[0].token_ids[-1] == tiny_tokenizer.eos_token_id
