@@ -272,7 +272,13 @@ def generate(
             )
         )
         generate_vllm(
-            llm, requests, submit_size=v.submit_size, emit=writer.emit, fail=writer.fail, **sampling
+            llm,
+            requests,
+            submit_size=v.submit_size,
+            emit=writer.emit,
+            fail=writer.fail,
+            show_progress=not ctx.quiet,
+            **sampling,
         )
         return {}
     o = cfg.openai
@@ -305,9 +311,12 @@ def run(recipe: Recipe, ctx: StageContext) -> StageResult:
     )
     limit = context_limit(recipe, ctx) if tokenizer is not None else None
     items, counts = collect_prompts(recipe, tokenizer, limit)
+    open_candidates = collect_open_rows(
+        recipe, tokenizer
+    )  # read now: a bad open source fails before hours of generation
     slots = sample_slots(cfg.temperatures, cfg.samples_per_prompt)
     expected = {(item.id, t, s) for item in items for t, s in slots}
-    model_name = cfg.openai.model or target.path if cfg.backend == "openai" else target.path
+    model_name = (cfg.openai.model or target.path) if cfg.backend == "openai" else target.path
     plan = {
         "fingerprint": fingerprint(recipe, ctx),
         "shard_index": cfg.shard_index,
@@ -330,8 +339,10 @@ def run(recipe: Recipe, ctx: StageContext) -> StageResult:
         raise StageFailed(f"distill: {err}; delete the file to regenerate its records") from err
     stale = done - expected
     if stale:
+        example = record_id(next(iter(stale)))
         raise StageFailed(
-            f"distill: {len(stale)} records in {store.root} are not in this plan (e.g. {record_id(next(iter(stale)))}); delete {ctx.work_dir} to start over"
+            f"distill: {len(stale)} records in {store.root} are not in this plan (e.g. {example}); "
+            f"delete {ctx.work_dir} to start over"
         )
     requests = pending_requests(items, slots, done)
     todo = sum(len(r.sample_indices) for r in requests)
@@ -359,15 +370,16 @@ def run(recipe: Recipe, ctx: StageContext) -> StageResult:
     if missing:
         path = write_failures(ctx.work_dir, sorted(missing), writer.failures)
         example = writer.failures.get(min(missing), NOT_REACHED)
+        ctx.tracker.log({"records": len(expected) - len(missing), "failures": len(missing), **backend_stats})
         raise StageFailed(
-            f"distill: {len(missing)} of {len(expected)} records failed after their retries (e.g. {example}); "
+            f"distill: {len(missing)} of {len(expected)} records failed (e.g. {example}); "
             f"they are listed in {path}. The {len(expected) - len(missing)} records written are kept: "
             f"rerun `polydraft run RECIPE --only distill` to retry just the failed ones."
         )
     (ctx.work_dir / "failures.jsonl").unlink(missing_ok=True)
     stats = record_stats(ctx.work_dir, cfg.temperatures)
     chosen = choose_open_rows(
-        collect_open_rows(recipe, tokenizer),
+        open_candidates,
         stats["records_per_pair"],
         cfg.open_fraction,
         recipe.data.seed,

@@ -50,6 +50,8 @@ def engine_kwargs(
         "tensor_parallel_size": tensor_parallel_size,
         "gpu_memory_utilization": gpu_memory_utilization,
         "seed": seed,
+        # sample with exactly the parameters sent: no defaults merged from generation_config.json
+        "generation_config": "vllm",
     }
     if max_model_len is not None:
         kwargs["max_model_len"] = max_model_len
@@ -111,6 +113,7 @@ def generate_vllm(
     submit_size: int | None,
     emit: Emit,
     fail: Fail,
+    show_progress: bool = True,
 ) -> None:
     """Submit the pending prompts of one temperature together (or `submit_size` at a time)."""
     vllm = import_vllm()
@@ -121,7 +124,9 @@ def generate_vllm(
             chunk = pending[start : start + step]
             prompts, params = engine_inputs(chunk, top_p, max_new_tokens, stop, seed)
             log.info("vllm: %d prompts at temperature %g", len(chunk), temperature)
-            outputs = llm.generate(prompts, [vllm.SamplingParams(**p) for p in params], use_tqdm=True)
+            outputs = llm.generate(
+                prompts, [vllm.SamplingParams(**p) for p in params], use_tqdm=show_progress
+            )
             for request, output in zip(chunk, outputs, strict=True):
                 parsed = parse_output(output)
                 for sample_index, result in zip(request.sample_indices, parsed, strict=False):

@@ -211,13 +211,13 @@ def _request(temperature: float, indices: list[int]) -> Request:
 def test_request_building_and_answer_parsing():
     from distill.openai_backend import ServerSettings
 
-    settings = ServerSettings(["u"], "m", "completions", "k", 1, 1.0, 0, 0.0, 0.0, 1, True)
+    settings = ServerSettings(["u"], "m", "completions", SECRET, 1, 1.0, 0, 0.0, 0.0, 1, True)
     kwargs = request_kwargs(
         _request(0.7, [1, 2]), [1, 2], settings, top_p=0.9, max_new_tokens=5, stop=["\n"], seed=3
     )
     assert kwargs["prompt"] == "P" and kwargs["n"] == 2 and kwargs["stop"] == ["\n"]
     assert kwargs["extra_body"] == {"return_token_ids": True} and "messages" not in kwargs
-    assert "k" not in repr(settings).replace("completions", "")  # the key stays out of repr
+    assert SECRET not in repr(settings) and SECRET not in str(settings)  # the key stays out of logs
     payload = {
         "choices": [
             {"index": 1, "text": "b", "finish_reason": "length", "token_ids": [5, 6]},

@@ -28,6 +28,7 @@ def test_engine_arguments_follow_the_recipe():
         "tensor_parallel_size": 2,
         "gpu_memory_utilization": 0.85,
         "seed": 7,
+        "generation_config": "vllm",  # no sampling defaults merged from the model's generation_config
         "max_model_len": 2048,
     }
     assert "max_model_len" not in engine_kwargs("m", None, "float16", True, 1, None, 0.9, 0)
