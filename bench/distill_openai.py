@@ -168,16 +168,22 @@ def main() -> None:
                     "failed_requests": plain["stats"]["failed_requests"],
                 }
             )
-        print(
-            f"\n{args.prompts} prompts, max_new_tokens {args.max_new_tokens}, model {args.model or 'tiny random'}"
-        )
+        server = "transformers serve" + (" --continuous-batching" if args.continuous_batching else "")
+        model_name = args.model or "tiny random Llama"
+        print(f"\n{args.prompts} prompts, max_new_tokens {args.max_new_tokens}, {model_name}, {server}")
         print("| in flight | requests/s | tokens/s | wall s | client CPU share | polydraft code share |")
         print("| ---: | ---: | ---: | ---: | ---: | ---: |")
         for r in results:
             print(f"| {r['in_flight']} | {r['requests_per_s']} | {r['tokens_per_s']} | {r['wall_s']} | "
                   f"{r['client_cpu_share']:.1%} | {r['own_code_share']:.2%} |")  # fmt: skip
         if args.json:
-            args.json.write_text(json.dumps(results, indent=2))
+            settings = {
+                "prompts": args.prompts,
+                "max_new_tokens": args.max_new_tokens,
+                "model": str(model_name),
+                "server": server,
+            }
+            args.json.write_text(json.dumps({"settings": settings, "results": results}, indent=2))
     finally:
         if process is not None:
             process.terminate()
