@@ -7,4 +7,8 @@ from pipelines.runner import Stage
 
 def default_stages() -> list[Stage]:
     """distill -> pretrain -> finetune -> early_exit -> calibrate -> measure -> export."""
-    return []
+    from distill.stage import run as distill
+
+    return [
+        Stage("distill", distill, blocks=("distill",)),
+    ]
