@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from distill.prompts import task_prefix, vicuna_prompt
+from distill.prompts import build_prompt, chat_turns, encode_prompt, translation_messages
 from distill.sources import read_source
 from pipelines.schema import Recipe, SourceConfig
 from pipelines.stage import StageFailed
@@ -93,28 +93,26 @@ class EvalSet:
 
 
 def prompt_messages(row: dict[str, Any], format: str) -> list[dict[str, str]]:
-    """The conversation a row asks the target to continue (translation, chat or prompts rows)."""
+    """The conversation a row asks the target to continue: as distill builds it (translation rows get
+    seed 003's task prefix; a chat row's first user turn, with what precedes it)."""
     if format == "translation":
-        return [{"role": "user", "content": task_prefix(row["pair"]) + row["source"]}]
+        return translation_messages(row["pair"], row["source"])
     if format == "prompts":
         return [{"role": "user", "content": row["prompt"]}]
     if format == "chat":
-        turns = row["conversations"]
-        first_user = next(i for i, turn in enumerate(turns) if turn["role"] == "user")
-        return turns[: first_user + 1]
+        turns = chat_turns(row["conversations"])
+        if not turns:
+            raise StageFailed(f"measure: chat row {row['id']} has no user turn")
+        return turns[0][1]
     raise ValueError(f"`{format}` rows are not prompts (use translation, chat or prompts sources)")
 
 
 def prompt_ids(messages: list[dict[str, str]], prompt_format: str, tokenizer: Any) -> list[int]:
-    """Token ids of the prompt, built as the distill stage builds it (BOS added unless the text has it)."""
-    if prompt_format == "vicuna":
-        text = vicuna_prompt(messages)
-    elif getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    else:
-        raise StageFailed("distill.prompt_format is `chat_template` but the target's tokenizer has none")
-    bos = getattr(tokenizer, "bos_token", None)
-    return tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"]
+    """Token ids of the prompt, with distill's `build_prompt` and `encode_prompt`."""
+    try:
+        return encode_prompt(tokenizer, build_prompt(messages, prompt_format, tokenizer))
+    except ValueError as err:
+        raise StageFailed(f"measure: {err}") from err
 
 
 def _set_name(source: SourceConfig, taken: set[str]) -> str:

@@ -150,3 +150,29 @@ def test_measure_config_errors():
         MeasureConfig(k_sweep=[0])
     with pytest.raises(ValueError, match="beta_prior"):
         MeasureConfig(beta_prior=[1.0])
+
+
+def test_eval_prompts_are_built_like_distill_prompts(tmp_path, tiny_tokenizer):
+    """Chat rows give their first user turn in the Vicuna format; over-long prompts are skipped, counted."""
+    from decoding.inputs import load_eval_sets
+    from distill.prompts import build_prompt, encode_prompt
+
+    rows = [
+        {"conversations": [{"from": "human", "value": "Hello there"}, {"from": "gpt", "value": "Hi"}]},
+        {"conversations": [{"from": "human", "value": "word " * 400}, {"from": "gpt", "value": "ok"}]},
+        {"conversations": [{"from": "human", "value": "Name a colour"}]},
+    ]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    source = SourceConfig(kind="local", format="chat", path=str(path), name="chat")
+    base = recipe(tmp_path)
+    sets = load_eval_sets(
+        base.model_copy(update={"data": DataConfig(pairs=PAIRS, eval=[source])}), 5, 200, tiny_tokenizer
+    )
+    (chat,) = sets
+    assert chat.name == "chat" and chat.pair is None and chat.skipped_long == 1
+    expected = [
+        encode_prompt(tiny_tokenizer, build_prompt([{"role": "user", "content": text}], "vicuna"))
+        for text in ("Hello there", "Name a colour")
+    ]
+    assert sorted(p.tolist() for p in chat.prompts) == sorted(expected)
