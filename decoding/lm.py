@@ -23,7 +23,7 @@ import time
 import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 
 class CachedLM:
@@ -41,15 +41,23 @@ class CachedLM:
         self.device = model.device
         self.dtype = model.dtype
         self.sync = profile and self.device.type == "cuda"
-        self.cache = DynamicCache(config=model.config)
-        self.seconds = 0.0
-        self.calls = 0
+        self.reset()
 
     def reset(self) -> None:
         """An empty cache and zeroed counters, for a new sequence."""
         self.cache = DynamicCache(config=self.model.config)
+        # sliding-window layers must keep the states they would evict until rejected drafts are cropped
+        self.cache.activate_past_recording()
         self.seconds = 0.0
         self.calls = 0
+
+    @property
+    def window(self) -> int | None:
+        """The smallest sliding window among the cache layers (None without sliding-window attention)."""
+        windows = [
+            layer.sliding_window for layer in self.cache.layers if type(layer) is DynamicSlidingWindowLayer
+        ]
+        return min(windows) if windows else None
 
     @property
     def length(self) -> int:
@@ -88,10 +96,8 @@ class CachedLM:
         return logits, hidden
 
     def crop(self, length: int) -> None:
-        """Keep the first `length` cached positions."""
-        extra = self.length - length
-        if extra > 0:
-            self.cache.crop(-extra)
+        """Keep the first `length` cached positions (sliding-window layers then drop what they no longer need)."""
+        self.cache.crop(-max(0, self.length - length))
 
     def keep(self, start: int, indices: list[int]) -> None:
         """Keep cached positions [0, start) plus start + indices (sorted), dropping the rest.
@@ -104,15 +110,20 @@ class CachedLM:
             return
         index = torch.tensor(indices, device=self.device) + start
         for layer in self.cache.layers:
-            if type(layer) is not DynamicLayer:
+            # a sliding layer that has not filled its window holds every position, like a full one
+            sliding = type(layer) is DynamicSlidingWindowLayer
+            if not (
+                type(layer) is DynamicLayer or (sliding and layer.cumulative_length < layer.sliding_window)
+            ):
                 raise NotImplementedError(
-                    f"tree decoding needs full-attention cache layers, got {type(layer).__name__} "
-                    "(sliding-window or linear-attention models: use `sd`)"
+                    f"tree decoding needs cache layers that hold every position, not {type(layer).__name__}"
                 )
             layer.keys = torch.cat([layer.keys[..., :start, :], layer.keys.index_select(-2, index)], dim=-2)
             layer.values = torch.cat(
                 [layer.values[..., :start, :], layer.values.index_select(-2, index)], dim=-2
             )
+            if sliding:
+                layer.cumulative_length = layer.keys.shape[-2]
 
 
 def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:

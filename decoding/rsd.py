@@ -37,8 +37,15 @@ def recursive_speculative(
     device = target.device
     out = Output(prompt.to(device), max_new_tokens, eos_ids, slack=shape.depth + 1)
     rounds: list[Round] = []
+    windows = [w for w in (target.window, drafter.window) if w is not None]
     while not out.done:
         n = out.length
+        if windows and n + shape.max_nodes >= min(windows):
+            # sliding-window layers past their window see only recent positions: the tree mask cannot apply
+            raise NotImplementedError(
+                f"tree decoding needs the sequence and its draft tree ({n} + {shape.max_nodes} positions) "
+                f"within the models' sliding window ({min(windows)}); use `sd` for longer outputs"
+            )
         depth = min(shape.depth, out.remaining - 1)
         pending = out.pending(target.length)
         if depth == 0:
