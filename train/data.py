@@ -1,0 +1,194 @@
+"""Training examples: mix rows tokenized with loss on the response only, padded batches, deterministic
+batch order, and pretraining documents read from recipe sources.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from distill.prompts import vicuna_prompt
+from train.losses import IGNORE_INDEX
+
+_END = object()
+
+
+def encode_example(
+    tokenizer: Any, prompt: str, response: str, max_length: int
+) -> dict[str, list[int]] | None:
+    """`prompt + response` tokenized as one text, then EOS; labels only on the response and the EOS.
+
+    Tokenizing the joined text (not the two halves apart) gives the tokens the target reads at the
+    boundary, whatever the tokenizer does with leading spaces. A token carries loss when it covers any
+    character of the response, so a token straddling the boundary counts as the response's first.
+    BOS is added as the target's tokenizer adds it, unless the prompt already starts with it (chat
+    templates that write `<bos>` themselves). Returns None when truncation to `max_length` leaves no
+    response token.
+    """
+    bos = tokenizer.bos_token
+    add_special = not (bos and prompt.startswith(bos))
+    encoded = tokenizer(
+        prompt + response, add_special_tokens=add_special, return_offsets_mapping=True, truncation=False
+    )
+    boundary = len(prompt)
+    ids = list(encoded["input_ids"])
+    labels = [
+        token if end > boundary and end > start else IGNORE_INDEX
+        for token, (start, end) in zip(ids, encoded["offset_mapping"], strict=True)
+    ]
+    ids.append(tokenizer.eos_token_id)
+    labels.append(tokenizer.eos_token_id)
+    ids, labels = ids[:max_length], labels[:max_length]
+    if all(label == IGNORE_INDEX for label in labels):
+        return None
+    return {"input_ids": ids, "labels": labels}
+
+
+def encode_rows(
+    tokenizer: Any, rows: Sequence[dict[str, Any]], max_length: int
+) -> tuple[list[dict[str, list[int]]], int]:
+    """Encode mix rows (`prompt`, `response`); returns the examples and how many rows were dropped."""
+    examples = []
+    for row in rows:
+        example = encode_example(tokenizer, row["prompt"], row["response"], max_length)
+        if example is not None:
+            examples.append(example)
+    return examples, len(rows) - len(examples)
+
+
+def collate(examples: Sequence[dict[str, list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest example; padding gets label -100 and attention mask 0."""
+    width = max(len(e["input_ids"]) for e in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, example in enumerate(examples):
+        n = len(example["input_ids"])
+        ids[i, :n] = torch.tensor(example["input_ids"])
+        labels[i, :n] = torch.tensor(example["labels"])
+        mask[i, :n] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def pad_id_of(tokenizer: Any) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+# ----------------------------------------------------------------------------- deterministic batch order
+
+
+def epoch_order(num_examples: int, seed: int, epoch: int) -> list[int]:
+    """The example order of one epoch: a function of (seed, epoch) only, so a resumed run replays it."""
+    order = list(range(num_examples))
+    random.Random(f"{seed}/{epoch}").shuffle(order)
+    return order
+
+
+def micro_batch_indices(
+    order: Sequence[int],
+    step_in_epoch: int,
+    micro: int,
+    rank: int,
+    num_processes: int,
+    per_device: int,
+    grad_accum_steps: int,
+) -> list[int]:
+    """Examples of one micro-batch of one process within optimizer step `step_in_epoch`.
+
+    A step consumes `per_device * num_processes * grad_accum_steps` consecutive examples of the epoch
+    order, whatever the split; so the same global batch is seen by one rank or many (incomplete final
+    batches are dropped).
+    """
+    global_batch = per_device * num_processes * grad_accum_steps
+    first = step_in_epoch * global_batch + (micro * num_processes + rank) * per_device
+    return list(order[first : first + per_device])
+
+
+# ----------------------------------------------------------------------------- pretraining documents
+
+
+def document_text(row: dict[str, Any], format: str) -> str:
+    """The text of a normalised source row for causal-LM pretraining.
+
+    Conversations (ShareGPT) are rendered in the Vicuna v1.1 format that seed 003 pretrains on;
+    translation rows become `source` and `target` on two lines.
+    """
+    if format == "text":
+        return row["text"]
+    if format == "chat":
+        return vicuna_prompt(row["conversations"], add_generation_prompt=False)
+    if format == "translation":
+        return f"{row['source']}\n{row['target']}"
+    return row["prompt"]
+
+
+def iter_source_rows(source: dict[str, Any], seed: int) -> Iterator[dict[str, Any] | None]:
+    """Normalised rows of a recipe source (a SourceConfig dump), shuffled with `seed`.
+
+    Streaming `hf` sources are read lazily (C4 does not fit in memory) and yield None for a row skipped
+    as invalid, so that positions count raw rows; other sources go through `read_source` whole.
+    """
+    from distill.sources import describe, normalise, read_source
+
+    if not (source["kind"] == "hf" and source["streaming"]):
+        yield from read_source(**source, seed=seed).rows
+        return
+    import datasets
+
+    stream = datasets.load_dataset(
+        source["path"], source["name"], split=source["split"], revision=source["revision"], streaming=True
+    ).shuffle(seed=seed, buffer_size=10_000)
+    if source["limit"] is not None:
+        stream = stream.take(source["limit"])
+    description = describe("hf", source["format"], source["path"], source["name"], source["split"], None)
+    for index, raw in enumerate(stream):
+        rows = normalise(
+            [(index, raw)],
+            source["format"],
+            source["fields"],
+            source["pair"],
+            description,
+            source["skip_invalid"],
+            f"hf:{source['path']}/{source['split']}",
+        ).rows
+        yield rows[0] if rows else None
+
+
+def interleaved_documents(sources: list[dict[str, Any]], seed: int) -> Iterator[str | None]:
+    """Document texts of all sources, one from each in turn until each runs out (C4 and ShareGPT mix
+    evenly instead of one after the other)."""
+    streams = [
+        (
+            (None if row is None else document_text(row, source["format"]))
+            for row in iter_source_rows(source, seed)
+        )
+        for source in sources
+    ]
+    while streams:
+        for stream in list(streams):
+            text = next(stream, _END)
+            if text is _END:
+                streams.remove(stream)
+            else:
+                yield text
+
+
+def tokenized_documents(
+    tokenizer: Any, sources: list[dict[str, Any]], seed: int, epoch: int, start: int, chunk: int = 256
+) -> Iterator[list[int] | None]:
+    """Token ids of the documents of epoch `epoch` (sources shuffled with `seed + epoch`), from document
+    `start` on; None stands for a row skipped as invalid.
+
+    Skipped documents are read but not tokenized. The rest are tokenized in chunks (the fast tokenizers
+    are much quicker on batches) without special tokens: the packer adds the EOS separators.
+    """
+    texts = itertools.islice(interleaved_documents(sources, seed + epoch), start, None)
+    while batch := list(itertools.islice(texts, chunk)):
+        present = [text for text in batch if text is not None]
+        encoded = iter(tokenizer(present, add_special_tokens=False)["input_ids"] if present else [])
+        for text in batch:
+            yield None if text is None else list(next(encoded))
