@@ -169,7 +169,6 @@ def test_checkpoints_restore_model_optimizer_scheduler_rng_and_keep_the_last_k(t
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     scheduler = build_scheduler(optimizer, 10, 0.3, "cosine", 0.0)
     model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
 
     def step():
         model(torch.randn(2, 4)).pow(2).sum().backward()
@@ -180,14 +179,14 @@ def test_checkpoints_restore_model_optimizer_scheduler_rng_and_keep_the_last_k(t
     root = tmp_path / "checkpoints"
     for n in range(1, 4):
         step()
-        save_checkpoint(accelerator, root, n, {"position": n * 10}, keep=2)
+        save_checkpoint(accelerator, root, n, {"position": n * 10}, keep=2, stateful={"scheduler": scheduler})
     assert [p.name for p in list_checkpoints(root)] == ["step-00000002", "step-00000003"]
     (root / "step-00000004.partial").mkdir()  # a save killed half-way is never taken as complete
     assert latest_checkpoint(root).name == "step-00000003"
     expected_weight = model.weight.detach().clone()
     step()
     after_one_more = model.weight.detach().clone()
-    state = load_checkpoint(accelerator, latest_checkpoint(root))
+    state = load_checkpoint(accelerator, latest_checkpoint(root), stateful={"scheduler": scheduler})
     assert state == {"step": 3, "position": 30}
     assert torch.equal(model.weight, expected_weight)
     assert scheduler.last_epoch == 3

@@ -1,9 +1,10 @@
 """Resumable training checkpoints under a stage's work dir: `<root>/checkpoints/step-00000042/`.
 
-A checkpoint is what `accelerator.save_state` writes (model in safetensors, optimizer, every object
-registered with `accelerator.register_for_checkpointing` such as the LR scheduler, and the RNG states of
-every process: python, numpy, torch, CUDA) plus `state.json`, the trainer's own position (step, data
-position, running totals). It works the same under DDP, FSDP and DeepSpeed because accelerate saves
+A checkpoint is what `accelerator.save_state` writes (model in safetensors, optimizer, and the RNG
+states of every process: python, numpy, torch, CUDA), `<name>.pt` for each extra stateful object (the LR
+scheduler), and `state.json`, the trainer's own position (step, data position, running totals). Extra
+objects are saved here rather than registered with accelerate, so that one process can train several
+models in turn (one drafter per language) with `accelerator.free_memory()` between them. It works the same under DDP, FSDP and DeepSpeed because accelerate saves
 sharded states the way each backend needs.
 
 Writes are atomic: everything goes into `step-N.partial/`, `state.json` is written last, and the folder
@@ -19,6 +20,8 @@ import re
 import shutil
 from pathlib import Path
 from typing import Any
+
+import torch
 
 STATE_FILE = "state.json"
 _NAME = re.compile(r"^step-(\d+)$")
@@ -58,8 +61,16 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
-def save_checkpoint(accelerator: Any, root: Path, step: int, state: dict[str, Any], keep: int) -> Path:
-    """Save model, optimizer, registered objects, RNG states and `state` as checkpoint `step`.
+def save_checkpoint(
+    accelerator: Any,
+    root: Path,
+    step: int,
+    state: dict[str, Any],
+    keep: int,
+    stateful: dict[str, Any] | None = None,
+) -> Path:
+    """Save model, optimizer, RNG states, `stateful` objects (name -> object with `state_dict()`) and
+    `state` as checkpoint `step`.
 
     Every process must call this (each saves its own RNG state; sharded backends save their shards).
     Returns the final folder. Older checkpoints beyond the last `keep` are deleted.
@@ -75,6 +86,8 @@ def save_checkpoint(accelerator: Any, root: Path, step: int, state: dict[str, An
     accelerator.save_state(str(partial), safe_serialization=True)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        for name, obj in (stateful or {}).items():
+            torch.save(obj.state_dict(), partial / f"{name}.pt")
         _write_json_atomic(partial / STATE_FILE, {"step": step, **state})
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
@@ -84,7 +97,11 @@ def save_checkpoint(accelerator: Any, root: Path, step: int, state: dict[str, An
     return final
 
 
-def load_checkpoint(accelerator: Any, checkpoint: Path) -> dict[str, Any]:
+def load_checkpoint(
+    accelerator: Any, checkpoint: Path, stateful: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Restore everything `save_checkpoint` saved (after `accelerator.prepare`); returns its `state`."""
     accelerator.load_state(str(checkpoint))
+    for name, obj in (stateful or {}).items():
+        obj.load_state_dict(torch.load(checkpoint / f"{name}.pt", weights_only=False))
     return read_state(checkpoint)

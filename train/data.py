@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict
 from typing import Any
 
 import torch
 
 from distill.prompts import vicuna_prompt
 from train.losses import IGNORE_INDEX
+from train.packing import PackedStream, PackPosition
 
 _END = object()
 
@@ -192,3 +194,88 @@ def tokenized_documents(
         encoded = iter(tokenizer(present, add_special_tokens=False)["input_ids"] if present else [])
         for text in batch:
             yield None if text is None else list(next(encoded))
+
+
+# ----------------------------------------------------------------------------- batches of a training step
+
+
+class MixBatches:
+    """Finetuning batches: examples in a (seed, epoch) order, incomplete final global batches dropped.
+
+    The data position is the step itself, so there is nothing to save beyond it.
+    """
+
+    def __init__(
+        self,
+        examples: list[dict[str, list[int]]],
+        seed: int,
+        per_device: int,
+        rank: int,
+        num_processes: int,
+        grad_accum_steps: int,
+        pad_id: int,
+    ):
+        self.examples, self.seed, self.per_device, self.pad_id = examples, seed, per_device, pad_id
+        self.rank, self.world, self.accum = rank, num_processes, grad_accum_steps
+        self.global_batch = per_device * num_processes * grad_accum_steps
+        self.steps_per_epoch = len(examples) // self.global_batch
+        self._epoch, self._order = -1, []
+
+    def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
+        """This process's micro-batches of optimizer step `step` (0-based)."""
+        epoch, index = divmod(step, self.steps_per_epoch)
+        if epoch != self._epoch:
+            self._epoch, self._order = epoch, epoch_order(len(self.examples), self.seed, epoch)
+        out = []
+        for micro in range(self.accum):
+            indices = micro_batch_indices(
+                self._order, index, micro, self.rank, self.world, self.per_device, self.accum
+            )
+            out.append(collate([self.examples[i] for i in indices], self.pad_id))
+        return out
+
+    def state(self) -> dict[str, Any]:
+        return {}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Nothing to restore: the batches of a step depend only on the step."""
+
+
+class PackedBatches:
+    """Pretraining batches: consecutive packed sequences, loss on every token.
+
+    Every process reads the same stream and keeps its share, so the global batch of a step does not
+    depend on the number of processes. The position (epoch, documents read, carried tokens) goes into
+    checkpoints.
+    """
+
+    def __init__(
+        self,
+        documents: Callable[[int, int], Iterator[Sequence[int] | None]],
+        seq_len: int,
+        eos_id: int,
+        per_device: int,
+        rank: int,
+        num_processes: int,
+        grad_accum_steps: int,
+    ):
+        self.documents, self.seq_len, self.eos_id, self.per_device = documents, seq_len, eos_id, per_device
+        self.rank, self.world, self.accum = rank, num_processes, grad_accum_steps
+        self.global_batch = per_device * num_processes * grad_accum_steps
+        self.stream = PackedStream(documents, seq_len, eos_id)
+
+    def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
+        """This process's micro-batches of the next step (`step` is only for symmetry with MixBatches)."""
+        sequences = self.stream.take(self.global_batch)
+        out = []
+        for micro in range(self.accum):
+            first = (micro * self.world + self.rank) * self.per_device
+            mine = sequences[first : first + self.per_device]
+            out.append(collate([{"input_ids": s, "labels": s} for s in mine], self.eos_id))
+        return out
+
+    def state(self) -> dict[str, Any]:
+        return asdict(self.stream.position)
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.stream = PackedStream(self.documents, self.seq_len, self.eos_id, PackPosition(**state))

@@ -25,8 +25,8 @@ def check_finite(loss: float, step: int, last_checkpoint: str | None) -> None:
             else "no checkpoint was written yet"
         )
         raise NonFiniteLoss(
-            f"loss is {loss} at step {step}; {kept}. Lower the learning rate, check the data, or use "
-            "mixed_precision: no, then rerun (the run resumes from the last good checkpoint)."
+            f"loss is {loss} at step {step}; {kept}. Lower the learning rate (optim.lr), check the "
+            "data, or train in fp32 (loop.mixed_precision: no)."
         )
 
 
