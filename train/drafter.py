@@ -77,10 +77,26 @@ def run_pretrain(recipe: Recipe, ctx: StageContext) -> StageResult:
 
 
 def run_finetune(recipe: Recipe, ctx: StageContext) -> StageResult:
-    """Stage `finetune`: one drafter per language pair, launched as one training subprocess."""
-    if "pretrain" not in ctx.upstream:
-        _preflight(recipe.finetune.drafter.init, recipe.finetune.drafter.revision, ctx)
-    return _launch(finetune_defaults(recipe), ctx)
+    """Stage `finetune`: one drafter per language pair, launched as one training subprocess.
+
+    Pairs already exported by an earlier, interrupted run are not trained again: only the others are
+    launched, and the metrics of all pairs are returned.
+    """
+    recipe = finetune_defaults(recipe)
+    pending = [pair for pair in recipe.data.pairs if not pair_metrics_path(ctx.work_dir, pair).is_file()]
+    if pending:
+        if "pretrain" not in ctx.upstream:
+            _preflight(recipe.finetune.drafter.init, recipe.finetune.drafter.revision, ctx)
+        _launch(recipe.model_copy(update={"data": recipe.data.model_copy(update={"pairs": pending})}), ctx)
+    metrics: dict[str, Any] = {}
+    for pair in recipe.data.pairs:
+        metrics.update(json.loads(pair_metrics_path(ctx.work_dir, pair).read_text(encoding="utf-8")))
+    return StageResult(metrics=metrics)
+
+
+def pair_metrics_path(work_dir: Path, pair: str) -> Path:
+    """`<pair>.metrics.json`, written once the pair's drafter is exported: the pair is done."""
+    return Path(work_dir) / f"{pair}.metrics.json"
 
 
 def finetune_defaults(recipe: Recipe) -> Recipe:
@@ -469,10 +485,7 @@ def pretrain(spec: StageSpec, recipe: Recipe, accelerator: Any, tracker: Any) ->
 
 
 def finetune(spec: StageSpec, recipe: Recipe, accelerator: Any, tracker: Any) -> dict[str, Any]:
-    """F: one drafter per pair on the distilled mix (loss on responses); exports `<pair>/` folders.
-
-    A pair already exported by an earlier, interrupted run is not trained again.
-    """
+    """F: one drafter per pair on the distilled mix (loss on responses); exports `<pair>/` folders."""
     from accelerate.utils import set_seed
 
     from distill.mix import read_mix
@@ -493,7 +506,7 @@ def finetune(spec: StageSpec, recipe: Recipe, accelerator: Any, tracker: Any) ->
     summary: dict[str, Any] = {}
     step_offset = 0
     for pair in recipe.data.pairs:
-        out_dir, done = work_dir / pair, work_dir / f"{pair}.metrics.json"
+        out_dir = work_dir / pair
         try:
             train_rows = read_mix(distill_dir, pair, "train", block.temperatures)
         except FileNotFoundError as err:
@@ -509,10 +522,6 @@ def finetune(spec: StageSpec, recipe: Recipe, accelerator: Any, tracker: Any) ->
                 f"{batches.global_batch} (per_device_batch_size x processes x grad_accum_steps)"
             )
         total_steps = loop.max_steps or max(1, int(loop.epochs * batches.steps_per_epoch))
-        if done.is_file() and (out_dir / "config.json").is_file():
-            summary.update(json.loads(done.read_text(encoding="utf-8")))
-            step_offset += total_steps
-            continue
         log.info("[%s] %d examples (%d over max_length), %d steps", pair, len(examples), dropped, total_steps)
         set_seed(loop.seed)
         model = initial_drafter(block.drafter, init, revision, target, tokenizer, loop, cuda)
@@ -526,7 +535,7 @@ def finetune(spec: StageSpec, recipe: Recipe, accelerator: Any, tracker: Any) ->
         # eval metrics are already named `<pair>/...`; steps, tokens and train_loss get the prefix
         metrics = {(k if "/" in k else f"{pair}/{k}"): v for k, v in metrics.items()}
         if accelerator.is_main_process:
-            done.write_text(json.dumps(metrics, indent=2), encoding="utf-8")
+            pair_metrics_path(work_dir, pair).write_text(json.dumps(metrics, indent=2), encoding="utf-8")
         summary.update(metrics)
         step_offset += total_steps
         accelerator.free_memory()
