@@ -10,15 +10,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from distill.prompts import task_prefix, vicuna_prompt
 from tests.drafter_setup import context, tiny_recipe, write_tiny_mix
-from train.drafter import read_train_log, run_finetune, run_pretrain
+from train.drafter import read_train_log, run_finetune, run_pretrain, step_loss
+from train.losses import topk_kl_sum
 
 
 @pytest.fixture(scope="module")
 def pf_run(tmp_path_factory, tiny_target_dir):
-    """P then F for two pairs, as the runner would run them (work dirs kept as they are)."""
+    """P then F (with the kd loss, the target loaded beside the drafter) for two pairs, as the runner
+    would run them (work dirs kept as they are)."""
     root = tmp_path_factory.mktemp("pf")
     distill = write_tiny_mix(root / "distill", ["de-en", "fr-en"])
-    recipe = tiny_recipe(tiny_target_dir, finetune={"loop": {"eval_every": 3}})
+    recipe = tiny_recipe(tiny_target_dir, finetune={"loss": "kd", "kd_top_k": 8, "loop": {"eval_every": 3}})
     pretrain_ctx = context(root, "pretrain", tiny_target_dir, {"distill": distill})
     pretrain = run_pretrain(recipe, pretrain_ctx)
     finetune_ctx = context(
@@ -78,9 +80,31 @@ def test_finetuned_drafter_works_as_assistant_model_with_the_target(pf_run, tiny
 def test_rerun_of_a_finished_finetune_trains_nothing_again(pf_run, tiny_target_dir):
     work_dir, metrics = pf_run["finetune"]
     before = {p: (work_dir / p / "model.safetensors").stat().st_mtime_ns for p in ("de-en", "fr-en")}
-    recipe = tiny_recipe(tiny_target_dir, finetune={"loop": {"eval_every": 3}})
+    recipe = tiny_recipe(tiny_target_dir, finetune={"loss": "kd", "kd_top_k": 8, "loop": {"eval_every": 3}})
     upstream = {"distill": work_dir.parent / "distill", "pretrain": pf_run["pretrain"][0]}
     ctx = context(work_dir.parent, "finetune", tiny_target_dir, upstream)
     again = run_finetune(recipe, ctx)
     assert again.metrics == metrics
     assert before == {p: (work_dir / p / "model.safetensors").stat().st_mtime_ns for p in ("de-en", "fr-en")}
+
+
+def test_kd_adds_the_weighted_kl_to_the_targets_top_k(tiny_target, tiny_tokenizer):
+    from models.drafters import build_drafter
+    from train.data import collate, encode_example
+
+    example = encode_example(tiny_tokenizer, "USER: Hallo ASSISTANT:", " Hello there", 64)
+    batch = collate([example], tiny_tokenizer.pad_token_id)
+    drafter = build_drafter(
+        "custom", len(tiny_tokenizer), bos_token_id=1, eos_token_id=2, pad_token_id=3,
+        hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
+    )  # fmt: skip
+    ce = step_loss(drafter, batch, None, 8, 0.5)
+    with_kd = step_loss(drafter, batch, tiny_target, 8, 0.5)
+    logits = drafter(input_ids=batch["input_ids"]).logits
+    kl = topk_kl_sum(logits, tiny_target(input_ids=batch["input_ids"]).logits, batch["labels"], 8)
+    assert kl > 0
+    torch.testing.assert_close(with_kd, ce + 0.5 * kl)
+    # a drafter identical to the target has nothing left to learn from it
+    torch.testing.assert_close(
+        step_loss(tiny_target, batch, tiny_target, 8, 0.5), step_loss(tiny_target, batch, None, 8, 0.5)
+    )

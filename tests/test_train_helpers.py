@@ -119,15 +119,20 @@ def test_step_normalised_loss_is_the_mean_over_all_tokens_of_the_step():
     )
 
 
-def test_top1_matches_and_kl_are_zero_for_a_perfect_student():
+def test_top1_matches_and_topk_kl():
     torch.manual_seed(0)
     logits = torch.randn(2, 6, 9)
     labels = torch.cat([torch.zeros(2, 1, dtype=torch.long), logits[:, :-1].argmax(-1)], dim=1)
     labels[1, :3] = IGNORE_INDEX
     matches, count = top1_matches(logits, labels)
     assert int(matches) == int(count) == 5 + 3  # row 1: labels 3..5 remain
-    assert topk_kl_sum(logits, logits, labels, top_k=9).abs() < 1e-5
-    assert topk_kl_sum(torch.zeros_like(logits), logits, labels, top_k=3) > 0
+    assert topk_kl_sum(logits, logits, labels, top_k=3).abs() < 1e-5
+    student = torch.randn(2, 6, 9)
+    assert topk_kl_sum(student, logits, labels, top_k=3) > 0
+    # with k = the whole vocabulary it is the exact forward KL over the loss-carrying positions
+    mask = labels[:, 1:] != IGNORE_INDEX
+    p, q = logits[:, :-1][mask].log_softmax(-1), student[:, :-1][mask].log_softmax(-1)
+    torch.testing.assert_close(topk_kl_sum(student, logits, labels, top_k=9), (p.exp() * (p - q)).sum())
 
 
 def test_warmup_then_cosine_to_the_floor():

@@ -109,9 +109,10 @@ class FinetuneConfig(StrictModel):
     """Keep only records distilled at these temperatures; None keeps all."""
     loss: Literal["ce", "kd"] = "ce"
     """`ce`: hard-label cross-entropy on the assistant tokens; `kd`: that cross-entropy plus `kd_weight`
-    times the forward KL to the target's top-k distribution (the target is loaded beside the drafter)."""
+    times the forward KL from the target's distribution (the target is loaded beside the drafter)."""
     kd_top_k: int = 64
-    """Target tokens kept per position for `kd` (the rest of its distribution is dropped, renormalised)."""
+    """`kd` compares the two distributions on the target's k most likely tokens plus one bucket for all
+    the others (a true KL of (k+1)-way distributions, far cheaper than the full vocabulary)."""
     kd_weight: float = 1.0
     optim: OptimConfig = Field(default_factory=OptimConfig)
     """lr None: 2e-5 for vicuna-68m, 3e-5 otherwise (seed 003 App. F.3)."""
