@@ -37,6 +37,7 @@ from models.drafters import (
     load_drafter,
     target_vocab_size,
 )
+from models.loading import load_causal_lm, load_tokenizer
 from pipelines.schema import DrafterConfig, LoopConfig, OptimConfig, Recipe
 from pipelines.stage import (
     ResolvedTarget,
@@ -116,7 +117,12 @@ def _preflight(init: str | None, revision: str | None, ctx: StageContext) -> Non
     """A drafter checkpoint with another vocabulary fails here, before any process is launched."""
     if init is not None:
         try:
-            check_drafter_init(init, revision, ctx.target, load_target_tokenizer(ctx.target))
+            check_drafter_init(
+                init,
+                revision,
+                ctx.target,
+                load_tokenizer(ctx.target.path, ctx.target.revision, ctx.target.trust_remote_code),
+            )
         except DrafterMismatch as err:
             raise StageFailed(f"{ctx.name}: {err}") from err
 
@@ -169,14 +175,6 @@ def main(argv: list[str] | None = None) -> None:
     tracker.summary(metrics)
     tracker.finish()
     accelerator.end_training()
-
-
-def load_target_tokenizer(target: ResolvedTarget) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(
-        target.path, revision=target.revision, trust_remote_code=target.trust_remote_code
-    )
 
 
 def initial_drafter(
@@ -447,7 +445,7 @@ def pretrain(spec: StageSpec, recipe: Recipe, accelerator: Any, tracker: Any) ->
             "pretrain: data.pretrain lists no corpus (e.g. C4 streaming, ShareGPT, or the offline text)"
         )
     set_seed(loop.seed)
-    tokenizer = load_target_tokenizer(target)
+    tokenizer = load_tokenizer(target.path, target.revision, target.trust_remote_code)
     cuda = accelerator.device.type == "cuda"
     model = initial_drafter(
         block.drafter, block.drafter.init, block.drafter.revision, target, tokenizer, loop, cuda
@@ -500,9 +498,13 @@ def finetune(spec: StageSpec, recipe: Recipe, accelerator: Any, tracker: Any) ->
         init, revision = str(Path(spec.upstream["pretrain"]) / "model"), None
     else:
         init, revision = block.drafter.init, block.drafter.revision
-    tokenizer = load_target_tokenizer(target)
+    tokenizer = load_tokenizer(target.path, target.revision, target.trust_remote_code)
     cuda = accelerator.device.type == "cuda"
-    teacher = load_teacher(target, cuda, accelerator.device) if block.loss == "kd" else None
+    teacher = None
+    if block.loss == "kd":  # the frozen target beside the drafter (bf16 on a GPU, fp32 on a CPU)
+        teacher = load_causal_lm(
+            target.path, target.revision, target.dtype, target.trust_remote_code, accelerator.device
+        ).requires_grad_(False)
     summary: dict[str, Any] = {}
     step_offset = 0
     for pair in recipe.data.pairs:
@@ -540,19 +542,6 @@ def finetune(spec: StageSpec, recipe: Recipe, accelerator: Any, tracker: Any) ->
         step_offset += total_steps
         accelerator.free_memory()
     return summary
-
-
-def load_teacher(target: ResolvedTarget, cuda: bool, device: torch.device) -> torch.nn.Module:
-    """The frozen target beside the drafter, for the kd loss (bf16 on a GPU, fp32 on a CPU)."""
-    from transformers import AutoModelForCausalLM
-
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
-        target.dtype, torch.bfloat16 if cuda else torch.float32
-    )
-    teacher = AutoModelForCausalLM.from_pretrained(
-        target.path, revision=target.revision, dtype=dtype, trust_remote_code=target.trust_remote_code
-    )
-    return teacher.to(device).eval().requires_grad_(False)
 
 
 if __name__ == "__main__":
