@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
-from train.data import collate, encode_example, epoch_order, micro_batch_indices
+from train.data import collate, encode_example, encode_texts, epoch_order, micro_batch_indices
 from train.losses import IGNORE_INDEX, ce_sum, scale_for_step, top1_matches, topk_kl_sum
 from train.packing import PackedStream, PackPosition, pack_documents
 from train.runtime import NonFiniteLoss, check_finite
@@ -72,6 +72,14 @@ def test_only_response_tokens_carry_loss(tiny_tokenizer):
     assert [ids[i] for i in supervised] == [labels[i] for i in supervised]
     assert tiny_tokenizer.decode(ids[supervised[0] : -1]) == response
     assert tiny_tokenizer.decode(ids[: supervised[0]], skip_special_tokens=True) == prompt
+
+
+def test_batched_encoding_equals_one_by_one_and_never_doubles_bos(tiny_tokenizer):
+    pairs = [("USER: Hallo ASSISTANT:", " Hello"), ("<s>USER: Merci ASSISTANT:", " Thanks"), ("x" * 80, " y")]
+    batched = encode_texts(tiny_tokenizer, pairs, max_length=64, chunk=2)
+    assert batched == [encode_example(tiny_tokenizer, p, r, 64) for p, r in pairs]
+    with_bos = batched[1]["input_ids"]
+    assert with_bos[0] == tiny_tokenizer.bos_token_id and with_bos[1] != tiny_tokenizer.bos_token_id
 
 
 def test_truncation_that_leaves_no_response_drops_the_row(tiny_tokenizer):

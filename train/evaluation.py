@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from train.data import collate, encode_rows
+from train.data import collate, encode_texts
 from train.losses import IGNORE_INDEX, ce_sum, top1_matches
 
 
@@ -16,12 +16,12 @@ def eval_examples(tokenizer: Any, rows: list[dict[str, Any]], max_length: int) -
     """Encoded held-out rows. `greedy_labels` keeps the labels of rows distilled at temperature 0 and
     masks the others, which count in the loss but not in the agreement."""
     out = []
-    for row in rows:
-        examples, _ = encode_rows(tokenizer, [row], max_length)
-        if examples:
-            labels = examples[0]["labels"]
+    encoded = encode_texts(tokenizer, [(row["prompt"], row["response"]) for row in rows], max_length)
+    for row, example in zip(rows, encoded, strict=True):
+        if example is not None:
+            labels = example["labels"]
             greedy = row["origin"] == "distill" and row["temperature"] == 0.0
-            out.append({**examples[0], "greedy_labels": labels if greedy else [IGNORE_INDEX] * len(labels)})
+            out.append({**example, "greedy_labels": labels if greedy else [IGNORE_INDEX] * len(labels)})
     return out
 
 
