@@ -9,7 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from distill.prompts import task_prefix, vicuna_prompt
+from pipelines.schema import TrackingConfig
 from tests.drafter_setup import context, tiny_recipe, write_tiny_mix
+from tests.test_tracking import read_wandb_records
 from train.drafter import read_train_log, run_finetune, run_pretrain, step_loss
 from train.losses import topk_kl_sum
 
@@ -22,7 +24,10 @@ def pf_run(tmp_path_factory, tiny_target_dir):
     distill = write_tiny_mix(root / "distill", ["de-en", "fr-en"])
     recipe = tiny_recipe(tiny_target_dir, finetune={"loss": "kd", "kd_top_k": 8, "loop": {"eval_every": 3}})
     pretrain_ctx = context(root, "pretrain", tiny_target_dir, {"distill": distill})
-    pretrain = run_pretrain(recipe, pretrain_ctx)
+    # the pretrain subprocess logs to an offline wandb run (under the run dir)
+    pretrain = run_pretrain(
+        recipe.model_copy(update={"tracking": TrackingConfig(mode="offline")}), pretrain_ctx
+    )
     finetune_ctx = context(
         root, "finetune", tiny_target_dir, {"distill": distill, "pretrain": pretrain_ctx.work_dir}
     )
@@ -42,6 +47,29 @@ def test_pretrain_packs_the_corpus_and_exports_a_drafter(pf_run):
     assert (work_dir / "model" / "model.safetensors").is_file()
     checkpoints = sorted(p.name for p in (work_dir / "model.checkpoints").iterdir())
     assert checkpoints == ["step-00000004", "step-00000006"]  # every 2 steps, the last 2 kept
+
+
+def test_the_training_subprocess_logs_to_wandb(pf_run):
+    work_dir, metrics = pf_run["pretrain"]
+    runs = list((work_dir.parent / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1  # one run, from the main process only
+    records = read_wandb_records(runs[0])
+    history = [
+        {i.key or "/".join(i.nested_key): i.value_json for i in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
+    logged = [h for h in history if "pretrain/train/loss" in h]
+    assert [int(h["_step"]) for h in logged] == list(range(1, 7))
+    for key in ("lr", "grad_norm", "tokens_per_s", "tokens"):
+        assert all(f"pretrain/train/{key}" in h for h in logged)
+    summary = {
+        i.key: i.value_json
+        for r in records
+        if r.WhichOneof("record_type") == "summary"
+        for i in r.summary.update
+    }
+    assert float(summary["train_loss"]) == pytest.approx(metrics["train_loss"])
 
 
 def test_finetune_trains_one_drafter_per_pair_from_the_pretrained_one(pf_run):
