@@ -51,7 +51,9 @@ def write_mix(rows: Iterable[dict[str, Any]], path: Path) -> int:
     return count
 
 
-def read_mix(distill_dir: Path, pair: str, split: str, temperatures: list[float] | None = None) -> list[dict[str, Any]]:
+def read_mix(
+    distill_dir: Path, pair: str, split: str, temperatures: list[float] | None = None
+) -> list[dict[str, Any]]:
     """Rows of one pair's mix; `temperatures` keeps distilled rows of those temperatures (open rows stay)."""
     path = mix_path(distill_dir, pair, split)
     if not path.is_file():

@@ -35,6 +35,16 @@ def parse_yaml(text: str, origin: str) -> Any:
         raise RecipeError(f"{origin}: not valid YAML: {err}") from err
 
 
+def _record(value: Any, path: tuple, origin: str, provenance: dict[tuple, str]) -> None:
+    """Remember which file (or override) set `path` and every key below it."""
+    for known in [p for p in provenance if p[: len(path)] == path]:
+        del provenance[known]
+    provenance[path] = origin
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _record(item, (*path, key), origin, provenance)
+
+
 def _merge(base: dict, child: dict, origin: str, provenance: dict[tuple, str], prefix: tuple = ()) -> dict:
     """Deep-merge `child` into a copy of `base`: mappings merge key by key, anything else replaces."""
     out = dict(base)
@@ -44,9 +54,7 @@ def _merge(base: dict, child: dict, origin: str, provenance: dict[tuple, str], p
             out[key] = _merge(out[key], value, origin, provenance, path)
         else:
             out[key] = copy.deepcopy(value)
-            for known in [p for p in provenance if p[: len(path)] == path]:
-                del provenance[known]
-        provenance[path] = origin
+            _record(value, path, origin, provenance)
     return out
 
 

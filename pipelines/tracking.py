@@ -10,26 +10,36 @@ log = logging.getLogger(__name__)
 
 
 class Tracker:
-    """Logs metrics to wandb (when enabled) and always to the console logger."""
+    """Logs metrics to wandb (when enabled) and always to the console logger.
 
-    def __init__(self, run: Any | None, stage: str):
+    The wandb run starts lazily, at the first call that logs something, so a stage whose work happens
+    in a training subprocess (which opens its own run) leaves no empty run behind.
+    """
+
+    def __init__(self, run: Any | None, stage: str, start: Any | None = None):
         self._run = run
+        self._start = start
         self.stage = stage
+
+    def _ensure(self) -> Any | None:
+        if self._run is None and self._start is not None:
+            self._run, self._start = self._start(), None
+        return self._run
 
     def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
         shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
         log.info("[%s]%s %s", self.stage, f" step {step}" if step is not None else "", shown)
-        if self._run is not None:
+        if self._ensure() is not None:
             self._run.log(metrics, step=step)
 
     def summary(self, metrics: dict[str, Any]) -> None:
-        if self._run is not None:
+        if self._ensure() is not None:
             for key, value in metrics.items():
                 self._run.summary[key] = value
 
     def log_table(self, key: str, rows: list[dict[str, Any]]) -> None:
         """A list of flat dicts as a wandb Table (results tables of measure/export)."""
-        if self._run is None or not rows:
+        if not rows or self._ensure() is None:
             return
         import wandb
 
@@ -62,20 +72,23 @@ def start_tracking(
     """A wandb run named `<group>/<stage>` in group `group`; mode `disabled` logs to the console only."""
     if mode == "disabled":
         return Tracker(None, stage)
-    import wandb
 
-    wandb_dir.mkdir(parents=True, exist_ok=True)
-    run = wandb.init(
-        project=project,
-        entity=entity,
-        group=group,
-        name=f"{group}/{stage}",
-        job_type=stage,
-        tags=tags,
-        config=config,
-        dir=str(wandb_dir),
-        mode=mode,
-        reinit="create_new",
-        settings=wandb.Settings(silent=True, console="off"),
-    )
-    return Tracker(run, stage)
+    def start() -> Any:
+        import wandb
+
+        wandb_dir.mkdir(parents=True, exist_ok=True)
+        return wandb.init(
+            project=project,
+            entity=entity,
+            group=group,
+            name=f"{group}/{stage}",
+            job_type=stage,
+            tags=tags,
+            config=config,
+            dir=str(wandb_dir),
+            mode=mode,
+            reinit="create_new",
+            settings=wandb.Settings(silent=True, console="off"),
+        )
+
+    return Tracker(None, stage, start)

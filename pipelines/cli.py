@@ -1,0 +1,110 @@
+"""The `polydraft` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+import sys
+from pathlib import Path
+
+from pipelines.recipe import RecipeError, dump_recipe, load_recipe
+from pipelines.stage import StageFailed
+
+log = logging.getLogger("pipelines.cli")
+
+STAGE_NAMES = ("distill", "pretrain", "finetune", "early_exit", "calibrate", "measure", "export")
+
+
+def _setup_logging(quiet: bool, verbose: bool) -> None:
+    level = logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO
+    logging.basicConfig(
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.WARNING
+    )
+    for name in ("pipelines", "distill", "train", "models", "decoding"):
+        logging.getLogger(name).setLevel(level)
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", type=Path, help="recipe YAML file")
+    parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="override recipe values")
+    parser.add_argument("--quiet", action="store_true", help="warnings only, no progress bars")
+    parser.add_argument("--verbose", action="store_true", help="debug logging")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="polydraft", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="run a recipe's stages (skipping those already up to date)")
+    _common(run)
+    run.add_argument("--run-dir", type=Path, help="run directory (default: runs/<recipe name>)")
+    run.add_argument(
+        "--from", dest="start", choices=STAGE_NAMES, help="start at this stage; earlier ones must be complete"
+    )
+    run.add_argument("--only", choices=STAGE_NAMES, help="run only this stage")
+    run.add_argument("--force", action="store_true", help="rerun the selected stages even if up to date")
+
+    show = commands.add_parser("show", help="print the fully resolved recipe (defaults included)")
+    _common(show)
+
+    boot = commands.add_parser("bootstrap", help="build (or find in the cache) a recipe's bootstrap target")
+    _common(boot)
+    return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    from pipelines.runner import run_pipeline, summary_table
+    from pipelines.stages import default_stages
+    from pipelines.target import resolve_target
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    run_dir = args.run_dir or Path("runs") / args.recipe.stem
+    target = resolve_target(recipe.target, recipe.data, show_progress=not args.quiet)
+    command = shlex.join(["polydraft", *sys.argv[1:]])
+    outcomes = run_pipeline(
+        recipe,
+        run_dir,
+        default_stages(),
+        target,
+        command=command,
+        only=args.only,
+        start=args.start,
+        force=args.force,
+        quiet=args.quiet,
+        verbose=args.verbose,
+    )
+    print(f"\nrun directory: {run_dir}\n")
+    print(summary_table(outcomes))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_intermixed_args(argv)
+    _setup_logging(args.quiet, args.verbose)
+    try:
+        if args.command == "run":
+            return _run(args)
+        if args.command == "show":
+            print(dump_recipe(load_recipe(args.recipe, args.overrides)), end="")
+            return 0
+        if args.command == "bootstrap":
+            from pipelines.target import resolve_target
+
+            recipe = load_recipe(args.recipe, args.overrides)
+            print(resolve_target(recipe.target, recipe.data, show_progress=not args.quiet).path)
+            return 0
+    except RecipeError as err:
+        print(f"polydraft: {err}", file=sys.stderr)
+        return 2
+    except StageFailed as err:
+        print(f"polydraft: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("polydraft: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,258 @@
+"""The pipeline runner: stage order, manifests, skip-if-unchanged, atomic stage folders, resume.
+
+A stage's *key* is the hash of the recipe blocks it reads plus the hashes of the upstream manifests it
+consumes. A stage whose folder holds a manifest with the same key is up to date and skipped; changing
+one stage's block changes its key, so it reruns, its new manifest changes the keys of everything
+downstream, and nothing upstream moves.
+
+While it runs, a stage writes into `<run_dir>/<stage>.partial/`. Only after the stage function returned
+and its manifest was written there is that folder renamed to `<run_dir>/<stage>/`, so a folder without
+`.partial` is always complete. A crash or kill leaves the `.partial` folder, which a rerun with the same
+key resumes from (checkpoints, distilled records) and a rerun with another key discards.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import shutil
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipelines.manifest import (
+    MANIFEST,
+    canonical_hash,
+    file_hash,
+    git_state,
+    host_info,
+    package_versions,
+    read_manifest,
+    write_json_atomic,
+)
+from pipelines.recipe import dump_recipe
+from pipelines.schema import Recipe
+from pipelines.stage import PROJECT_ROOT, ResolvedTarget, StageContext, StageFailed, StageResult
+from pipelines.tracking import start_tracking
+
+log = logging.getLogger(__name__)
+
+KEY_FILE = ".key"
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    run: Callable[[Recipe, StageContext], StageResult]
+    blocks: tuple[str, ...]
+    """Recipe blocks the stage reads; their content is part of its key (target and data always are)."""
+    upstream: tuple[str, ...] = ()
+    """Stages whose outputs it consumes, when they are enabled."""
+
+
+@dataclass
+class StageOutcome:
+    name: str
+    status: str  # "ran", "skipped (up to date)", "not selected", "disabled"
+    metrics: dict[str, Any]
+    duration_s: float = 0.0
+
+
+def _enabled(recipe: Recipe, name: str) -> bool:
+    return bool(getattr(getattr(recipe, name), "enabled", True))
+
+
+def stage_config(recipe: Recipe, stage: Stage, target: ResolvedTarget) -> dict[str, Any]:
+    blocks = {
+        block: getattr(recipe, block).model_dump(mode="json") for block in ("target", "data", *stage.blocks)
+    }
+    blocks["resolved_target"] = target.__dict__
+    return blocks
+
+
+def _select(stages: list[Stage], only: str | None, start: str | None) -> set[str]:
+    names = [s.name for s in stages]
+    for flag, value in (("--only", only), ("--from", start)):
+        if value is not None and value not in names:
+            raise StageFailed(f"{flag} {value}: no such enabled stage (enabled: {', '.join(names)})")
+    if only is not None:
+        return {only}
+    if start is not None:
+        return set(names[names.index(start) :])
+    return set(names)
+
+
+def _swap_into_place(work_dir: Path, final_dir: Path) -> None:
+    """Replace `final_dir` by `work_dir` with renames only, so no reader sees a half-written folder."""
+    trash = final_dir.with_name(f".{final_dir.name}.old")
+    if trash.exists():
+        shutil.rmtree(trash)
+    if final_dir.exists():
+        final_dir.rename(trash)
+    work_dir.rename(final_dir)
+    if trash.exists():
+        shutil.rmtree(trash)
+
+
+def _prepare_work_dir(work_dir: Path, key: str) -> None:
+    """Keep a partial folder left by an interrupted run of the same key (to resume); discard any other."""
+    key_file = work_dir / KEY_FILE
+    if work_dir.exists() and (not key_file.is_file() or key_file.read_text().strip() != key):
+        log.info("discarding %s: it was left by a run with another config", work_dir)
+        shutil.rmtree(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    key_file.write_text(key + "\n")
+
+
+def run_pipeline(
+    recipe: Recipe,
+    run_dir: Path,
+    stages: list[Stage],
+    target: ResolvedTarget,
+    *,
+    command: str,
+    only: str | None = None,
+    start: str | None = None,
+    force: bool = False,
+    quiet: bool = False,
+    verbose: bool = False,
+) -> list[StageOutcome]:
+    """Run the recipe's enabled stages in order, skipping those whose manifest matches."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "recipe.yaml").write_text(dump_recipe(recipe), encoding="utf-8")
+    enabled = [s for s in stages if _enabled(recipe, s.name)]
+    selected = _select(enabled, only, start)
+    enabled_names = {s.name for s in enabled}
+    keys: dict[str, str] = {}
+    fresh: dict[str, bool] = {}  # stage name -> its folder is complete and up to date
+    outcomes = [StageOutcome(s.name, "disabled", {}) for s in stages if s.name not in enabled_names]
+    environment = {"git": git_state(PROJECT_ROOT), "packages": package_versions(), "host": host_info()}
+
+    for stage in enabled:
+        final_dir = run_dir / stage.name
+        upstream = [u for u in stage.upstream if u in enabled_names]
+        missing = [u for u in upstream if not fresh.get(u)]
+        manifest = read_manifest(final_dir)
+        config = stage_config(recipe, stage, target)
+        upstream_hashes = {u: file_hash(run_dir / u / MANIFEST) for u in upstream if fresh.get(u)}
+        key = canonical_hash({"config": canonical_hash(config), "upstream": upstream_hashes})
+        keys[stage.name] = key
+        up_to_date = not missing and manifest is not None and manifest.get("key") == key
+        if stage.name not in selected or (up_to_date and not force):
+            fresh[stage.name] = up_to_date
+            status = "skipped (up to date)" if up_to_date else "not selected (out of date)"
+            if up_to_date or stage.name not in selected:
+                log.info("%-10s %s", stage.name, status)
+            outcomes.append(StageOutcome(stage.name, status, (manifest or {}).get("metrics", {})))
+            continue
+        if missing:
+            raise StageFailed(
+                f"{stage.name} needs {', '.join(missing)}, which "
+                f"{'is' if len(missing) == 1 else 'are'} not complete and up to date; "
+                "run without --only/--from (or include them) first"
+            )
+
+        work_dir = run_dir / f"{stage.name}.partial"
+        _prepare_work_dir(work_dir, key)
+        tracking = recipe.tracking
+        tracker = start_tracking(
+            stage=stage.name,
+            group=tracking.run_name or run_dir.name,
+            wandb_dir=run_dir,
+            config=config,
+            project=tracking.project,
+            entity=tracking.entity,
+            tags=tracking.tags,
+            mode=tracking.mode,
+        )
+        ctx = StageContext(
+            name=stage.name,
+            run_dir=run_dir,
+            work_dir=work_dir,
+            upstream={u: run_dir / u for u in upstream},
+            target=target,
+            tracker=tracker,
+            quiet=quiet,
+            verbose=verbose,
+        )
+        started = datetime.datetime.now(datetime.timezone.utc)
+        clock = time.perf_counter()
+        log.info("%-10s running (work dir %s)", stage.name, work_dir)
+        try:
+            result = stage.run(recipe, ctx)
+        except BaseException as err:
+            tracker.finish(failed=True)
+            write_json_atomic(
+                work_dir / "failure.json",
+                {
+                    "stage": stage.name,
+                    "status": "failed",
+                    "error": f"{type(err).__name__}: {err}",
+                    "traceback": traceback.format_exc(),
+                    "started_at": started.isoformat(),
+                    "failed_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                },
+            )
+            raise
+        tracker.finish()
+        duration = time.perf_counter() - clock
+        write_json_atomic(
+            work_dir / MANIFEST,
+            {
+                "stage": stage.name,
+                "status": "completed",
+                "key": key,
+                "config_hash": canonical_hash(config),
+                "config": config,
+                "upstream": upstream_hashes,
+                "command": command,
+                "started_at": started.isoformat(),
+                "finished_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                "duration_s": round(duration, 3),
+                "metrics": result.metrics,
+                **environment,
+            },
+        )
+        (work_dir / KEY_FILE).unlink()
+        failure = work_dir / "failure.json"
+        if failure.exists():
+            failure.unlink()
+        _swap_into_place(work_dir, final_dir)
+        fresh[stage.name] = True
+        log.info("%-10s done in %.1f s", stage.name, duration)
+        outcomes.append(StageOutcome(stage.name, "ran", result.metrics, duration))
+
+    order = {s.name: i for i, s in enumerate(stages)}
+    outcomes.sort(key=lambda o: order[o.name])
+    write_json_atomic(
+        run_dir / "run.json",
+        {
+            "command": command,
+            "finished_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "stages": [o.__dict__ for o in outcomes],
+            "keys": keys,
+        },
+    )
+    return outcomes
+
+
+def summary_table(outcomes: list[StageOutcome]) -> str:
+    """A plain-text table of what each stage did and its headline metrics."""
+    rows = []
+    for outcome in outcomes:
+        shown = ", ".join(
+            f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in list(outcome.metrics.items())[:6]
+            if not isinstance(v, dict | list)
+        )
+        rows.append(
+            (outcome.name, outcome.status, f"{outcome.duration_s:.1f}s" if outcome.duration_s else "", shown)
+        )
+    widths = [max(len(r[i]) for r in [("stage", "status", "time", "metrics"), *rows]) for i in range(4)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(("stage", "status", "time", "metrics"), widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,66 @@
+"""Resolving the recipe's target: a hub id or local folder as is, or a bootstrap build from the cache."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from pipelines.manifest import canonical_hash
+from pipelines.schema import DataConfig, TargetConfig
+from pipelines.stage import ResolvedTarget
+
+log = logging.getLogger(__name__)
+
+BOOTSTRAP_VERSION = 1
+"""Bumped when the bootstrap recipe itself changes, so old cached builds are not reused."""
+
+
+def bootstrap_key(target: TargetConfig, data: DataConfig) -> str:
+    assert target.bootstrap is not None
+    settings = target.bootstrap.model_dump(mode="json")
+    settings.pop("cache_dir")
+    return canonical_hash(
+        {
+            "version": BOOTSTRAP_VERSION,
+            "bootstrap": settings,
+            "pairs": sorted(data.pairs),
+            "offline": data.offline.model_dump(mode="json"),
+        }
+    )[:16]
+
+
+def resolve_target(target: TargetConfig, data: DataConfig, show_progress: bool = True) -> ResolvedTarget:
+    """The target as stages load it; a bootstrap target is built once per settings hash, then reused."""
+    if target.path is not None:
+        return ResolvedTarget(target.path, target.revision, target.dtype, target.trust_remote_code)
+    from train.bootstrap import DONE, build_bootstrap_target
+
+    boot = target.bootstrap
+    assert boot is not None
+    folder = Path(os.path.expanduser(boot.cache_dir)) / bootstrap_key(target, data)
+    if (folder / DONE).is_file():
+        log.info("bootstrap target: reusing %s", folder)
+    else:
+        log.info("bootstrap target: building %s (%d steps on the offline corpus)", folder, boot.steps)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        build_bootstrap_target(
+            folder,
+            sorted(data.pairs),
+            vocab_size=boot.vocab_size,
+            hidden_size=boot.hidden_size,
+            num_layers=boot.num_layers,
+            num_heads=boot.num_heads,
+            intermediate_size=boot.intermediate_size,
+            max_position_embeddings=boot.max_position_embeddings,
+            steps=boot.steps,
+            batch_size=boot.batch_size,
+            seq_len=boot.seq_len,
+            lr=boot.lr,
+            seed=boot.seed,
+            entries_per_sample=(data.offline.entries_per_sample[0], data.offline.entries_per_sample[1]),
+            test_fraction=data.offline.test_fraction,
+            samples_per_pair=data.offline.samples_per_pair,
+            show_progress=show_progress,
+        )
+    return ResolvedTarget(str(folder.resolve()), None, target.dtype, False)

@@ -1,0 +1,148 @@
+"""Recipe loading: strict validation with readable errors, extends, overrides, every shipped recipe."""
+
+from pathlib import Path
+
+import pytest
+
+from pipelines.recipe import RecipeError, dump_recipe, load_recipe, parse_override
+
+ROOT = Path(__file__).resolve().parent.parent
+
+BASE = """
+target:
+  path: org/some-model
+data:
+  pairs: [de-en]
+finetune:
+  optim:
+    lr: 3e-5
+"""
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_minimal_recipe_fills_defaults(tmp_path):
+    recipe = load_recipe(write(tmp_path, "r.yaml", BASE))
+    assert recipe.finetune.optim.lr == 3e-5  # `3e-5` is a float, not the string PyYAML would make of it
+    assert recipe.distill.temperatures == [0.0, 0.3, 0.7, 1.0]
+    assert recipe.target.dtype == "auto"
+
+
+def test_unknown_key_names_file_and_full_path(tmp_path):
+    path = write(tmp_path, "r.yaml", BASE + "  loop:\n    epochz: 3\n")
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    assert f"{path}: finetune.loop.epochz: unknown key" in str(err.value)
+
+
+def test_wrong_type_names_file_path_expected_and_value(tmp_path):
+    path = write(tmp_path, "r.yaml", BASE.replace("3e-5", "fast"))
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    assert f"{path}: finetune.optim.lr: expected float, got 'fast'" in str(err.value)
+
+
+def test_wrong_literal_and_missing_block(tmp_path):
+    path = write(tmp_path, "r.yaml", "target:\n  path: x\n  dtype: float64\n")
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    message = str(err.value)
+    assert "target.dtype: expected 'auto', 'float32', 'bfloat16' or 'float16', got 'float64'" in message
+    assert "data: required key is missing" in message
+
+
+def test_cross_field_check(tmp_path):
+    path = write(tmp_path, "r.yaml", BASE.replace("path: org/some-model", "path: org/m\n  bootstrap: {}"))
+    with pytest.raises(RecipeError, match="set exactly one of target.path and target.bootstrap"):
+        load_recipe(path)
+
+
+def test_extends_merges_and_error_names_the_file_that_set_the_key(tmp_path):
+    write(tmp_path, "base.yaml", BASE)
+    (tmp_path / "lang").mkdir()
+    child = write(
+        tmp_path / "lang",
+        "de.yaml",
+        "extends: ../base.yaml\ndata:\n  pairs: [fr-en]\nfinetune:\n  loop:\n    epochs: 5.0\n",
+    )
+    recipe = load_recipe(child)
+    assert recipe.data.pairs == ["fr-en"]
+    assert recipe.finetune.loop.epochs == 5.0
+    assert recipe.finetune.optim.lr == 3e-5  # from the base
+    bad_base = write(tmp_path, "base.yaml", BASE.replace("3e-5", "'oops'"))
+    with pytest.raises(RecipeError) as err:
+        load_recipe(child)
+    assert f"{bad_base}: finetune.optim.lr: expected float, got 'oops'" in str(err.value)
+
+
+def test_bad_extends(tmp_path):
+    missing = write(tmp_path, "a.yaml", "extends: nowhere.yaml\n")
+    with pytest.raises(RecipeError, match="nowhere.yaml: no such recipe file"):
+        load_recipe(missing)
+    not_a_path = write(tmp_path, "b.yaml", "extends: [x]\n")
+    with pytest.raises(RecipeError, match="extends: expected a relative path"):
+        load_recipe(not_a_path)
+    write(tmp_path, "c.yaml", "extends: d.yaml\n")
+    cycle = write(tmp_path, "d.yaml", "extends: c.yaml\n")
+    with pytest.raises(RecipeError, match="`extends` forms a cycle"):
+        load_recipe(cycle)
+
+
+def test_overrides_parse_yaml_values_and_report_their_origin(tmp_path):
+    assert parse_override("finetune.optim.lr=1e-4") == (["finetune", "optim", "lr"], 1e-4)
+    assert parse_override("data.pairs=[de-en, fr-en]") == (["data", "pairs"], ["de-en", "fr-en"])
+    assert parse_override("target.revision=null") == (["target", "revision"], None)
+    with pytest.raises(RecipeError, match="expected key.path=value"):
+        parse_override("finetune.optim.lr")
+    path = write(tmp_path, "r.yaml", BASE)
+    recipe = load_recipe(path, ["finetune.loop.epochs=5.0", "data.pairs=[de-en, fr-en]"])
+    assert recipe.finetune.loop.epochs == 5.0 and recipe.data.pairs == ["de-en", "fr-en"]
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path, ["finetune.optim.lr=fast"])
+    assert "override `finetune.optim.lr=fast`: finetune.optim.lr: expected float, got 'fast'" in str(
+        err.value
+    )
+    with pytest.raises(RecipeError, match="finetune.nope: unknown key"):
+        load_recipe(path, ["finetune.nope=1"])
+
+
+def test_dump_round_trips(tmp_path):
+    recipe = load_recipe(write(tmp_path, "r.yaml", BASE))
+    again = load_recipe(write(tmp_path, "resolved.yaml", dump_recipe(recipe)))
+    assert again == recipe
+
+
+RECIPES = sorted(p for p in (ROOT / "recipes").rglob("*.yaml") if "accelerate" not in p.parts)
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[str(p.relative_to(ROOT)) for p in RECIPES])
+def test_every_shipped_recipe_loads(path):
+    text = path.read_text()
+    is_base = path.stem == "base" or "base" in path.parts
+    recipe = load_recipe(path)
+    assert recipe.data.pairs
+    if not is_base:
+        assert text.startswith("#") and "polydraft run" in text.splitlines()[0] + "".join(
+            text.splitlines()[1:4]
+        ), "a recipe starts with a comment giving its launch command"
+
+
+def test_accelerate_configs_are_valid_yaml():
+    import yaml
+
+    configs = sorted((ROOT / "recipes" / "accelerate").glob("*.yaml"))
+    assert {p.stem for p in configs} >= {
+        "single",
+        "ddp",
+        "fsdp",
+        "deepspeed_zero2",
+        "deepspeed_zero3",
+        "multinode",
+    }
+    for path in configs:
+        config = yaml.safe_load(path.read_text())
+        assert config["distributed_type"] in {"NO", "MULTI_GPU", "FSDP", "DEEPSPEED"}

@@ -1,0 +1,192 @@
+"""The runner: manifests, skipping, rerunning exactly what changed, atomic stage folders, kills."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipelines.recipe import load_recipe
+from pipelines.runner import run_pipeline
+from pipelines.stage import ResolvedTarget, StageFailed
+from tests.fake_stages import TOPOLOGY, fake_stages
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPE = """
+target:
+  path: org/target
+data:
+  pairs: [de-en]
+tracking:
+  mode: disabled
+"""
+TARGET = ResolvedTarget("org/target", None, "auto", False)
+
+
+@pytest.fixture
+def setup(tmp_path, monkeypatch):
+    recipe_path = tmp_path / "recipe.yaml"
+    recipe_path.write_text(RECIPE)
+    log = tmp_path / "ran.log"
+    monkeypatch.setenv("FAKE_STAGE_LOG", str(log))
+    return recipe_path, tmp_path / "run", log
+
+
+def ran(log: Path) -> list[str]:
+    lines = log.read_text().split() if log.exists() else []
+    log.unlink(missing_ok=True)
+    return lines
+
+
+def run(recipe_path, run_dir, *overrides, **kwargs):
+    recipe = load_recipe(recipe_path, list(overrides))
+    return run_pipeline(recipe, run_dir, fake_stages(), TARGET, command="test", **kwargs)
+
+
+def test_first_run_produces_exactly_the_expected_files(setup):
+    recipe_path, run_dir, log = setup
+    run(recipe_path, run_dir)
+    assert ran(log) == list(TOPOLOGY)
+    files = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file())
+    expected = ["recipe.yaml", "run.json"] + [
+        f"{stage}/{name}"
+        for stage in sorted(TOPOLOGY)
+        for name in ("manifest.json", "out.json", "part-1.txt", "part-2.txt")
+    ]
+    assert files == sorted(expected)
+    manifest = json.loads((run_dir / "finetune" / "manifest.json").read_text())
+    assert manifest["status"] == "completed"
+    assert set(manifest["upstream"]) == {"distill", "pretrain"}
+    assert set(manifest["config"]) == {"target", "data", "finetune", "launch", "resolved_target"}
+    for key in (
+        "config_hash",
+        "key",
+        "git",
+        "packages",
+        "command",
+        "started_at",
+        "finished_at",
+        "metrics",
+        "host",
+    ):
+        assert key in manifest
+    assert manifest["metrics"] == {"resumed": False, "value": 1.5}
+    assert manifest["packages"]["torch"]
+    assert "dirty" in manifest["git"]
+
+
+def test_rerun_skips_every_stage(setup):
+    recipe_path, run_dir, log = setup
+    run(recipe_path, run_dir)
+    ran(log)
+    before = {p: p.stat().st_mtime_ns for p in run_dir.glob("*/manifest.json")}
+    outcomes = run(recipe_path, run_dir)
+    assert ran(log) == []
+    assert {o.status for o in outcomes} == {"skipped (up to date)"}
+    assert before == {p: p.stat().st_mtime_ns for p in run_dir.glob("*/manifest.json")}
+
+
+def test_config_change_reruns_that_stage_and_downstream_only(setup):
+    recipe_path, run_dir, log = setup
+    run(recipe_path, run_dir)
+    ran(log)
+    run(recipe_path, run_dir, "finetune.loop.seed=7")
+    assert ran(log) == ["finetune", "calibrate", "measure", "export"]
+    run(recipe_path, run_dir, "finetune.loop.seed=7", "early_exit.num_shared_layers=2")
+    assert ran(log) == ["early_exit", "calibrate", "measure", "export"]
+    run(recipe_path, run_dir, "finetune.loop.seed=7", "early_exit.num_shared_layers=2", "data.seed=3")
+    assert ran(log) == list(TOPOLOGY)  # every stage reads the data block
+
+
+def test_disabled_stage_is_skipped_and_downstream_no_longer_depends_on_it(setup):
+    recipe_path, run_dir, log = setup
+    outcomes = run(recipe_path, run_dir, "pretrain.enabled=false")
+    assert ran(log) == [s for s in TOPOLOGY if s != "pretrain"]
+    assert [o.status for o in outcomes if o.name == "pretrain"] == ["disabled"]
+    assert set(json.loads((run_dir / "finetune" / "manifest.json").read_text())["upstream"]) == {"distill"}
+
+
+def test_only_and_from_and_force(setup):
+    recipe_path, run_dir, log = setup
+    with pytest.raises(StageFailed, match="finetune needs distill, pretrain"):
+        run(recipe_path, run_dir, only="finetune")
+    run(recipe_path, run_dir)
+    ran(log)
+    run(recipe_path, run_dir, only="measure")
+    assert ran(log) == []  # up to date
+    run(recipe_path, run_dir, only="measure", force=True)
+    assert ran(log) == ["measure"]
+    run(recipe_path, run_dir, start="calibrate", force=True)
+    assert ran(log) == ["calibrate", "measure", "export"]
+    # a forced measure has a new manifest, so export is now out of date
+    run(recipe_path, run_dir, only="measure", force=True)
+    ran(log)
+    run(recipe_path, run_dir)
+    assert ran(log) == ["export"]
+
+
+def test_failed_stage_leaves_no_complete_folder_and_rerun_resumes(setup, monkeypatch):
+    recipe_path, run_dir, log = setup
+    monkeypatch.setenv("FAKE_STAGE_FAIL", "finetune")
+    with pytest.raises(RuntimeError, match="finetune failed on purpose"):
+        run(recipe_path, run_dir)
+    assert not (run_dir / "finetune").exists()
+    assert not (run_dir / "finetune.partial" / "manifest.json").exists()
+    failure = json.loads((run_dir / "finetune.partial" / "failure.json").read_text())
+    assert failure["status"] == "failed" and "on purpose" in failure["error"]
+    monkeypatch.delenv("FAKE_STAGE_FAIL")
+    ran(log)
+    run(recipe_path, run_dir)
+    assert ran(log) == [
+        "finetune",
+        "early_exit",
+        "calibrate",
+        "measure",
+        "export",
+    ]  # the pipeline stopped there
+    assert not (run_dir / "finetune.partial").exists()
+    assert not (run_dir / "finetune" / "failure.json").exists()
+
+
+def test_killed_stage_leaves_no_manifest_and_rerun_resumes_from_partial(setup):
+    recipe_path, run_dir, log = setup
+    script = (
+        "import sys; from pathlib import Path; from tests.test_runner import run; "
+        "run(Path(sys.argv[1]), Path(sys.argv[2]))"
+    )
+    env = {**os.environ, "FAKE_STAGE_HANG": "early_exit", "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen(
+        [sys.executable, "-c", script, str(recipe_path), str(run_dir)], env=env, cwd=ROOT
+    )
+    marker = run_dir / "early_exit.partial" / "hanging"
+    deadline = time.time() + 60
+    while not marker.exists() and time.time() < deadline and process.poll() is None:
+        time.sleep(0.1)
+    assert marker.exists(), "the stage never reached its hanging point"
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not (run_dir / "early_exit").exists()
+    partial = run_dir / "early_exit.partial"
+    assert (partial / "part-1.txt").exists() and not (partial / "manifest.json").exists()
+    assert (run_dir / "distill" / "manifest.json").exists()  # completed before the kill, kept
+    ran(log)
+    outcomes = run(recipe_path, run_dir)
+    assert ran(log) == ["early_exit", "calibrate", "measure", "export"]
+    assert [o.metrics["resumed"] for o in outcomes if o.name == "early_exit"] == [True]
+
+
+def test_partial_left_by_another_config_is_discarded(setup, monkeypatch):
+    recipe_path, run_dir, log = setup
+    monkeypatch.setenv("FAKE_STAGE_FAIL", "distill")
+    with pytest.raises(RuntimeError):
+        run(recipe_path, run_dir)
+    (run_dir / "distill.partial" / "hanging").write_text("")
+    monkeypatch.delenv("FAKE_STAGE_FAIL")
+    outcomes = run(recipe_path, run_dir, "distill.seed=5")
+    assert [o.metrics["resumed"] for o in outcomes if o.name == "distill"] == [False]

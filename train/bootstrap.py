@@ -1,0 +1,177 @@
+"""Bootstrap targets: a small Llama-family chat model built and trained here on the offline corpus.
+
+For offline demos and tests only. The model answers `Translate X to English: ...` prompts in the
+Vicuna v1.1 format (seed 003 F.2), like the real targets of the recipes, so every stage downstream runs
+exactly as it would on a real target. Builds are cached by the hash of their settings.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+
+from distill.offline import offline_pairs, offline_texts
+from distill.prompts import task_prefix, vicuna_prompt
+from models.tiny import build_llama, train_tokenizer
+
+log = logging.getLogger(__name__)
+
+DONE = "bootstrap.json"
+
+
+def conversations(
+    pairs: list[str],
+    samples_per_pair: int,
+    entries_per_sample: tuple[int, int],
+    test_fraction: float,
+    seed: int,
+) -> list[tuple[str, str]]:
+    """(prompt, answer) strings: the Vicuna prompt of a translation request and the reference + EOS."""
+    out = []
+    for pair in pairs:
+        for row in offline_pairs(pair, "train", samples_per_pair, entries_per_sample, test_fraction, seed):
+            prompt = vicuna_prompt([{"role": "user", "content": task_prefix(pair) + row["source"]}])
+            out.append((prompt, " " + row["target"] + "</s>"))
+    return out
+
+
+def _encode(tokenizer: Any, examples: list[tuple[str, str]], seq_len: int) -> list[tuple[list[int], int]]:
+    """Token ids of prompt + answer and the index where the answer starts (loss goes on the answer only)."""
+    encoded = []
+    for prompt, answer in examples:
+        prompt_ids = tokenizer(prompt).input_ids
+        answer_ids = tokenizer(answer, add_special_tokens=False).input_ids
+        ids = (prompt_ids + answer_ids)[:seq_len]
+        encoded.append((ids, len(prompt_ids)))
+    return encoded
+
+
+def _batch(
+    encoded: list[tuple[list[int], int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    width = max(len(ids) for ids, _ in encoded)
+    input_ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(encoded), width), -100, dtype=torch.long)
+    attention = torch.zeros((len(encoded), width), dtype=torch.long)
+    for row, (ids, answer_start) in enumerate(encoded):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        attention[row, : len(ids)] = 1
+        labels[row, answer_start : len(ids)] = torch.tensor(ids[answer_start:])
+    return input_ids, labels, attention
+
+
+def build_bootstrap_target(
+    out_dir: Path,
+    pairs: list[str],
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    intermediate_size: int,
+    max_position_embeddings: int,
+    steps: int,
+    batch_size: int,
+    seq_len: int,
+    lr: float,
+    seed: int,
+    entries_per_sample: tuple[int, int],
+    test_fraction: float,
+    samples_per_pair: int,
+    show_progress: bool = True,
+) -> dict[str, Any]:
+    """Train a tokenizer and a small Llama on the offline corpus and save them as a Hugging Face folder.
+
+    Written into a temporary sibling folder and renamed at the end, so `out_dir` is complete or absent.
+    """
+    from tqdm.auto import tqdm
+
+    started = time.perf_counter()
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    langs = [pair.split("-")[0] for pair in pairs]
+    examples = conversations(pairs, samples_per_pair, entries_per_sample, test_fraction, seed)
+    tokenizer_texts = [row["text"] for row in offline_texts(langs, 2000, seed)] + [p + a for p, a in examples]
+    tokenizer = train_tokenizer(tokenizer_texts, vocab_size)
+    encoded = _encode(tokenizer, examples, seq_len)
+    model = build_llama(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        seed=seed,
+    ).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    warmup = max(1, steps // 20)
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup))) * 0.9 + 0.1
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
+    order: list[int] = []
+    losses: list[float] = []
+    bar = tqdm(range(steps), desc="bootstrap target", disable=not show_progress, dynamic_ncols=True)
+    for step in bar:
+        if len(order) < batch_size:
+            order += rng.sample(range(len(encoded)), len(encoded))
+        chunk, order = order[:batch_size], order[batch_size:]
+        input_ids, labels, attention = _batch([encoded[i] for i in chunk], tokenizer.pad_token_id)
+        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if step % 10 == 0:
+            bar.set_postfix(loss=f"{sum(losses[-10:]) / len(losses[-10:]):.3f}")
+
+    model.eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        max_new_tokens=256,
+        do_sample=False,
+    )
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{random.getrandbits(32):08x}")
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    stats = {
+        "pairs": pairs,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "examples": len(encoded),
+        "steps": steps,
+        "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    (tmp / DONE).write_text(json.dumps(stats, indent=2) + "\n")
+    try:
+        tmp.rename(out_dir)
+    except OSError:  # another process finished the same build first: keep theirs
+        shutil.rmtree(tmp)
+    log.info(
+        "bootstrap target ready in %s (loss %.3f after %d steps, %.0f s)",
+        out_dir,
+        stats["final_loss"],
+        steps,
+        stats["seconds"],
+    )
+    return stats
