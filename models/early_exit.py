@@ -68,6 +68,37 @@ def target_layer_types(config) -> list[str]:
     return list(types)
 
 
+def attention_masks(
+    config,
+    hidden: torch.Tensor,
+    attention_mask: torch.Tensor | dict | None,
+    cache: Any,
+    position_ids: torch.Tensor,
+    slots: list[int],
+    types: list[str],
+) -> dict[str, torch.Tensor | None]:
+    """Masks by attention type for layers writing cache `slots` of attention `types`, each type's mask
+    sized against the first of its slots in the cache.
+
+    `attention_mask`: a 2D padding mask, None, a prepared 4D mask (tree attention: returned as is by
+    transformers' mask functions), or a dict type -> mask (returned unchanged).
+    """
+    if isinstance(attention_mask, dict):
+        return attention_mask
+    functions = _mask_functions()
+    return {
+        kind: functions[kind](
+            config=config,
+            inputs_embeds=hidden,
+            attention_mask=attention_mask,
+            past_key_values=cache,
+            position_ids=position_ids,
+            layer_idx=slots[types.index(kind)],
+        )
+        for kind in dict.fromkeys(types)
+    }
+
+
 def run_layers(
     layers: nn.ModuleList | list[nn.Module],
     hidden: torch.Tensor,
@@ -217,25 +248,9 @@ class EarlyExitDrafter(nn.Module):
         position_ids: torch.Tensor,
         slots: list[int],
     ) -> dict[str, torch.Tensor | None]:
-        """Masks by attention type for layers writing cache `slots` (sized against the first slot of each type).
-
-        `attention_mask`: a 2D padding mask, None, a prepared 4D mask (tree attention), or such a dict.
-        """
-        if isinstance(attention_mask, dict):
-            return attention_mask
+        """Masks by attention type for the layers writing cache `slots` (see `attention_masks`)."""
         types = [self.slot_type(slot) for slot in slots]
-        functions = _mask_functions()
-        return {
-            kind: functions[kind](
-                config=self.config,
-                inputs_embeds=hidden,
-                attention_mask=attention_mask,
-                past_key_values=cache,
-                position_ids=position_ids,
-                layer_idx=slots[types.index(kind)],
-            )
-            for kind in dict.fromkeys(types)
-        }
+        return attention_masks(self.config, hidden, attention_mask, cache, position_ids, slots, types)
 
     def slot_type(self, slot: int) -> str:
         if slot >= self.num_hidden_layers:

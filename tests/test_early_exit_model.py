@@ -255,3 +255,20 @@ def test_bad_sizes_and_missing_checkpoint(tiny_target_dir, tmp_path):
     (tmp_path / "config.json").write_text((tiny_target_dir / "config.json").read_text())
     with pytest.raises(FileNotFoundError, match="no checkpoint in this folder"):
         build_early_exit(str(tmp_path), 2)
+
+
+def test_streamed_target_tokens_equal_the_full_forward(tiny_target_dir, tiny_target, untied_dir):
+    from transformers import AutoModelForCausalLM
+
+    from models.target_stream import streamed_greedy_tokens
+
+    for folder, target in ((tiny_target_dir, tiny_target), (untied_dir, None)):
+        target = target or AutoModelForCausalLM.from_pretrained(folder).eval()
+        batches = [
+            ids(target.config.vocab_size, (2, 9), seed=3),
+            ids(target.config.vocab_size, (3, 5), seed=4),
+        ]
+        got = streamed_greedy_tokens(str(folder), batches)
+        with torch.no_grad():
+            expected = [target(b).logits.argmax(-1) for b in batches]
+        assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
