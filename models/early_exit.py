@@ -282,6 +282,14 @@ class EarlyExitDrafter(nn.Module):
             )
         return SharedState(hidden, position_ids, position_embeddings)
 
+    def exit_masks(
+        self, state: SharedState, attention_mask: torch.Tensor | dict | None = None, cache: Any = None
+    ) -> dict[str, torch.Tensor | None]:
+        """Masks for the exit layers (sized against their own cache slots)."""
+        return self.causal_mask(
+            state.hidden, attention_mask, cache, state.position_ids, self.exit_cache_slots
+        )
+
     def forward_exit(
         self,
         state: SharedState,
@@ -289,11 +297,7 @@ class EarlyExitDrafter(nn.Module):
         cache: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, hidden) of the exit head on layer-N hidden states; exit layers write `exit_cache_slots`."""
-        masks = (
-            self.causal_mask(state.hidden, attention_mask, cache, state.position_ids, self.exit_cache_slots)
-            if self.exit_cache_slots
-            else None
-        )
+        masks = self.exit_masks(state, attention_mask, cache) if self.exit_cache_slots else None
         return self.exit(state.hidden, state.position_embeddings, masks, cache, state.position_ids)
 
     def forward(
@@ -451,14 +455,20 @@ def head_config(drafter: EarlyExitDrafter, extra: dict[str, Any] | None = None) 
 
 
 def save_exit_head(
-    drafter: EarlyExitDrafter, folder: str | Path, extra: dict[str, Any] | None = None
+    drafter: EarlyExitDrafter,
+    folder: str | Path,
+    extra: dict[str, Any] | None = None,
+    state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write the exit layer(s), norm and head (`early_exit.safetensors`) and `early_exit.json`."""
+    """Write the exit layer(s), norm and head (`early_exit.safetensors`) and `early_exit.json`.
+
+    `state`: the head's state dict when it lives elsewhere (gathered from FSDP / ZeRO-3 shards).
+    """
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in drafter.exit.state_dict().items()}
+    state = {k: v.detach().contiguous().cpu() for k, v in (state or drafter.exit.state_dict()).items()}
     save_file(state, str(folder / WEIGHTS_FILE), metadata={"format": FORMAT})
     text = json.dumps(head_config(drafter, extra), indent=2)
     (folder / CONFIG_FILE).write_text(text + "\n", encoding="utf-8")
