@@ -15,6 +15,7 @@ from tests.drafter_setup import context, tiny_recipe, write_tiny_mix
 from tests.eesd_setup import save_layered_target
 from train.calibrate import (
     REPORT_FILE,
+    build_labels,
     calibrate,
     fit,
     flatten,
@@ -173,3 +174,24 @@ def test_calibrate_needs_its_upstream_stages(tmp_path, tiny_target_dir):
                 tmp_path / "r", "calibrate", tiny_target_dir, {"distill": tmp_path, "early_exit": tmp_path}
             ),
         )
+
+
+def test_label_chunks_are_reused_by_a_rerun(tmp_path):
+    calls = []
+
+    def label(prefix):
+        calls.append(prefix)
+        return {"labels": torch.tensor([len(prefix)]), "target_hidden": torch.zeros(2)}
+
+    prefixes = [[1] * n for n in range(2, 2 + 120)]  # 3 chunks of 50, 50, 20
+    accelerator = make_accelerator(1, "no")
+    first = build_labels(tmp_path, "train", prefixes, label, accelerator)
+    assert len(calls) == 120 and sorted(p.name for p in tmp_path.iterdir()) == [
+        f"train-0000{i}.pt" for i in range(3)
+    ]
+    (tmp_path / "train-00001.pt").unlink()  # as if killed while labelling the second chunk
+    again = build_labels(tmp_path, "train", prefixes, label, accelerator)
+    assert len(calls) == 170  # only the missing chunk was labelled again
+    assert torch.equal(first["labels"], again["labels"]) and first["labels"].flatten().tolist() == list(
+        range(2, 122)
+    )

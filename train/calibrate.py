@@ -10,7 +10,8 @@ that produced the prefix's newest token, and the drafter's last hidden state tha
 Drafters: the early-exit head (attached to the loaded target, sharing its first N layers) and, with
 `calibrate.drafters: all`, every finetuned drafter (`finetune/<pair>/`) on its own pair's rows.
 
-Runner side: `run`. Subprocess side: `main`. Outputs per drafter, `<work_dir>/<name>/`:
+Runner side: `run`, which launches one process (the whole target is spread over the visible GPUs).
+Subprocess side: `main`. Outputs per drafter, `<work_dir>/<name>/`:
 `calibration.safetensors`, `calibration.json`, `report.json` (written last: a drafter with a report is
 done and skipped by a rerun). Label chunks (`labels/`) and checkpoints make a killed run resume; both
 are removed when the drafter is done.
@@ -53,6 +54,7 @@ log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.json"
 ERROR_FILE = "error.txt"
 REPORT_FILE = "report.json"
+SINGLE_PROCESS = "recipes/accelerate/single.yaml"
 CHUNK = 50
 """Positions per label chunk file (the unit of resumable label building)."""
 
@@ -71,8 +73,11 @@ def run(recipe: Recipe, ctx: StageContext) -> StageResult:
         raise StageFailed("calibrate.drafters: all needs the finetune stage; enable it or use `early_exit`")
     error_file = ctx.work_dir / ERROR_FILE
     error_file.unlink(missing_ok=True)
+    # one process: labelling needs the whole target, which load_target spreads over every visible GPU
+    # (a 70B target fits no single one); the calibration model itself is small
+    single = recipe.launch.model_copy(update={"accelerate_config": SINGLE_PROCESS, "num_processes": None})
     try:
-        launch_training(recipe, ctx, "train.calibrate")
+        launch_training(recipe.model_copy(update={"launch": single}), ctx, "train.calibrate")
     except StageFailed as err:
         if error_file.is_file():
             raise StageFailed(f"calibrate: {error_file.read_text(encoding='utf-8').strip()}") from err
@@ -303,14 +308,14 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def load_target(target: Any, accelerator: Any) -> torch.nn.Module:
-    """The whole target: spread over the GPUs by accelerate when one process runs (a 70B target does not
-    fit one), else on this process's device."""
+    """The whole target: spread over the visible GPUs by accelerate (a 70B target fits no single one) when
+    this is the only process, else on this process's device."""
     from transformers import AutoModelForCausalLM
 
     from models.loading import load_causal_lm, resolve_dtype
 
     device = accelerator.device
-    if device.type == "cuda" and accelerator.num_processes == 1 and torch.cuda.device_count() > 1:
+    if device.type == "cuda" and accelerator.num_processes == 1:
         return AutoModelForCausalLM.from_pretrained(
             target.path, revision=target.revision, dtype=resolve_dtype(target.dtype, device),
             trust_remote_code=target.trust_remote_code, device_map="auto",

@@ -153,6 +153,8 @@ class CalibrateConfig(StrictModel):
     Labels: from positions sampled in the distill mix, the drafter drafts `draft_length` tokens greedily;
     one target forward over prefix + drafts gives the target's greedy token at each of them; chi_i = 1
     while they agree. Output per drafter: `<name>/` with the model, `calibration.json` and `report.json`.
+    The stage runs as one process whatever `launch` says: the whole target is loaded and spread over the
+    visible GPUs (a 70B target fits no single one).
     """
 
     enabled: bool = True
