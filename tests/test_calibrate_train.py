@@ -144,9 +144,10 @@ def test_calibrate_stage_for_the_head_and_a_finetuned_drafter(tmp_path, layered_
         calibrate={"drafters": "all", "draft_length": 3, "num_positions": 8, "heldout_fraction": 0.5,
                    "loop": {"per_device_batch_size": 6, "max_steps": 3, "max_length": 100, "checkpoint_every": 2}},
     )  # fmt: skip
+    recipe = recipe.model_copy(update={"launch": recipe.launch.model_copy(update={"num_processes": 2})})
     upstream = {"distill": distill, "early_exit": head_stage, "finetune": finetune}
     ctx = context(tmp_path / "run", "calibrate", layered_dir, upstream)
-    metrics = calibrate(spec_for(recipe, ctx), make_accelerator(1, "no"), Tracker(None, "calibrate"))
+    metrics = run(recipe, ctx).metrics  # a real launch: one process whatever recipe.launch says
 
     for name, width in (("early_exit", 64), ("de-en", 32)):
         report = json.loads((ctx.work_dir / name / REPORT_FILE).read_text())
