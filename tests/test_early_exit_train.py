@@ -24,11 +24,11 @@ def layered_dir(tmp_path_factory, tiny_tokenizer):
     return save_layered_target(tmp_path_factory.mktemp("layered"), tiny_tokenizer)
 
 
-def train_in_process(tmp_path, target_dir, **early_exit):
+def train_in_process(tmp_path, target_dir, precision="no", **early_exit):
     distill = write_tiny_mix(tmp_path / "distill", ["de-en", "fr-en"], train_rows=12, eval_rows=4)
     recipe = tiny_recipe(target_dir, early_exit={"optim": {"lr": 1e-2}, "loop": LOOP, **early_exit})
     ctx = context(tmp_path / "run", "early_exit", target_dir, {"distill": distill})
-    accelerator = make_accelerator(1, "no")
+    accelerator = make_accelerator(1, precision)
     drafter, metrics = train_early_exit(spec_for(recipe, ctx), accelerator, Tracker(None, "early_exit"))
     return ctx, drafter, metrics
 
@@ -98,3 +98,18 @@ def test_missing_distill_and_too_little_data_fail_clearly(tmp_path, tiny_target_
     with pytest.raises(StageFailed, match="training examples are fewer than one global batch of 4"):
         train_early_exit(spec_for(recipe, ctx), make_accelerator(1, "no"), Tracker(None, "early_exit"))
     assert not (ctx.work_dir / METRICS_FILE).exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bf16_autocast_training_on_a_gpu(tmp_path, layered_dir):
+    from transformers import AutoModelForCausalLM
+
+    _, drafter, metrics = train_in_process(tmp_path, layered_dir, precision="bf16", num_shared_layers=2)
+    target = AutoModelForCausalLM.from_pretrained(layered_dir).eval()
+    assert next(drafter.exit.parameters()).device.type == "cuda"
+    assert next(drafter.exit.parameters()).dtype == torch.float32  # fp32 master weights under bf16 autocast
+    for i, layer in enumerate(drafter.shared_layers):
+        for name, tensor in layer.state_dict().items():
+            assert torch.equal(tensor.cpu(), target.state_dict()[f"model.layers.{i}.{name}"]), name
+    assert metrics["steps"] == 4 and metrics["peak_memory_gib"] > 0

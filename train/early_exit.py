@@ -246,6 +246,8 @@ def eval_reference(
     """The full target's greedy tokens on this process's held-out batches, streamed once and cached."""
     from models.target_stream import streamed_greedy_tokens
 
+    if not sequences:
+        return []
     path = work_dir / f"eval_reference.{accelerator.process_index}-of-{accelerator.num_processes}.pt"
     if path.is_file():
         cached = torch.load(path, weights_only=True)
