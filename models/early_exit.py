@@ -412,8 +412,9 @@ def from_target(
     """
     parts = decoder_parts(target)
     reference = next(parts.layers[num_shared_layers - 1].parameters())
+    remote = bool(getattr(target.config, "auto_map", None))  # a target built from hub code needs it again
     skeleton = meta_causal_lm(
-        target.config, exit_dtype or reference.dtype, target.config._attn_implementation, False
+        target.config, exit_dtype or reference.dtype, target.config._attn_implementation, remote
     )
     drafter = _assemble(parts, decoder_parts(skeleton), num_shared_layers, num_exit_layers)
     head = drafter.exit
