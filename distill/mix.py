@@ -66,3 +66,54 @@ def read_mix(
             if temperatures is None or row["origin"] != "distill" or row["temperature"] in temperatures:
                 rows.append(row)
     return rows
+
+
+class MixWriter:
+    """Writes the `train` and `eval` mix of every pair in one pass over the rows.
+
+    Rows go to temporary files; `close()` fsyncs them and renames them into place (so a kill never
+    leaves a half-written mix that looks complete), with an empty `eval` (or `train`) file for a pair
+    whose rows all fell on one side. Returns the row count per (pair, split).
+    """
+
+    def __init__(self, distill_dir: Path):
+        self.distill_dir = Path(distill_dir)
+        self._handles: dict[tuple[str, str], Any] = {}
+        self.counts: dict[tuple[str, str], int] = {}
+
+    def _handle(self, pair: str, split: str) -> Any:
+        if (pair, split) not in self._handles:
+            path = mix_path(self.distill_dir, pair, split)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._handles[(pair, split)] = open(path.with_suffix(".jsonl.tmp"), "w", encoding="utf-8")  # noqa: SIM115
+            self.counts[(pair, split)] = 0
+        return self._handles[(pair, split)]
+
+    def add(self, row: dict[str, Any], split: str) -> None:
+        missing = [k for k in MIX_KEYS if k not in row]
+        if missing:
+            raise ValueError(f"mix row {row.get('id')!r} lacks {missing}")
+        self._handle(row["pair"], split).write(
+            json.dumps({k: row[k] for k in MIX_KEYS}, ensure_ascii=False) + "\n"
+        )
+        self.counts[(row["pair"], split)] += 1
+
+    def close(self) -> dict[tuple[str, str], int]:
+        for pair in {p for p, _ in list(self._handles)}:
+            for split in ("train", "eval"):
+                self._handle(pair, split)
+        for (pair, split), handle in self._handles.items():
+            handle.flush()
+            os.fsync(handle.fileno())
+            handle.close()
+            path = mix_path(self.distill_dir, pair, split)
+            path.with_suffix(".jsonl.tmp").replace(path)
+        self._handles = {}
+        return dict(self.counts)
+
+    def abort(self) -> None:
+        """Drop the temporary files (after an error)."""
+        for (pair, split), handle in self._handles.items():
+            handle.close()
+            mix_path(self.distill_dir, pair, split).with_suffix(".jsonl.tmp").unlink(missing_ok=True)
+        self._handles = {}

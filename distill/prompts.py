@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 LANGUAGE_NAMES = {
     "de": "German",
     "fr": "French",
@@ -49,3 +51,57 @@ def vicuna_prompt(messages: list[dict[str, str]], add_generation_prompt: bool = 
     if add_generation_prompt:
         parts.append("ASSISTANT:")
     return "".join(parts)
+
+
+PROMPT_FORMATS = ("vicuna", "chat_template")
+
+
+def translation_messages(pair: str, source: str) -> list[dict[str, str]]:
+    """One user turn asking for the translation, with the task prefix of seed 003 F.2."""
+    return [{"role": "user", "content": task_prefix(pair) + source}]
+
+
+def build_prompt(messages: list[dict[str, str]], prompt_format: str, tokenizer: Any = None) -> str:
+    """The exact string the target is prompted with, ending where its answer starts.
+
+    `vicuna`: the Vicuna v1.1 format (no tokenizer needed); `chat_template`: the tokenizer's own chat
+    template with the generation prompt. Distill and measure both build prompts here so that they agree.
+    """
+    if prompt_format == "vicuna":
+        return vicuna_prompt(messages)
+    if prompt_format == "chat_template":
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "prompt_format `chat_template` needs a tokenizer with a chat template "
+                "(this one has none: use prompt_format `vicuna`)"
+            )
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    raise ValueError(f"unknown prompt_format {prompt_format!r}; expected one of {PROMPT_FORMATS}")
+
+
+def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
+    """Token ids of a prompt string, with the tokenizer's BOS unless the string already writes it.
+
+    Chat templates such as Llama 3's put the BOS token into the text; adding another one would shift
+    the target's input away from what it was trained on.
+    """
+    bos = getattr(tokenizer, "bos_token", None)
+    add_special = not (bos and prompt.startswith(bos))
+    return tokenizer(prompt, add_special_tokens=add_special)["input_ids"]
+
+
+def chat_turns(conversation: list[dict[str, str]]) -> list[tuple[int, list[dict[str, str]], str | None]]:
+    """The prompts of a conversation: `(turn index, messages up to that user turn, original answer)`.
+
+    Every user turn that an assistant turn follows (or that ends the conversation) becomes a prompt
+    with the turns before it as they are in the data, so that every assistant turn is regenerated.
+    """
+    turns = []
+    for index, message in enumerate(conversation):
+        if message["role"] != "user":
+            continue
+        following = conversation[index + 1] if index + 1 < len(conversation) else None
+        if following is None or following["role"] == "assistant":
+            answer = following["content"] if following is not None else None
+            turns.append((index, conversation[: index + 1], answer))
+    return turns

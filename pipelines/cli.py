@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import shlex
 import sys
@@ -23,6 +24,12 @@ def _setup_logging(quiet: bool, verbose: bool) -> None:
     )
     for name in ("pipelines", "distill", "train", "models", "decoding"):
         logging.getLogger(name).setLevel(level)
+    if quiet:
+        import datasets
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        datasets.disable_progress_bars()
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     boot = commands.add_parser("bootstrap", help="build (or find in the cache) a recipe's bootstrap target")
     _common(boot)
+
+    merge = commands.add_parser("merge-shards", help="join the distill folders of a sharded distillation")
+    merge.add_argument("shards", nargs="+", type=Path, help="distill stage folders of shards 0..N-1")
+    merge.add_argument("--out", type=Path, required=True, help="output folder (must not exist)")
+    merge.add_argument("--quiet", action="store_true")
+    merge.add_argument("--verbose", action="store_true")
     return parser
 
 
@@ -80,7 +93,14 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_intermixed_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # overrides may come after options (`run r.yaml --force a.b=1`); argparse leaves those in `extra`
+    unknown = [e for e in extra if e.startswith("-") or "=" not in e or not hasattr(args, "overrides")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     _setup_logging(args.quiet, args.verbose)
     try:
         if args.command == "run":
@@ -93,6 +113,16 @@ def main(argv: list[str] | None = None) -> int:
 
             recipe = load_recipe(args.recipe, args.overrides)
             print(resolve_target(recipe.target, recipe.data, show_progress=not args.quiet).path)
+            return 0
+        if args.command == "merge-shards":
+            from distill.merge import MergeError, merge_shards
+
+            try:
+                summary = merge_shards(args.shards, args.out)
+            except MergeError as err:
+                print(f"polydraft: {err}", file=sys.stderr)
+                return 1
+            print(json.dumps(summary, indent=2))
             return 0
     except RecipeError as err:
         print(f"polydraft: {err}", file=sys.stderr)

@@ -4,9 +4,69 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from pipelines.schema.common import StrictModel
+
+
+class HFGenerateConfig(StrictModel):
+    """Options of the `hf` backend (local transformers `generate`, batched with left padding)."""
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """`auto`: the first CUDA GPU when there is one, else the CPU."""
+
+
+class VLLMConfig(StrictModel):
+    """Options of the `vllm` backend (the offline `vllm.LLM` engine; GPU only, `pip install -e .[vllm]`).
+
+    The model, revision, dtype and trust_remote_code come from the target block (dtype `auto` loads
+    bfloat16)."""
+
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    """GPUs the model is split over (vLLM tensor parallelism)."""
+    max_model_len: int | None = Field(default=None, ge=1)
+    """Context length vLLM allocates for (prompt + answer); None uses the model's own limit. Prompts
+    longer than this minus one token are skipped and counted (`long_prompts`)."""
+    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
+    """Share of GPU memory vLLM may use for weights, activations and KV cache."""
+    submit_size: int | None = Field(default=None, ge=1)
+    """Prompts per `LLM.generate` call. None submits every pending prompt of one temperature at once so
+    that vLLM schedules them together; records are written when a call returns, so set a size (e.g.
+    50000) to bound what a crash loses on a very long run."""
+
+
+class OpenAIServerConfig(StrictModel):
+    """Options of the `openai` backend: any OpenAI-compatible server (`vllm serve`, `transformers
+    serve`, SGLang, ...) through the `openai` Python client."""
+
+    base_urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000/v1"], min_length=1)
+    """One URL per server (`http://host:port/v1`); several URLs spread the requests over data-parallel
+    servers of the same model."""
+    model: str | None = None
+    """The model name the server knows; None uses `target.path` (what `vllm serve PATH` registers)."""
+    endpoint: Literal["completions", "chat"] = "completions"
+    """`completions`: send the prompt string built here (the exact prompt recorded); `chat`: send the
+    messages and let the server apply its chat template (needs `prompt_format: chat_template`; the
+    recorded prompt is the target tokenizer's rendering of the same template)."""
+    api_key_env: str | None = None
+    """Name of the environment variable that holds the API key (e.g. `OPENAI_API_KEY`). The key itself
+    is never written in the recipe, logs, manifests or records. None sends the placeholder `EMPTY`."""
+    max_in_flight: int = Field(default=64, ge=1)
+    """Requests in flight at once, over all servers."""
+    request_timeout: float = Field(default=600.0, gt=0.0)
+    """Seconds one request may take before it counts as failed (and is retried)."""
+    max_retries: int = Field(default=5, ge=0)
+    """Retries of a request after a connection error, a timeout, HTTP 408, 429 or 5xx."""
+    backoff: float = Field(default=1.0, ge=0.0)
+    """Base of the exponential backoff between retries, in seconds (jittered, doubled per retry)."""
+    max_backoff: float = Field(default=60.0, ge=0.0)
+    """Cap of one backoff delay, in seconds."""
+    give_up_after: int = Field(default=64, ge=1)
+    """Stop sending after this many requests in a row failed after their retries (a dead or
+    misconfigured server); the requests not sent are listed in the failures file as well."""
+    return_token_ids: bool = False
+    """Ask the server for the generated token ids (vLLM's `return_token_ids` extension). Servers that
+    do not know the field reject the request (transformers serve answers 422)."""
 
 
 class DistillConfig(StrictModel):
@@ -20,15 +80,55 @@ class DistillConfig(StrictModel):
     """`vicuna`: the Vicuna v1.1 system prompt and `USER: ... ASSISTANT:` (seed 003 F.2);
     `chat_template`: the target tokenizer's own chat template."""
     temperatures: list[float] = Field(default_factory=lambda: [0.0, 0.3, 0.7, 1.0])
-    samples_per_prompt: int = 1
+    samples_per_prompt: int = Field(default=1, ge=1)
     """Samples per prompt and temperature > 0 (greedy is generated once)."""
-    top_p: float = 1.0
-    max_new_tokens: int = 256
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(default=256, ge=1)
     stop: list[str] = Field(default_factory=list)
+    """Stop strings: generation ends at the first one, which the response leaves out."""
     seed: int = 0
-    batch_size: int = 32
-    """Prompts per generate call (hf) or per flushed batch of records."""
-    open_fraction: float = 0.0
+    """Seed of the sampling; each request gets its own seed derived from this, the prompt id, the
+    temperature and the sample index."""
+    batch_size: int = Field(default=32, ge=1)
+    """Prompts per generate call (hf) and records per flushed batch (every backend)."""
+    max_prompt_tokens: int | None = Field(default=None, ge=1)
+    """Skip (and count as `long_prompts`) prompts longer than this many target tokens. The hf and
+    vllm backends also skip prompts that do not fit the model's context."""
+    records_per_file: int = Field(default=100_000, ge=1)
+    """Records per JSONL file under `records/` before a new file is started."""
+    shard_index: int = Field(default=0, ge=0)
+    num_shards: int = Field(default=1, ge=1)
+    """Split a large distillation over independent jobs: job `shard_index` of `num_shards` answers
+    the prompts whose id hashes to it. `distill/merge.py: merge_shards` joins the shard folders and
+    checks that no record is missing or duplicated."""
+    open_fraction: float = Field(default=0.0, ge=0.0)
     """Open-source rows (data.open) added to the mix, as a fraction of the distilled records."""
-    eval_fraction: float = 0.02
-    """Share of the mix held out for the trainers' eval loss and top-1 agreement."""
+    eval_fraction: float = Field(default=0.02, ge=0.0, lt=1.0)
+    """Share of the mix held out for the trainers' eval loss and top-1 agreement (chosen per prompt, so
+    all samples of one prompt fall on the same side)."""
+    hf: HFGenerateConfig = Field(default_factory=HFGenerateConfig)
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+    openai: OpenAIServerConfig = Field(default_factory=OpenAIServerConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> DistillConfig:
+        if not self.temperatures:
+            raise ValueError("distill.temperatures: give at least one temperature")
+        if any(t < 0 for t in self.temperatures):
+            raise ValueError(f"distill.temperatures: must be >= 0, got {self.temperatures}")
+        if len(set(self.temperatures)) != len(self.temperatures):
+            raise ValueError(f"distill.temperatures: listed twice in {self.temperatures}")
+        if self.shard_index >= self.num_shards:
+            raise ValueError(
+                f"distill.shard_index {self.shard_index} must be below num_shards {self.num_shards}"
+            )
+        if (
+            self.backend == "openai"
+            and self.openai.endpoint == "chat"
+            and self.prompt_format != "chat_template"
+        ):
+            raise ValueError(
+                "distill.openai.endpoint `chat` lets the server apply its chat template: "
+                "set distill.prompt_format: chat_template (or use endpoint `completions`)"
+            )
+        return self

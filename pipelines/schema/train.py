@@ -30,12 +30,12 @@ class OptimConfig(StrictModel):
 class LoopConfig(StrictModel):
     """The parts of an explicit training loop every trainer shares."""
 
-    epochs: float = 3.0
+    epochs: float = Field(default=3.0, gt=0)
     """Passes over the training data (fractions allowed). `max_steps` wins when set."""
-    max_steps: int | None = None
-    per_device_batch_size: int = 2
-    grad_accum_steps: int = 1
-    max_length: int = 2048
+    max_steps: int | None = Field(default=None, ge=1)
+    per_device_batch_size: int = Field(default=2, ge=1)
+    grad_accum_steps: int = Field(default=1, ge=1)
+    max_length: int = Field(default=2048, ge=2)
     """Maximum sequence length in tokens (packed length for pretraining)."""
     seed: int = 0
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
@@ -44,13 +44,15 @@ class LoopConfig(StrictModel):
     """`auto`: flash attention 2 when installed on a GPU, else SDPA."""
     compile: bool = False
     """torch.compile the model (GPU)."""
-    log_every: int = 10
-    eval_every: int = 200
+    log_every: int = Field(default=10, ge=1)
+    eval_every: int = Field(default=200, ge=0)
     """Steps between held-out evaluations (loss and top-1 agreement with the target); 0: only at the end."""
-    eval_batches: int = 20
-    checkpoint_every: int = 500
+    eval_batches: int = Field(default=20, ge=0)
+    """Held-out micro-batches (of `per_device_batch_size` rows) per process and evaluation; 0: the whole
+    held-out split."""
+    checkpoint_every: int = Field(default=500, ge=1)
     """Steps between checkpoints; a final one is always written."""
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = Field(default=2, ge=1)
 
 
 class DrafterConfig(StrictModel):
@@ -60,7 +62,10 @@ class DrafterConfig(StrictModel):
     """Named shapes: llama-68m and vicuna-68m (Llama, hidden 768, 2 layers, 12 heads, intermediate 3072);
     gemma-250m (seed 003 Table 4); custom (the fields below)."""
     init: str | None = None
-    """None: random init (or the pretrain stage's output for finetune); else a local folder or hub id."""
+    """None: random init (or the pretrain stage's output for finetune); else a local folder or hub id.
+    Its vocabulary size (and tokenizer, when it ships one) must be the target's, or training stops."""
+    revision: str | None = None
+    """Hub revision of `init`."""
     hidden_size: int | None = None
     """custom: hidden size (also overrides a named arch when set)."""
     num_layers: int | None = None
@@ -86,9 +91,12 @@ class PretrainConfig(StrictModel):
     enabled: bool = True
     drafter: DrafterConfig = Field(default_factory=DrafterConfig)
     token_budget: int = 1_000_000_000
-    """Tokens of packed generic text to train on (the loop stops when it is spent)."""
+    """Tokens of packed generic text to train on (the loop stops when it is spent, or earlier after
+    `loop.epochs` passes over corpora that are not streamed)."""
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=3e-4, weight_decay=0.01))
+    """Seed 003 gives no pretraining hyper-parameters; these are the usual ones for small LMs."""
     loop: LoopConfig = Field(default_factory=lambda: LoopConfig(epochs=1.0, per_device_batch_size=8))
+    """`max_length` is the packed sequence length."""
 
 
 class FinetuneConfig(StrictModel):
@@ -100,13 +108,23 @@ class FinetuneConfig(StrictModel):
     temperatures: list[float] | None = None
     """Keep only records distilled at these temperatures; None keeps all."""
     loss: Literal["ce", "kd"] = "ce"
-    """`ce`: hard-label cross-entropy on the assistant tokens; `kd`: forward KL to the target's top-k logits."""
+    """`ce`: hard-label cross-entropy on the assistant tokens; `kd`: that cross-entropy plus `kd_weight`
+    times the forward KL from the target's distribution (the target is loaded beside the drafter)."""
     kd_top_k: int = 64
+    """`kd` compares the two distributions on the target's k most likely tokens plus one bucket for all
+    the others (a true KL of (k+1)-way distributions, far cheaper than the full vocabulary)."""
     kd_weight: float = 1.0
     optim: OptimConfig = Field(default_factory=OptimConfig)
-    """lr None: 2e-5 for vicuna-68m, 3e-5 otherwise."""
+    """lr None: 2e-5 for vicuna-68m, 3e-5 otherwise (seed 003 App. F.3)."""
     loop: LoopConfig = Field(default_factory=LoopConfig)
-    """epochs: 3 after pretraining, 5 when finetuning only (set it explicitly for the F baseline)."""
+    """Seed 003 App. F.3: batch 2 per device on 4 devices, max length 2048, 3 epochs after pretraining.
+    When pretrain is disabled and `epochs` is not set in the recipe, 5 epochs (the seed's F baseline)."""
+
+    @model_validator(mode="after")
+    def _kd_options(self) -> FinetuneConfig:
+        if self.kd_top_k < 1:
+            raise ValueError("kd_top_k must be at least 1")
+        return self
 
 
 class EarlyExitConfig(StrictModel):

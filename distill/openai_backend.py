@@ -1,0 +1,263 @@
+"""The `openai` backend: any OpenAI-compatible server (`vllm serve`, `transformers serve`, SGLang, ...)
+through the `openai` Python client (v1+ API, async).
+
+- At most `max_in_flight` requests are in flight, spread round-robin over the servers' base URLs
+  (data-parallel servers of one model); a retry goes to the next server.
+- Connection errors, timeouts, HTTP 408, 429 and 5xx are retried with exponential backoff and jitter;
+  other errors (400, 401, 404, 422, an unreadable answer) fail at once.
+- All pending samples of a prompt go as one request with `n`; a server that answers fewer choices
+  (transformers serve ignores `n`) gets the missing samples, and from then on every sample, as separate
+  requests, each with its own seed.
+- After `give_up_after` requests in a row failed for good, nothing more is sent: a dead or
+  misconfigured server ends the run quickly, and every unsent sample is reported as failed.
+The API key is read from the environment by the caller and only handed to the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from distill.plan import Emit, Fail, Generation, Request, request_seed
+
+log = logging.getLogger(__name__)
+
+RETRY_STATUS = {408, 429}
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    base_urls: list[str]
+    model: str
+    endpoint: str
+    """`completions` or `chat`."""
+    api_key: str
+    max_in_flight: int
+    request_timeout: float
+    max_retries: int
+    backoff: float
+    max_backoff: float
+    give_up_after: int
+    return_token_ids: bool
+
+    def __repr__(self) -> str:  # never show the key, whatever logs or tracebacks print
+        return f"ServerSettings(base_urls={self.base_urls}, model={self.model!r}, endpoint={self.endpoint!r})"
+
+
+def request_kwargs(
+    request: Request,
+    sample_indices: list[int],
+    settings: ServerSettings,
+    top_p: float,
+    max_new_tokens: int,
+    stop: list[str],
+    seed: int,
+) -> dict[str, Any]:
+    """Arguments of `client.completions.create` / `client.chat.completions.create` for some samples."""
+    kwargs: dict[str, Any] = {
+        "model": settings.model,
+        "max_tokens": max_new_tokens,
+        "temperature": request.temperature,
+        "top_p": top_p,
+        "n": len(sample_indices),
+        "seed": request_seed(seed, request.key(sample_indices[0])),
+    }
+    if settings.endpoint == "completions":
+        kwargs["prompt"] = request.item.prompt
+    else:
+        kwargs["messages"] = request.item.messages
+    if stop:
+        kwargs["stop"] = list(stop)
+    if settings.return_token_ids:
+        kwargs["extra_body"] = {"return_token_ids": True}
+    return kwargs
+
+
+def parse_response(payload: dict[str, Any], endpoint: str, return_token_ids: bool) -> list[Generation]:
+    """A completions / chat completions answer (as a dict) -> one Generation per choice, in index order."""
+    usage = payload.get("usage") or {}
+    choices = sorted(payload.get("choices") or [], key=lambda c: c.get("index", 0))
+    if not choices:
+        raise ValueError("the server answered without choices")
+    generations = []
+    for choice in choices:
+        if endpoint == "completions":
+            text = choice.get("text")
+        else:
+            text = (choice.get("message") or {}).get("content")
+        ids = choice.get("token_ids")
+        if return_token_ids and ids is None:
+            raise ValueError(
+                "the server returned no token_ids although distill.openai.return_token_ids is set "
+                "(only vLLM servers know that field)"
+            )
+        if ids is not None:
+            response_tokens = len(ids)
+        elif len(choices) == 1:
+            response_tokens = int(usage.get("completion_tokens", -1))
+        else:
+            response_tokens = -1  # usage counts all choices together
+        generations.append(
+            Generation(
+                text=text or "",
+                finish_reason=str(choice.get("finish_reason") or "unknown"),
+                token_ids=[int(t) for t in ids] if ids is not None else None,
+                prompt_tokens=int(usage.get("prompt_tokens", -1)),
+                response_tokens=response_tokens,
+            )
+        )
+    return generations
+
+
+def retryable(err: BaseException) -> bool:
+    """Connection errors, timeouts, 408, 429 and 5xx are worth retrying; other answers are not."""
+    import openai
+
+    if isinstance(err, openai.APIConnectionError):  # includes APITimeoutError
+        return True
+    if isinstance(err, openai.APIStatusError):
+        return err.status_code in RETRY_STATUS or err.status_code >= 500
+    return isinstance(err, asyncio.TimeoutError)
+
+
+def backoff_delay(attempt: int, base: float, cap: float, rng: random.Random) -> float:
+    """Exponential backoff with jitter: half of min(cap, base * 2^attempt) plus up to as much again at
+    random, so that many clients retrying together spread out."""
+    ceiling = min(cap, base * 2**attempt)
+    return ceiling / 2 + rng.uniform(0, ceiling / 2)
+
+
+class _Run:
+    """State of one generate_openai call: clients, counters, the give-up switch."""
+
+    def __init__(self, settings: ServerSettings, sampling: dict[str, Any], emit: Emit, fail: Fail):
+        import openai
+
+        self.settings = settings
+        self.sampling = sampling
+        self.emit = emit
+        self.fail = fail
+        self.clients = [
+            openai.AsyncOpenAI(
+                base_url=url, api_key=settings.api_key, timeout=settings.request_timeout, max_retries=0
+            )
+            for url in settings.base_urls
+        ]
+        self.ignores_n = [False] * len(self.clients)
+        self.rng = random.Random(sampling["seed"])
+        self.failed_in_a_row = 0
+        self.last_error = ""
+        self.stopped = False
+        self.stats = {"requests": 0, "retries": 0, "failed_requests": 0, "n_fallbacks": 0}
+
+    async def send(self, request: Request, indices: list[int], server: int) -> int | None:
+        """One request (with retries) for `indices`; returns how many samples it answered, None on failure."""
+        settings = self.settings
+        kwargs = request_kwargs(request, indices, settings, **self.sampling)
+        for attempt in range(settings.max_retries + 1):
+            index = (server + attempt) % len(self.clients)
+            client = self.clients[index]
+            self.stats["requests"] += 1
+            try:
+                if settings.endpoint == "completions":
+                    response = await client.completions.create(**kwargs)
+                else:
+                    response = await client.chat.completions.create(**kwargs)
+                generations = parse_response(
+                    response.model_dump(), settings.endpoint, settings.return_token_ids
+                )
+            except Exception as err:  # noqa: BLE001 - every failure is classified and reported
+                if retryable(err) and attempt < settings.max_retries:
+                    self.stats["retries"] += 1
+                    await asyncio.sleep(
+                        backoff_delay(attempt, settings.backoff, settings.max_backoff, self.rng)
+                    )
+                    continue
+                reason = f"{type(err).__name__}: {err} (server {settings.base_urls[index]}, {attempt + 1} attempt(s))"
+                self.record_failure(request, indices, reason)
+                return None
+            self.failed_in_a_row = 0
+            for sample_index, generation in zip(indices, generations, strict=False):
+                self.emit(request, sample_index, generation)
+            return min(len(indices), len(generations))
+        return None  # unreachable: the last attempt either returns or records the failure
+
+    def record_failure(self, request: Request, indices: list[int], reason: str) -> None:
+        self.stats["failed_requests"] += 1
+        self.failed_in_a_row += 1
+        self.last_error = reason
+        for sample_index in indices:
+            self.fail(request, sample_index, reason)
+        if self.failed_in_a_row >= self.settings.give_up_after and not self.stopped:
+            self.stopped = True
+            log.error(
+                "openai: %d requests in a row failed; sending no more (last: %s)",
+                self.failed_in_a_row,
+                reason,
+            )
+
+    async def handle(self, request: Request, server: int) -> None:
+        indices = list(request.sample_indices)
+        if len(indices) > 1 and not self.ignores_n[server]:
+            answered = await self.send(request, indices, server)
+            if answered is None or answered == len(indices):
+                return
+            if not self.ignores_n[server]:
+                self.ignores_n[server] = True
+                log.info(
+                    "openai: %s ignores `n`; sending one request per sample", self.settings.base_urls[server]
+                )
+            self.stats["n_fallbacks"] += 1
+            indices = indices[answered:]
+        for sample_index in indices:
+            if self.stopped:
+                return
+            await self.send(request, [sample_index], server)
+
+    async def worker(self, queue: asyncio.Queue, server: int) -> None:
+        while not self.stopped:
+            try:
+                request = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            await self.handle(request, server)
+
+    async def run(self, requests: list[Request]) -> None:
+        queue: asyncio.Queue = asyncio.Queue()
+        for request in requests:
+            queue.put_nowait(request)
+        workers = min(self.settings.max_in_flight, len(requests))
+        try:
+            await asyncio.gather(*(self.worker(queue, i % len(self.clients)) for i in range(workers)))
+        finally:
+            for client in self.clients:
+                await client.close()
+        while not queue.empty():  # left unsent after giving up: reported, never a silent gap
+            request = queue.get_nowait()
+            for sample_index in request.sample_indices:
+                self.fail(
+                    request,
+                    sample_index,
+                    f"not sent: the run stopped after {self.failed_in_a_row} requests in a row failed (last: {self.last_error})",
+                )
+
+
+def generate_openai(
+    requests: list[Request],
+    settings: ServerSettings,
+    *,
+    top_p: float,
+    max_new_tokens: int,
+    stop: list[str],
+    seed: int,
+    emit: Emit,
+    fail: Fail,
+) -> dict[str, int]:
+    """Answer every pending sample through the servers; returns request counters."""
+    sampling = {"top_p": top_p, "max_new_tokens": max_new_tokens, "stop": stop, "seed": seed}
+    run = _Run(settings, sampling, emit, fail)
+    asyncio.run(run.run(requests))
+    return run.stats

@@ -1,0 +1,313 @@
+"""The distill stage end to end with the `hf` backend on the tiny target, resume after `kill -9`,
+invalid rows, and the refusal to mix two configurations in one work dir."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from distill.mix import read_mix
+from distill.plan import record_id
+from distill.prompts import vicuna_prompt
+from distill.store import iter_records, record_files, record_key
+from pipelines.schema import Recipe
+from pipelines.stage import ResolvedTarget, StageContext, StageFailed
+from pipelines.tracking import Tracker
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+GERMAN = [
+    "Guten Morgen",
+    "Das Haus ist alt",
+    "Ich trinke Kaffee",
+    "Der Zug ist spät",
+    "Wo ist der Bahnhof",
+    "Heute regnet es",
+]
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def translation_file(tmp_path: Path, n: int = 4) -> Path:
+    rows = [{"de": GERMAN[i % len(GERMAN)] + f" {i}", "en": f"english {i}"} for i in range(n)]
+    return write_jsonl(tmp_path / "data" / "de_en.jsonl", rows)
+
+
+def make_recipe(target_dir: Path, sources: list[dict], **distill: Any) -> Recipe:
+    defaults = {"temperatures": [0.0, 1.0], "samples_per_prompt": 2, "max_new_tokens": 6, "batch_size": 4}
+    return Recipe.model_validate(
+        {
+            "target": {"path": str(target_dir)},
+            "data": {"pairs": ["de-en"], "distill": sources, **distill.pop("data", {})},
+            "distill": {**defaults, **distill},
+        }
+    )
+
+
+def make_ctx(target_dir: Path, work_dir: Path) -> StageContext:
+    return StageContext(
+        name="distill",
+        run_dir=work_dir.parent,
+        work_dir=work_dir,
+        upstream={},
+        target=ResolvedTarget(str(target_dir), None, "auto", False),
+        tracker=Tracker(None, "distill"),
+        quiet=True,
+    )
+
+
+def local_source(path: Path, **extra: Any) -> dict[str, Any]:
+    return {
+        "kind": "local",
+        "path": str(path),
+        "pair": "de-en",
+        "fields": {"source": "de", "target": "en"},
+        **extra,
+    }
+
+
+def keys_of(work_dir: Path) -> list[tuple]:
+    return [record_key(r) for r in iter_records(work_dir)]
+
+
+def test_hf_backend_end_to_end(tmp_path, tiny_target_dir):
+    """Every (prompt, temperature, sample) once, with the exact prompt, token ids, metrics and the mix."""
+    import datasets
+
+    from distill.stage import run
+
+    data = translation_file(tmp_path, 4)
+    recipe = make_recipe(tiny_target_dir, [local_source(data)], eval_fraction=0.25, stop=["xyz"])
+    work = tmp_path / "run" / "distill"
+    result = run(recipe, make_ctx(tiny_target_dir, work))
+
+    keys = keys_of(work)
+    assert len(keys) == len(set(keys)) == 4 * 3  # greedy once + 2 samples at T=1
+    assert result.metrics["records"] == 12
+    assert result.metrics["records_t0"] == 4 and result.metrics["records_t1"] == 8
+    assert result.metrics["failures"] == 0
+    assert result.metrics["response_tokens"] > 0 and result.metrics["tokens_per_s"] > 0
+    assert result.metrics["truncated_responses"] + result.metrics["empty_responses"] <= 12
+
+    records = list(iter_records(work))
+    first = next(r for r in records if r["temperature"] == 0.0)
+    german = first["messages"][0]["content"].removeprefix("Translate German to English: ")
+    assert first["prompt"] == vicuna_prompt(first["messages"])
+    assert first["prompt"].endswith(f"USER: Translate German to English: {german} ASSISTANT:")
+    assert first["reference"].startswith("english ")
+    assert first["backend"] == "hf" and first["model"] == str(tiny_target_dir)
+    assert all(r["response_tokens"] == len(r["token_ids"]) <= 6 for r in records)
+    assert {r["finish_reason"] for r in records} <= {"stop", "length"}
+    # the two samples at T=1 carry different seeds
+    assert len({r["seed"] for r in records if r["prompt_id"] == first["prompt_id"]}) == 3
+
+    loaded = datasets.load_dataset("json", data_files=[str(p) for p in record_files(work)], split="train")
+    assert loaded.num_rows == 12 and "token_ids" in loaded.column_names
+
+    train, evaluation = read_mix(work, "de-en", "train"), read_mix(work, "de-en", "eval")
+    assert len(train) + len(evaluation) == 12
+    # all samples of a prompt fall on one side of the split
+    eval_prompts = {r["id"].split("|")[0] for r in evaluation}
+    assert not eval_prompts & {r["id"].split("|")[0] for r in train}
+    assert result.metrics["mix_de-en_train"] == len(train)
+
+
+def test_rerun_skips_done_records_and_open_rows_join_the_mix(tmp_path, tiny_target_dir):
+    from distill.stage import run
+
+    data = translation_file(tmp_path, 3)
+    open_data = write_jsonl(
+        tmp_path / "open.jsonl", [{"de": f"offen {i}", "en": f"open {i}"} for i in range(10)]
+    )
+    recipe = make_recipe(
+        tiny_target_dir,
+        [local_source(data)],
+        temperatures=[0.0],
+        open_fraction=1.0,
+        data={"open": [local_source(open_data)]},
+    )
+    work = tmp_path / "run" / "distill"
+    run(recipe, make_ctx(tiny_target_dir, work))
+    again = run(recipe, make_ctx(tiny_target_dir, work))
+    assert again.metrics["generated_this_run"] == 0
+    assert len(keys_of(work)) == 3
+    rows = read_mix(work, "de-en", "train") + read_mix(work, "de-en", "eval")
+    assert sum(r["origin"] == "open" for r in rows) == 3  # open_fraction 1.0 x 3 distilled records
+    opened = next(r for r in rows if r["origin"] == "open")
+    assert opened["prompt"].endswith(" ASSISTANT:") and opened["response"].startswith("open ")
+    assert opened["temperature"] is None
+
+
+def test_changed_config_in_same_work_dir_is_refused(tmp_path, tiny_target_dir):
+    from distill.stage import run
+
+    data = translation_file(tmp_path, 2)
+    work = tmp_path / "run" / "distill"
+    run(
+        make_recipe(tiny_target_dir, [local_source(data)], temperatures=[0.0]),
+        make_ctx(tiny_target_dir, work),
+    )
+    changed = make_recipe(tiny_target_dir, [local_source(data)], temperatures=[0.0], max_new_tokens=3)
+    with pytest.raises(StageFailed, match="another distill configuration"):
+        run(changed, make_ctx(tiny_target_dir, work))
+    # operational fields (batch size, mix fractions) may change and still resume
+    resumed = make_recipe(
+        tiny_target_dir, [local_source(data)], temperatures=[0.0], batch_size=1, eval_fraction=0.5
+    )
+    assert run(resumed, make_ctx(tiny_target_dir, work)).metrics["generated_this_run"] == 0
+
+
+def test_invalid_row_error_names_source_row_and_field(tmp_path, tiny_target_dir):
+    from distill.stage import run
+
+    rows = [{"de": "Hallo", "en": "hello"}, {"de": "", "en": "empty"}, {"en": "no source"}]
+    data = write_jsonl(tmp_path / "bad.jsonl", rows)
+    work = tmp_path / "run" / "distill"
+    with pytest.raises(StageFailed) as err:
+        run(make_recipe(tiny_target_dir, [local_source(data)]), make_ctx(tiny_target_dir, work))
+    message = str(err.value)
+    assert f"local:{data}" in message and "field 'de'" in message
+    assert "row 1" in message or "row 2" in message
+    assert "skip_invalid" in message
+
+    result = run(
+        make_recipe(tiny_target_dir, [local_source(data, skip_invalid=True)], temperatures=[0.0]),
+        make_ctx(tiny_target_dir, tmp_path / "run2" / "distill"),
+    )
+    assert result.metrics["invalid_rows"] == 2
+    assert result.metrics["prompts"] == 1 and result.metrics["records"] == 1
+
+
+def test_chat_and_prompt_sources_go_to_the_chat_mix(tmp_path, tiny_target_dir):
+    from distill.stage import run
+
+    conversations = [
+        {
+            "id": "c1",
+            "conversations": [
+                {"from": "human", "value": "Hi"},
+                {"from": "gpt", "value": "Hello!"},
+                {"from": "human", "value": "Name a colour"},
+                {"from": "gpt", "value": "Blue"},
+            ],
+        }
+    ]
+    chat = write_jsonl(tmp_path / "chat.jsonl", conversations)
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"text": "Write a haiku"}])
+    sources = [
+        {"kind": "local", "format": "chat", "path": str(chat)},
+        {"kind": "local", "format": "prompts", "path": str(prompts), "fields": {"prompt": "text"}},
+    ]
+    work = tmp_path / "run" / "distill"
+    run(
+        make_recipe(tiny_target_dir, sources, temperatures=[0.0], eval_fraction=0.0),
+        make_ctx(tiny_target_dir, work),
+    )
+    records = {r["prompt_id"]: r for r in iter_records(work)}
+    assert set(records) == {"0:c1#0", "0:c1#2", "1:local:" + str(prompts) + "/train/0"}
+    second_turn = records["0:c1#2"]
+    # the second assistant turn is regenerated given the first exchange as it is in the data
+    assert second_turn["prompt"] == (
+        vicuna_prompt([]).removesuffix("ASSISTANT:")
+        + "USER: Hi ASSISTANT: Hello!</s>USER: Name a colour ASSISTANT:"
+    )
+    assert second_turn["reference"] == "Blue" and second_turn["pair"] == "chat"
+    assert len(read_mix(work, "chat", "train")) == 3
+
+
+# ----------------------------------------------------------------------------- kill -9 and resume
+
+
+def run_stage_from_json(spec_path: str) -> None:
+    """Entry point of the subprocess the kill test starts (and kills)."""
+    spec = json.loads(Path(spec_path).read_text())
+    from distill.stage import run
+
+    recipe = Recipe.model_validate(spec["recipe"])
+    run(recipe, make_ctx(Path(spec["target"]), Path(spec["work"])))
+
+
+def test_kill_mid_run_then_rerun_writes_every_record_exactly_once(tmp_path, tiny_target_dir):
+    from distill.stage import run
+
+    data = translation_file(tmp_path, 16)
+    recipe = make_recipe(
+        tiny_target_dir, [local_source(data)], samples_per_prompt=1, batch_size=1, max_new_tokens=8
+    )
+    work = tmp_path / "run" / "distill"
+    spec = tmp_path / "spec.json"
+    spec.write_text(
+        json.dumps(
+            {"recipe": recipe.model_dump(mode="json"), "target": str(tiny_target_dir), "work": str(work)}
+        )
+    )
+    code = "import sys; from tests.test_distill_stage import run_stage_from_json; run_stage_from_json(sys.argv[1])"
+    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
+    process = subprocess.Popen([sys.executable, "-c", code, str(spec)], env=env, cwd=PROJECT_ROOT)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and process.poll() is None:
+            if sum(len(p.read_bytes().splitlines()) for p in record_files(work)) >= 3:
+                break
+            time.sleep(0.05)
+        assert process.poll() is None, "the stage ended before it could be killed"
+        os.kill(process.pid, signal.SIGKILL)
+    finally:
+        process.wait()
+    assert process.returncode == -signal.SIGKILL
+    written_before = len(keys_of(work))
+    assert 0 < written_before < 16 * 2
+    # a kill in the middle of a write leaves a torn last line: the rerun must cut it, not choke on it
+    with open(record_files(work)[-1], "a", encoding="utf-8") as handle:
+        handle.write('{"id": "0:torn|T=1|s=0", "prompt_id": "0:to')
+
+    # the batch size is operational: the rerun may use bigger batches and still resume
+    result = run(
+        recipe.model_copy(update={"distill": recipe.distill.model_copy(update={"batch_size": 16})}),
+        make_ctx(tiny_target_dir, work),
+    )
+    keys = keys_of(work)
+    expected = {(f"0:local:{data}/train/{i}", t, 0) for i in range(16) for t in (0.0, 1.0)}
+    assert len(keys) == len(set(keys)), "a record was written twice"
+    assert set(keys) == expected, "a record is missing"
+    assert result.metrics["generated_this_run"] == 16 * 2 - written_before
+    assert all(p.read_bytes().endswith(b"\n") for p in record_files(work))
+    assert record_id(sorted(expected)[0]) in {r["id"] for r in iter_records(work)}
+
+
+def test_long_prompts_are_counted_and_answers_fit_the_context(
+    tmp_path, tiny_target_dir, tiny_target, tiny_tokenizer
+):
+    from distill.hf_backend import generate_hf
+    from distill.plan import PromptItem, Request
+    from distill.prompts import encode_prompt
+    from distill.stage import run
+
+    data = write_jsonl(
+        tmp_path / "mixed.jsonl", [{"de": "kurz", "en": "short"}, {"de": "lang " * 100, "en": "long"}]
+    )
+    recipe = make_recipe(tiny_target_dir, [local_source(data)], temperatures=[0.0], max_prompt_tokens=200)
+    result = run(recipe, make_ctx(tiny_target_dir, tmp_path / "run" / "distill"))
+    assert result.metrics["long_prompts"] == 1 and result.metrics["prompts"] == 1
+
+    # the engine's context caps prompt + answer: the answer ends with `length` where the context ends
+    ids = encode_prompt(tiny_tokenizer, "USER: Hallo ASSISTANT:")
+    item = PromptItem("p", "s", "de-en", [], "USER: Hallo ASSISTANT:", prompt_ids=ids)
+    answers = []
+    generate_hf(
+        tiny_target, tiny_tokenizer, [Request(item, 0.0, [0])], top_p=1.0, max_new_tokens=10, stop=[],
+        seed=0, batch_size=1, emit=lambda r, s, g: answers.append(g), max_length=len(ids) + 2,
+    )  # fmt: skip
+    assert len(answers[0].token_ids) <= 2
+    assert answers[0].finish_reason == "length" or answers[0].token_ids[-1] == tiny_tokenizer.eos_token_id

@@ -1,0 +1,57 @@
+"""Two real gloo DDP ranks (accelerate launch, recipes/accelerate/ddp.yaml) train exactly like one rank
+with the same global batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.drafter_setup import context, tiny_recipe, write_tiny_mix
+from train.drafter import read_train_log, run_finetune
+
+
+def _finetune(tmp_path, target_dir, distill, name, **loop_and_launch):
+    launch = loop_and_launch.pop("launch", {})
+    recipe = tiny_recipe(
+        target_dir,
+        data={"pairs": ["de-en"]},
+        pretrain={"enabled": False},
+        finetune={"loop": {"max_steps": 4, "per_device_batch_size": 2, **loop_and_launch}},
+        launch=launch,
+    )
+    ctx = context(tmp_path / name, "finetune", target_dir, {"distill": distill})
+    metrics = run_finetune(recipe, ctx).metrics
+    return ctx.work_dir, metrics
+
+
+def test_two_ddp_ranks_match_one_rank_with_the_same_global_batch(tmp_path, tiny_target_dir):
+    # rows of different lengths and prompt sizes: each rank's micro-batch carries a different number of
+    # loss tokens, so only a loss normalised over the whole step's tokens can match
+    distill = write_tiny_mix(tmp_path / "distill", ["de-en"], train_rows=16, eval_rows=6)
+    one_dir, one = _finetune(tmp_path, tiny_target_dir, distill, "one", grad_accum_steps=2)
+    two_dir, two = _finetune(
+        tmp_path,
+        tiny_target_dir,
+        distill,
+        "two",
+        launch={"accelerate_config": "recipes/accelerate/ddp.yaml", "num_processes": 2},
+    )
+    # every process saves its own RNG state: two files prove two real ranks
+    last = two_dir / "de-en.checkpoints" / "step-00000004"
+    assert sorted(p.name for p in last.glob("random_states_*")) == [
+        "random_states_0.pkl",
+        "random_states_1.pkl",
+    ]
+    one_log = read_train_log(one_dir / "de-en.train_log.jsonl")
+    two_log = read_train_log(two_dir / "de-en.train_log.jsonl")
+    assert len(one_log) == len(two_log) == 4
+    for a, b in zip(one_log, two_log, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert b["tokens"] == a["tokens"]
+    assert two["de-en/eval_loss"] == pytest.approx(one["de-en/eval_loss"], rel=1e-5)
+    one_weights = load_file(one_dir / "de-en" / "model.safetensors")
+    two_weights = load_file(two_dir / "de-en" / "model.safetensors")
+    for key, value in one_weights.items():
+        torch.testing.assert_close(two_weights[key], value, rtol=1e-4, atol=1e-6)

@@ -1,0 +1,207 @@
+"""The shared training helpers: packing, loss masking, schedules, step-normalised losses, checkpoints."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from train.data import collate, encode_example, encode_texts, epoch_order, micro_batch_indices
+from train.losses import IGNORE_INDEX, ce_sum, scale_for_step, top1_matches, topk_kl_sum
+from train.packing import PackedStream, PackPosition, pack_documents
+from train.runtime import NonFiniteLoss, check_finite
+from train.schedule import build_scheduler, lr_multiplier, warmup_steps_for
+
+
+def _docs(count: int, seed: int = 0) -> list[list[int]]:
+    rng = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 40, (count,), generator=rng).tolist()
+    # distinct token values everywhere, so that a lost or duplicated token is visible
+    out, next_token = [], 10
+    for n in lengths:
+        out.append(list(range(next_token, next_token + n)))
+        next_token += n
+    return out
+
+
+def test_packing_loses_and_duplicates_no_token():
+    docs = _docs(50)
+    sequences = list(pack_documents(docs, seq_len=16, eos_id=2))
+    assert all(len(s) == 16 for s in sequences[:-1]) and 0 < len(sequences[-1]) <= 16
+    flat = [t for s in sequences for t in s]
+    expected = [t for d in docs for t in [*d, 2]]
+    assert flat == expected
+    assert flat.count(2) == len(docs)
+
+
+def test_packed_stream_resumes_at_the_same_sequence_across_epochs():
+    epochs = {e: _docs(7, seed=e) for e in range(10)}
+
+    def documents(epoch, start):
+        return iter([None if i == 3 else d for i, d in enumerate(epochs[epoch])][start:])
+
+    straight = PackedStream(documents, seq_len=24, eos_id=2)
+    first = straight.take(5)
+    saved = PackPosition(straight.position.epoch, straight.position.documents, list(straight.position.carry))
+    rest = straight.take(20)
+    assert straight.position.epoch >= 1  # crossed an epoch boundary
+    resumed = PackedStream(documents, seq_len=24, eos_id=2, position=saved)
+    assert resumed.take(20) == rest
+    # across the epoch boundary nothing is dropped either: the stream is the concatenation of all epochs
+    flat = [t for s in first + rest for t in s]
+    expected = [t for e in range(10) for i, d in enumerate(epochs[e]) if i != 3 for t in [*d, 2]]
+    assert flat == expected[: len(flat)]
+
+
+def test_packed_stream_of_an_empty_corpus_is_an_error():
+    with pytest.raises(ValueError, match="no documents"):
+        PackedStream(lambda epoch, start: iter([]), seq_len=8, eos_id=2).take(1)
+
+
+def test_only_response_tokens_carry_loss(tiny_tokenizer):
+    prompt = "A chat. USER: Translate German to English: Guten Morgen ASSISTANT:"
+    response = " Good morning, my friend"
+    example = encode_example(tiny_tokenizer, prompt, response, max_length=512)
+    ids, labels = example["input_ids"], example["labels"]
+    assert ids[0] == tiny_tokenizer.bos_token_id and ids[-1] == tiny_tokenizer.eos_token_id
+    supervised = [i for i, label in enumerate(labels) if label != IGNORE_INDEX]
+    # the supervised tokens are a suffix: the response then EOS, and decode to exactly the response
+    assert supervised == list(range(supervised[0], len(ids)))
+    assert [ids[i] for i in supervised] == [labels[i] for i in supervised]
+    assert tiny_tokenizer.decode(ids[supervised[0] : -1]) == response
+    assert tiny_tokenizer.decode(ids[: supervised[0]], skip_special_tokens=True) == prompt
+
+
+def test_batched_encoding_equals_one_by_one_and_never_doubles_bos(tiny_tokenizer):
+    pairs = [("USER: Hallo ASSISTANT:", " Hello"), ("<s>USER: Merci ASSISTANT:", " Thanks"), ("x" * 80, " y")]
+    batched = encode_texts(tiny_tokenizer, pairs, max_length=64, chunk=2)
+    assert batched == [encode_example(tiny_tokenizer, p, r, 64) for p, r in pairs]
+    with_bos = batched[1]["input_ids"]
+    assert with_bos[0] == tiny_tokenizer.bos_token_id and with_bos[1] != tiny_tokenizer.bos_token_id
+
+
+def test_truncation_that_leaves_no_response_drops_the_row(tiny_tokenizer):
+    assert encode_example(tiny_tokenizer, "word " * 50, " answer", max_length=8) is None
+    kept = encode_example(tiny_tokenizer, "short", " a long answer " * 20, max_length=16)
+    assert len(kept["input_ids"]) == 16
+
+
+def test_collate_pads_with_no_loss_and_no_attention():
+    batch = collate([{"input_ids": [1, 5, 6], "labels": [-100, 5, 6]}, {"input_ids": [1], "labels": [1]}], 0)
+    assert batch["input_ids"].tolist() == [[1, 5, 6], [1, 0, 0]]
+    assert batch["labels"].tolist() == [[-100, 5, 6], [1, -100, -100]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+def test_batch_order_is_a_function_of_seed_and_epoch_and_splits_the_same_global_batch():
+    assert epoch_order(100, 0, 1) == epoch_order(100, 0, 1)
+    assert epoch_order(100, 0, 1) != epoch_order(100, 0, 2)
+    order = epoch_order(100, 0, 0)
+    one = micro_batch_indices(order, 3, 0, 0, num_processes=1, per_device=8, grad_accum_steps=1)
+    split = [
+        i
+        for micro in range(2)
+        for rank in range(2)
+        for i in micro_batch_indices(order, 3, micro, rank, num_processes=2, per_device=2, grad_accum_steps=2)
+    ]
+    assert sorted(one) == sorted(split) and len(set(split)) == 8
+
+
+def test_step_normalised_loss_is_the_mean_over_all_tokens_of_the_step():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 7, 11)
+    labels = torch.randint(0, 11, (4, 7))
+    labels[0, :5] = IGNORE_INDEX
+    labels[2, 1:] = IGNORE_INDEX
+    full, count = ce_sum(logits, labels)
+    # two ranks x two micro-batches of one row: what DDP averaging and accelerate's /accum then give
+    total_tokens = int(count)
+    parts = [ce_sum(logits[i : i + 1], labels[i : i + 1])[0] for i in range(4)]
+    effective = sum(p * scale_for_step(total_tokens, 2, 2) for p in parts) / 2 / 2
+    assert torch.allclose(effective, full / total_tokens)
+    assert torch.allclose(
+        full / total_tokens,
+        torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 11), labels[:, 1:].reshape(-1)),
+    )
+
+
+def test_top1_matches_and_topk_kl():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 6, 9)
+    labels = torch.cat([torch.zeros(2, 1, dtype=torch.long), logits[:, :-1].argmax(-1)], dim=1)
+    labels[1, :3] = IGNORE_INDEX
+    matches, count = top1_matches(logits, labels)
+    assert int(matches) == int(count) == 5 + 3  # row 1: labels 3..5 remain
+    assert topk_kl_sum(logits, logits, labels, top_k=3).abs() < 1e-5
+    student = torch.randn(2, 6, 9)
+    assert topk_kl_sum(student, logits, labels, top_k=3) > 0
+    # with k = the whole vocabulary it is the exact forward KL over the loss-carrying positions
+    mask = labels[:, 1:] != IGNORE_INDEX
+    p, q = logits[:, :-1][mask].log_softmax(-1), student[:, :-1][mask].log_softmax(-1)
+    torch.testing.assert_close(topk_kl_sum(student, logits, labels, top_k=9), (p.exp() * (p - q)).sum())
+
+
+def test_warmup_then_cosine_to_the_floor():
+    total = 100
+    warmup = warmup_steps_for(total, 0.03)
+    assert warmup == 3
+    values = [lr_multiplier(s, total, warmup, "cosine", 0.1) for s in range(total)]
+    assert values[0] == pytest.approx(1 / 3) and values[2] == pytest.approx(1.0)
+    assert values[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(values[2:], values[3:], strict=False))
+    assert lr_multiplier(50, total, 0, "linear", 0.0) == pytest.approx(1 - 50 / 99)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=2.0)
+    scheduler = build_scheduler(optimizer, total, 0.03, "cosine", 0.0)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(2.0 / 3)
+    optimizer.step()
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(2.0 * 2 / 3)
+
+
+def test_nonfinite_loss_names_the_step_and_the_kept_checkpoint():
+    check_finite(1.5, 3, None)
+    with pytest.raises(NonFiniteLoss, match=r"step 7.*kept at /x/step-5"):
+        check_finite(math.nan, 7, "/x/step-5")
+
+
+@pytest.fixture
+def accelerator():
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    yield Accelerator(cpu=True)
+    AcceleratorState._reset_state(True)
+
+
+def test_checkpoints_restore_model_optimizer_scheduler_rng_and_keep_the_last_k(tmp_path, accelerator):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = build_scheduler(optimizer, 10, 0.3, "cosine", 0.0)
+    model, optimizer = accelerator.prepare(model, optimizer)
+
+    def step():
+        model(torch.randn(2, 4)).pow(2).sum().backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+
+    root = tmp_path / "checkpoints"
+    for n in range(1, 4):
+        step()
+        save_checkpoint(accelerator, root, n, {"position": n * 10}, keep=2, stateful={"scheduler": scheduler})
+    assert [p.name for p in list_checkpoints(root)] == ["step-00000002", "step-00000003"]
+    (root / "step-00000004.partial").mkdir()  # a save killed half-way is never taken as complete
+    assert latest_checkpoint(root).name == "step-00000003"
+    expected_weight = model.weight.detach().clone()
+    step()
+    after_one_more = model.weight.detach().clone()
+    state = load_checkpoint(accelerator, latest_checkpoint(root), stateful={"scheduler": scheduler})
+    assert state == {"step": 3, "position": 30}
+    assert torch.equal(model.weight, expected_weight)
+    assert scheduler.last_epoch == 3
+    step()  # same RNG draws, same optimizer moments, same lr: the same update as before
+    assert torch.allclose(model.weight, after_one_more)

@@ -1,0 +1,296 @@
+"""Training examples: mix rows tokenized with loss on the response only, padded batches, deterministic
+batch order, and pretraining documents read from recipe sources.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from distill.prompts import vicuna_prompt
+from train.losses import IGNORE_INDEX
+from train.packing import PackedStream, PackPosition
+
+_END = object()
+
+
+def encode_texts(
+    tokenizer: Any, pairs: Sequence[tuple[str, str]], max_length: int, chunk: int = 1024
+) -> list[dict[str, list[int]] | None]:
+    """`prompt + response` of each pair tokenized as one text, then EOS; labels only on the response and
+    the EOS. One result per pair, None where truncation to `max_length` leaves no response token.
+
+    Tokenizing the joined text (not the two halves apart) gives the tokens the target reads at the
+    boundary, whatever the tokenizer does with leading spaces. A token carries loss when it covers any
+    character of the response, so a token straddling the boundary counts as the response's first.
+    BOS is added as the target's tokenizer adds it, unless the prompt already starts with it (chat
+    templates that write `<bos>` themselves). Texts are tokenized in batches (much faster).
+    """
+    bos = tokenizer.bos_token
+    out: list[dict[str, list[int]] | None] = []
+    for first in range(0, len(pairs), chunk):
+        part = pairs[first : first + chunk]
+        adds_bos = [not (bos and prompt.startswith(bos)) for prompt, _ in part]
+        encoded: dict[int, tuple[list[int], list[tuple[int, int]]]] = {}
+        for flag in set(adds_bos):
+            indices = [i for i, f in enumerate(adds_bos) if f == flag]
+            batch = tokenizer(
+                [part[i][0] + part[i][1] for i in indices],
+                add_special_tokens=flag,
+                return_offsets_mapping=True,
+                truncation=False,
+            )
+            for j, i in enumerate(indices):
+                encoded[i] = (batch["input_ids"][j], batch["offset_mapping"][j])
+        for i, (prompt, _) in enumerate(part):
+            ids, offsets = encoded[i]
+            boundary = len(prompt)
+            labels = [
+                token if end > boundary and end > start else IGNORE_INDEX
+                for token, (start, end) in zip(ids, offsets, strict=True)
+            ]
+            ids = [*ids, tokenizer.eos_token_id][:max_length]
+            labels = [*labels, tokenizer.eos_token_id][:max_length]
+            supervised = any(label != IGNORE_INDEX for label in labels)
+            out.append({"input_ids": ids, "labels": labels} if supervised else None)
+    return out
+
+
+def encode_example(
+    tokenizer: Any, prompt: str, response: str, max_length: int
+) -> dict[str, list[int]] | None:
+    """One prompt and response, as `encode_texts` encodes them."""
+    return encode_texts(tokenizer, [(prompt, response)], max_length)[0]
+
+
+def encode_rows(
+    tokenizer: Any, rows: Sequence[dict[str, Any]], max_length: int
+) -> tuple[list[dict[str, list[int]]], int]:
+    """Encode mix rows (`prompt`, `response`); returns the examples and how many rows were dropped."""
+    encoded = encode_texts(tokenizer, [(row["prompt"], row["response"]) for row in rows], max_length)
+    examples = [example for example in encoded if example is not None]
+    return examples, len(rows) - len(examples)
+
+
+def collate(examples: Sequence[dict[str, list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest example; padding gets label -100 and attention mask 0."""
+    width = max(len(e["input_ids"]) for e in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, example in enumerate(examples):
+        n = len(example["input_ids"])
+        ids[i, :n] = torch.tensor(example["input_ids"])
+        labels[i, :n] = torch.tensor(example["labels"])
+        mask[i, :n] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def pad_id_of(tokenizer: Any) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+# ----------------------------------------------------------------------------- deterministic batch order
+
+
+def epoch_order(num_examples: int, seed: int, epoch: int) -> list[int]:
+    """The example order of one epoch: a function of (seed, epoch) only, so a resumed run replays it."""
+    order = list(range(num_examples))
+    random.Random(f"{seed}/{epoch}").shuffle(order)
+    return order
+
+
+def micro_batch_indices(
+    order: Sequence[int],
+    step_in_epoch: int,
+    micro: int,
+    rank: int,
+    num_processes: int,
+    per_device: int,
+    grad_accum_steps: int,
+) -> list[int]:
+    """Examples of one micro-batch of one process within optimizer step `step_in_epoch`.
+
+    A step consumes `per_device * num_processes * grad_accum_steps` consecutive examples of the epoch
+    order, whatever the split; so the same global batch is seen by one rank or many (incomplete final
+    batches are dropped).
+    """
+    global_batch = per_device * num_processes * grad_accum_steps
+    first = step_in_epoch * global_batch + (micro * num_processes + rank) * per_device
+    return list(order[first : first + per_device])
+
+
+# ----------------------------------------------------------------------------- pretraining documents
+
+
+def document_text(row: dict[str, Any], format: str) -> str:
+    """The text of a normalised source row for causal-LM pretraining.
+
+    Conversations (ShareGPT) are rendered in the Vicuna v1.1 format that seed 003 pretrains on;
+    translation rows become `source` and `target` on two lines.
+    """
+    if format == "text":
+        return row["text"]
+    if format == "chat":
+        return vicuna_prompt(row["conversations"], add_generation_prompt=False)
+    if format == "translation":
+        return f"{row['source']}\n{row['target']}"
+    return row["prompt"]
+
+
+def iter_source_rows(source: dict[str, Any], seed: int) -> Iterator[dict[str, Any] | None]:
+    """Normalised rows of a recipe source (a SourceConfig dump), shuffled with `seed`.
+
+    Streaming `hf` sources are read lazily (C4 does not fit in memory) and yield None for a row skipped
+    as invalid, so that positions count raw rows; other sources go through `read_source` whole.
+    """
+    from distill.sources import describe, normalise, read_source
+
+    if not (source["kind"] == "hf" and source["streaming"]):
+        yield from read_source(**source, seed=seed).rows
+        return
+    import datasets
+
+    stream = datasets.load_dataset(
+        source["path"], source["name"], split=source["split"], revision=source["revision"], streaming=True
+    ).shuffle(seed=seed, buffer_size=10_000)
+    if source["limit"] is not None:
+        stream = stream.take(source["limit"])
+    description = describe("hf", source["format"], source["path"], source["name"], source["split"], None)
+    for index, raw in enumerate(stream):
+        rows = normalise(
+            [(index, raw)],
+            source["format"],
+            source["fields"],
+            source["pair"],
+            description,
+            source["skip_invalid"],
+            f"hf:{source['path']}/{source['split']}",
+        ).rows
+        yield rows[0] if rows else None
+
+
+def interleaved_documents(sources: list[dict[str, Any]], seed: int) -> Iterator[str | None]:
+    """Document texts of all sources, one from each in turn until each runs out (C4 and ShareGPT mix
+    evenly instead of one after the other)."""
+    streams = [
+        (
+            (None if row is None else document_text(row, source["format"]))
+            for row in iter_source_rows(source, seed)
+        )
+        for source in sources
+    ]
+    while streams:
+        for stream in list(streams):
+            text = next(stream, _END)
+            if text is _END:
+                streams.remove(stream)
+            else:
+                yield text
+
+
+def tokenized_documents(
+    tokenizer: Any, sources: list[dict[str, Any]], seed: int, epoch: int, start: int, chunk: int = 256
+) -> Iterator[list[int] | None]:
+    """Token ids of the documents of epoch `epoch` (sources shuffled with `seed + epoch`), from document
+    `start` on; None stands for a row skipped as invalid.
+
+    Skipped documents are read but not tokenized. The rest are tokenized in chunks (the fast tokenizers
+    are much quicker on batches) without special tokens: the packer adds the EOS separators.
+    """
+    texts = itertools.islice(interleaved_documents(sources, seed + epoch), start, None)
+    while batch := list(itertools.islice(texts, chunk)):
+        present = [text for text in batch if text is not None]
+        encoded = iter(tokenizer(present, add_special_tokens=False)["input_ids"] if present else [])
+        for text in batch:
+            yield None if text is None else list(next(encoded))
+
+
+# ----------------------------------------------------------------------------- batches of a training step
+
+
+class MixBatches:
+    """Finetuning batches: examples in a (seed, epoch) order, incomplete final global batches dropped.
+
+    The data position is the step itself, so there is nothing to save beyond it.
+    """
+
+    def __init__(
+        self,
+        examples: list[dict[str, list[int]]],
+        seed: int,
+        per_device: int,
+        rank: int,
+        num_processes: int,
+        grad_accum_steps: int,
+        pad_id: int,
+    ):
+        self.examples, self.seed, self.per_device, self.pad_id = examples, seed, per_device, pad_id
+        self.rank, self.world, self.accum = rank, num_processes, grad_accum_steps
+        self.global_batch = per_device * num_processes * grad_accum_steps
+        self.steps_per_epoch = len(examples) // self.global_batch
+        self._epoch, self._order = -1, []
+
+    def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
+        """This process's micro-batches of optimizer step `step` (0-based)."""
+        epoch, index = divmod(step, self.steps_per_epoch)
+        if epoch != self._epoch:
+            self._epoch, self._order = epoch, epoch_order(len(self.examples), self.seed, epoch)
+        out = []
+        for micro in range(self.accum):
+            indices = micro_batch_indices(
+                self._order, index, micro, self.rank, self.world, self.per_device, self.accum
+            )
+            out.append(collate([self.examples[i] for i in indices], self.pad_id))
+        return out
+
+    def state(self) -> dict[str, Any]:
+        return {}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Nothing to restore: the batches of a step depend only on the step."""
+
+
+class PackedBatches:
+    """Pretraining batches: consecutive packed sequences, loss on every token.
+
+    Every process reads the same stream and keeps its share, so the global batch of a step does not
+    depend on the number of processes. The position (epoch, documents read, carried tokens) goes into
+    checkpoints.
+    """
+
+    def __init__(
+        self,
+        documents: Callable[[int, int], Iterator[Sequence[int] | None]],
+        seq_len: int,
+        eos_id: int,
+        per_device: int,
+        rank: int,
+        num_processes: int,
+        grad_accum_steps: int,
+    ):
+        self.documents, self.seq_len, self.eos_id, self.per_device = documents, seq_len, eos_id, per_device
+        self.rank, self.world, self.accum = rank, num_processes, grad_accum_steps
+        self.global_batch = per_device * num_processes * grad_accum_steps
+        self.stream = PackedStream(documents, seq_len, eos_id)
+
+    def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
+        """This process's micro-batches of the next step (`step` is only for symmetry with MixBatches)."""
+        sequences = self.stream.take(self.global_batch)
+        out = []
+        for micro in range(self.accum):
+            first = (micro * self.world + self.rank) * self.per_device
+            mine = sequences[first : first + self.per_device]
+            out.append(collate([{"input_ids": s, "labels": s} for s in mine], self.eos_id))
+        return out
+
+    def state(self) -> dict[str, Any]:
+        return asdict(self.stream.position)
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.stream = PackedStream(self.documents, self.seq_len, self.eos_id, PackPosition(**state))

@@ -1,0 +1,88 @@
+"""Setting up a training process: precision, attention kernel, the Accelerator, DeepSpeed's batch values.
+
+Shared by every trainer so that they make the same choices the same way.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from typing import Any
+
+import torch
+
+
+class NonFiniteLoss(RuntimeError):
+    """A NaN or infinite loss: training stops instead of writing a poisoned checkpoint."""
+
+
+def check_finite(loss: float, step: int, last_checkpoint: str | None) -> None:
+    """Raise NonFiniteLoss naming the step and the last good checkpoint when `loss` is NaN or inf."""
+    if not math.isfinite(loss):
+        kept = (
+            f"the last good checkpoint is kept at {last_checkpoint}"
+            if last_checkpoint
+            else "no checkpoint was written yet"
+        )
+        raise NonFiniteLoss(
+            f"loss is {loss} at step {step}; {kept}. Lower the learning rate (optim.lr), check the "
+            "data, or train in fp32 (loop.mixed_precision: no)."
+        )
+
+
+def resolve_mixed_precision(choice: str, cuda: bool) -> str:
+    """`auto` -> bf16 on a GPU that supports it, else no (fp32); other choices pass through.
+
+    On a CPU training stays fp32: bf16 autocast there is slow and changes results for no benefit.
+    """
+    if choice != "auto":
+        if choice in ("bf16", "fp16") and not cuda:
+            raise ValueError(f"mixed_precision {choice!r} needs a GPU; use `auto` or `no` on a CPU")
+        return choice
+    return "bf16" if cuda and torch.cuda.is_bf16_supported() else "no"
+
+
+def resolve_attn_implementation(choice: str, cuda: bool) -> str:
+    """`auto` -> flash_attention_2 on a GPU with `flash_attn` installed, else PyTorch SDPA."""
+    if choice != "auto":
+        if choice == "flash_attention_2" and not (cuda and importlib.util.find_spec("flash_attn")):
+            raise ValueError("attn_implementation flash_attention_2 needs a GPU and the flash-attn package")
+        return choice
+    return "flash_attention_2" if cuda and importlib.util.find_spec("flash_attn") else "sdpa"
+
+
+def make_accelerator(grad_accum_steps: int, mixed_precision: str) -> Any:
+    """An Accelerator whose LR scheduler is stepped by the trainer itself, once per optimizer step.
+
+    `step_scheduler_with_optimizer=False` stops accelerate from stepping a prepared scheduler once per
+    *process* per step; trainers register their scheduler for checkpointing and step it themselves.
+    """
+    from accelerate import Accelerator
+
+    return Accelerator(
+        gradient_accumulation_steps=grad_accum_steps,
+        mixed_precision=mixed_precision,
+        step_scheduler_with_optimizer=False,
+    )
+
+
+def configure_deepspeed(accelerator: Any, micro_batch_size: int, max_grad_norm: float) -> None:
+    """Fill DeepSpeed's `auto` batch size and clipping, which accelerate takes from prepared dataloaders.
+
+    Trainers here feed batches themselves (exact, resumable data positions), so accelerate cannot infer
+    the micro-batch size; without it DeepSpeed refuses to start. Clipping moves into DeepSpeed's config
+    because DeepSpeed clips inside its own step. A no-op for other backends.
+    """
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return
+    config = accelerator.state.deepspeed_plugin.deepspeed_config
+    config["train_micro_batch_size_per_gpu"] = micro_batch_size
+    if config.get("gradient_clipping", "auto") == "auto":
+        config["gradient_clipping"] = max_grad_norm
+
+
+def unwrap(accelerator: Any, model: torch.nn.Module) -> torch.nn.Module:
+    """The bare model under DDP/FSDP/DeepSpeed/compile wrappers."""
+    return accelerator.unwrap_model(model, keep_torch_compile=False)
