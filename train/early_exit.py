@@ -59,6 +59,7 @@ from train.runtime import (
     resolve_mixed_precision,
 )
 from train.schedule import build_optimizer, build_scheduler
+from train.steplog import append_log, mean_loss, truncate_log
 
 log = logging.getLogger(__name__)
 
@@ -433,7 +434,7 @@ def fit(
         progress.update(1)
         progress.set_postfix(loss=f"{step_loss:.4f}")
     progress.close()
-    final: dict[str, Any] = {"steps": step, "train_loss": step_loss_mean(log_path, loop.log_every)}
+    final: dict[str, Any] = {"steps": step, "train_loss": mean_loss(log_path, loop.log_every)}
     final.update({f"initial_{k.removeprefix('eval/')}": v for k, v in initial.items()})
     if evals:
         metrics = evaluate(accelerator, drafter, head, evals, references)
@@ -443,29 +444,6 @@ def fit(
     if device.type == "cuda":
         final["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     return final
-
-
-def read_log(path: Path) -> list[dict[str, float]]:
-    """The per-step log: `step`, `loss`, `lr`, `grad_norm` (one entry per optimizer step)."""
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
-def append_log(path: Path, entry: dict[str, float]) -> None:
-    with open(path, "a", encoding="utf-8") as handle:
-        handle.write(json.dumps(entry) + "\n")
-
-
-def truncate_log(path: Path, step: int) -> None:
-    """Drop entries past `step`: a killed run logged steps after its last checkpoint that it now redoes."""
-    entries = [e for e in read_log(path) if e["step"] <= step]
-    path.write_text("".join(json.dumps(e) + "\n" for e in entries), encoding="utf-8")
-
-
-def step_loss_mean(path: Path, window: int) -> float | None:
-    entries = read_log(path)[-window:]
-    return sum(e["loss"] for e in entries) / len(entries) if entries else None
 
 
 if __name__ == "__main__":
