@@ -120,9 +120,8 @@ def load_drafters(
 
             predict = CalibrationModel.load(source.calibration, device).predict
         if source.kind == "early_exit":
-            from models.early_exit import attach_exit_head
-
             from decoding.eesd import SelfSpeculative
+            from models.early_exit import attach_exit_head
 
             try:
                 head = attach_exit_head(target, source.path)
@@ -286,14 +285,24 @@ def measure_group(
     for method in build():
         label = method_label(method.fields)
         if label not in warmed:
-            method.decode(prompts[0], -1)
+            decode(method, prompts[0], -1)
             warmed.add(label)
     methods = build()
     for index, prompt in enumerate(prompts):
         shift = index % len(methods)
         for method in methods[shift:] + methods[:shift]:
-            method.generations.append(method.decode(prompt, index))
+            method.generations.append(decode(method, prompt, index))
     return methods
+
+
+def decode(method: Method, prompt: torch.Tensor, index: int) -> Generation:
+    try:
+        return method.decode(prompt, index)
+    except NotImplementedError as err:  # a decoder this model cannot run (trees past a sliding window)
+        raise StageFailed(
+            f"measure: {method_label(method.fields)}: {err}; remove `{method.fields['decoder']}` "
+            "from measure.decoders for this target"
+        ) from err
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:

@@ -176,3 +176,20 @@ def test_eval_prompts_are_built_like_distill_prompts(tmp_path, tiny_tokenizer):
         for text in ("Hello there", "Name a colour")
     ]
     assert sorted(p.tolist() for p in chat.prompts) == sorted(expected)
+
+
+def test_measure_names_the_decoder_a_target_cannot_run(tmp_path, tiny_tokenizer):
+    """Trees past a sliding window are refused: the stage fails saying which decoder to drop."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    tok = tiny_tokenizer
+    config = MistralConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=1, intermediate_size=64, sliding_window=8,
+                           bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)  # fmt: skip
+    target_dir, finetune = tmp_path / "target", tmp_path / "finetune"
+    for folder in (target_dir, finetune / "de-en"):
+        MistralForCausalLM(config).save_pretrained(folder)
+        tok.save_pretrained(folder)
+    ctx = context(tmp_path, target_dir, {"finetune": finetune})
+    with pytest.raises(StageFailed, match="remove `rsd_s` from measure.decoders"):
+        run(recipe(target_dir, decoders=["ar", "rsd_s"], temperatures=[0.0], seeds=[0]), ctx)
