@@ -128,30 +128,69 @@ class FinetuneConfig(StrictModel):
 
 
 class EarlyExitConfig(StrictModel):
-    """EESD: a trainable exit layer + norm + head on the target's frozen first N layers (seed 001)."""
+    """EESD: a trainable exit layer + norm + head on the target's frozen first N layers (seed 001).
+
+    Only the embeddings, the first N layers, the last `num_exit_layers` layers, the final norm and the lm
+    head are read from the target's checkpoint (unless `loss` is `ce+kl`). Output: `head/` with
+    `early_exit.safetensors` and `early_exit.json`.
+    """
 
     enabled: bool = True
-    num_shared_layers: int = 3
+    num_shared_layers: int = Field(default=3, ge=1)
     """N: frozen first layers of the target (seed: 3 for 13B, 5 for 70B, 5%-10% of the layers)."""
-    num_exit_layers: int = 1
-    """Trainable transformer layers after the first N; 0 trains the head only (Table 4 ablation)."""
+    num_exit_layers: int = Field(default=1, ge=0)
+    """Trainable transformer layers after the first N, initialised from the target's last layers; 0 trains
+    the norm and head only (Table 4 ablation "w/o Early-exiting Layer")."""
     loss: Literal["ce", "ce+kl"] = "ce"
-    kl_weight: float = 1.0
+    """`ce`: cross-entropy to the next token of the mixed data (seed 001 §3.2); `ce+kl`: plus `kl_weight`
+    times the forward KL to the full target's top-`kl_top_k` distribution. `ce+kl` loads the whole target
+    (its first N layers are then shared with the drafter, not loaded twice)."""
+    kl_weight: float = Field(default=1.0, ge=0)
+    kl_top_k: int = Field(default=64, ge=1)
+    """Target tokens kept per position for the KL term (renormalised; the rest is dropped)."""
+    loss_on: Literal["response", "all"] = "response"
+    """Which tokens of a mix row carry loss. `response`: the answer only (what the drafter will draft;
+    plain-text rows with an empty prompt, like SlimPajama, are trained whole either way); `all`: the
+    prompt too, as seed 001 trains on whole ShareGPT sequences (the prompt's fixed system text then
+    weighs in the loss and the top-1 agreement)."""
+    temperatures: list[float] | None = None
+    """Keep only distilled rows of these temperatures (open-source rows always stay); None keeps all."""
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3))
-    loop: LoopConfig = Field(default_factory=lambda: LoopConfig(epochs=4.0, per_device_batch_size=8))
-    """Table 9: lr 1e-3, batch 64 (8 x 8 GPUs or accumulation), sequence 2k/4k, 4-6 epochs."""
+    """Table 9 / App. C: lr 1e-3."""
+    loop: LoopConfig = Field(
+        default_factory=lambda: LoopConfig(epochs=4.0, per_device_batch_size=8, grad_accum_steps=8)
+    )
+    """Table 9: batch 64 (per device x processes x accumulation), sequence 2k (13B) / 4k (70B) / 16k
+    (CodeLlama), 4 epochs (13B) or 6 (70B). The held-out top-1 agreement is against the full target's
+    greedy tokens, computed once by streaming the target layer by layer (`eval_reference.pt`)."""
 
 
 class CalibrateConfig(StrictModel):
-    """The calibration model of seed 001 eq. 5, predicting draft acceptance for Cali-TS."""
+    """The calibration model of seed 001 eq. 5, predicting draft acceptance for Cali-TS.
+
+    Labels: from positions sampled in the distill mix, the drafter drafts `draft_length` tokens greedily;
+    one target forward over prefix + drafts gives the target's greedy token at each of them; chi_i = 1
+    while they agree. Output per drafter: `<name>/` with the model, `calibration.json` and `report.json`.
+    The stage runs as one process whatever `launch` says: the whole target is loaded and spread over the
+    visible GPUs (a 70B target fits no single one).
+    """
 
     enabled: bool = True
     drafters: Literal["early_exit", "all"] = "early_exit"
-    """Which drafters get a calibration model: the early-exit head only, or every trained drafter too."""
-    draft_length: int = 10
-    """K tokens drafted from each sampled position to build labels (W^i capped at 10)."""
-    num_positions: int = 2000
-    """Positions sampled from the training data to build labels."""
-    heldout_fraction: float = 0.1
-    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3))
-    loop: LoopConfig = Field(default_factory=lambda: LoopConfig(epochs=3.0, per_device_batch_size=64))
+    """Which drafters get a calibration model: the early-exit head only, or also every finetuned drafter
+    (`finetune/<pair>/`, using that drafter's own last hidden state and its pair's rows)."""
+    draft_length: int = Field(default=10, ge=1)
+    """K tokens drafted from each sampled position to build labels."""
+    max_steps: int = Field(default=10, ge=1)
+    """Number of step matrices W^i; later steps use the last one (seed: i = min(i, 10))."""
+    num_positions: int = Field(default=2000, ge=1)
+    """Positions sampled to build training labels (each gives `draft_length` labelled steps)."""
+    heldout_fraction: float = Field(default=0.1, gt=0, lt=1)
+    """Extra positions, as a fraction of `num_positions`, sampled from the mix's held-out `eval` split to
+    report accuracy, Brier score, calibration error and the base rate."""
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_ratio=0.0))
+    loop: LoopConfig = Field(
+        default_factory=lambda: LoopConfig(epochs=3.0, per_device_batch_size=64, checkpoint_every=200)
+    )
+    """`per_device_batch_size` counts labelled draft steps; `max_length` caps the prefix + drafts; `seed`
+    also seeds the position sampling."""

@@ -1,0 +1,198 @@
+"""`eesd`: self-speculative decoding with the early-exit drafter, sharing the first N layers (seed 001 §3.1).
+
+The drafter (`models.early_exit.EarlyExitDrafter`, attached to the loaded target) is the target's own
+embeddings and first N layers plus trainable exit layer(s), norm and head. One KV cache serves both:
+slots 0..N-1 (the shared layers), N..L-1 (the target's later layers) and the exit layers' own slots.
+
+- Drafting runs a token through the shared layers, writing the target's slots 0..N-1, then the
+  layer-N hidden state through the exit layers (their slots) and the exit head.
+- Verification does not recompute the first N layers: the layer-N hidden states of the pending
+  committed token(s) and of the drafts, computed while drafting (the last draft gets its shared
+  pass here), continue through the target's layers N..L-1 in ONE pass for the K+1 positions, then
+  the target's norm and head on those rows.
+- Rejected positions are cropped from every slot group; layer-N hidden states that a slot group has
+  not consumed yet (the last accepted draft for the exit layers) are kept in a small buffer.
+Acceptance (greedy or rejection sampling) and draft-length control are `sd`'s.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import Tensor
+
+from decoding.engine import Generation, Output, Round
+from decoding.sampling import Sampling, probabilities, sample
+from decoding.sd import Controller, accept_greedy, accept_sampled
+
+
+class SelfSpeculative:
+    """The target and its early-exit drafter on one cache, for one sequence at a time."""
+
+    def __init__(self, target: torch.nn.Module, drafter: torch.nn.Module, profile: bool = True) -> None:
+        from models.early_exit import run_layers
+        from models.partial_load import decoder_parts
+
+        parts = decoder_parts(target)
+        self.run_layers = run_layers
+        self.drafter = drafter
+        self.shared_slots = list(range(drafter.num_shared_layers))
+        self.deep_slots = list(range(drafter.num_shared_layers, drafter.num_hidden_layers))
+        self.exit_slots = list(drafter.exit_cache_slots)
+        self.deep_layers = parts.layers[drafter.num_shared_layers :]
+        self.deep_types = [drafter.slot_type(s) for s in self.deep_slots]
+        self.norm, self.head = parts.norm, parts.lm_head
+        self.device = next(target.parameters()).device
+        self.sync = profile and self.device.type == "cuda"
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = self.drafter.new_cache()
+        self.buffer: Tensor | None = None
+        """Layer-N hidden states [1, n, H] of positions buffer_start.. that a slot group still needs."""
+        self.buffer_start = 0
+        self.draft_seconds = self.target_seconds = 0.0
+        self.draft_calls = self.target_calls = 0
+
+    def length(self, slots: list[int]) -> int:
+        """Positions cached by a slot group (all its slots hold the same positions)."""
+        return self.cache.layers[slots[0]].get_seq_length() if slots else 0
+
+    def _clock(self, start: float) -> float:
+        if self.sync:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
+
+    def shared(self, input_ids: Tensor) -> float:
+        """Embeddings and layers 0..N-1 for new tokens; their layer-N states join the buffer."""
+        start = time.perf_counter()
+        state = self.drafter.forward_shared(input_ids, cache=self.cache)
+        self.buffer = state.hidden if self.buffer is None else torch.cat([self.buffer, state.hidden], dim=1)
+        return self._clock(start)
+
+    def _layers(self, layers, slots: list[int], types: list[str], first: int) -> Tensor:
+        """Buffered layer-N states from position `first` on through `layers`, writing `slots`."""
+        assert self.buffer is not None
+        hidden = self.buffer[:, first - self.buffer_start :]
+        positions = torch.arange(first, first + hidden.shape[1], device=self.device).view(1, -1)
+        embeddings = self.drafter.rotary_emb(hidden, position_ids=positions)
+        masks = self.drafter.causal_mask(hidden, None, self.cache, positions, slots)
+        return self.run_layers(layers, hidden, embeddings, masks, self.cache, positions, types)
+
+    def draft_step(self, input_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Draft one token: (logits [V], hidden [H]) of the exit head after `input_ids`."""
+        seconds = self.shared(input_ids)
+        start = time.perf_counter()
+        exit_head = self.drafter.exit
+        if self.exit_slots:
+            first = self.length(self.exit_slots)
+            last = self._layers(exit_head.layers, self.exit_slots, exit_head.layer_types, first)[0, -1]
+        else:  # head-only exit (num_exit_layers = 0): norm and head on the newest layer-N state
+            assert self.buffer is not None
+            last = self.buffer[0, -1]
+        hidden = exit_head.norm(last)
+        logits = exit_head.lm_head(hidden).float()
+        self.draft_seconds += seconds + self._clock(start)
+        self.draft_calls += 1
+        return logits, hidden
+
+    def verify(self, pending: Tensor, num_logits: int) -> tuple[Tensor, Tensor]:
+        """Shared pass for `pending` (the last draft, or the committed tokens when nothing was drafted),
+        then layers N..L-1 on every position they have not processed: (logits, hidden) of the last rows."""
+        seconds = self.shared(pending) if pending.numel() else 0.0
+        start = time.perf_counter()
+        out = self._layers(self.deep_layers, self.deep_slots, self.deep_types, self.length(self.deep_slots))
+        hidden = self.norm(out[0, -num_logits:])
+        logits = self.head(hidden).float()
+        self.target_seconds += seconds + self._clock(start)
+        self.target_calls += 1
+        return logits, hidden
+
+    def crop(self, shared_and_deep: int, exit_length: int) -> None:
+        """Drop rejected positions from every slot group and buffered states no group needs."""
+        for slot in self.shared_slots + self.deep_slots:
+            self._crop(slot, shared_and_deep)
+        for slot in self.exit_slots:
+            self._crop(slot, exit_length)
+        keep_from = min(exit_length, shared_and_deep) if self.exit_slots else shared_and_deep
+        assert self.buffer is not None
+        self.buffer = self.buffer[:, keep_from - self.buffer_start : shared_and_deep - self.buffer_start]
+        self.buffer_start = keep_from
+
+    def _crop(self, slot: int, length: int) -> None:
+        extra = self.cache.layers[slot].get_seq_length() - length
+        if extra > 0:
+            self.cache.layers[slot].crop(-extra)
+
+
+@torch.inference_mode()
+def self_speculative(
+    model: SelfSpeculative,
+    prompt: Tensor,
+    max_new_tokens: int,
+    sampling: Sampling,
+    control: Controller,
+    generator: torch.Generator,
+    eos_ids: set[int],
+) -> Generation:
+    """Decode one prompt with `eesd`; at temperature 0 the output is the target's greedy output."""
+    start = time.perf_counter()
+    model.reset()
+    control.start()
+    out = Output(prompt.to(model.device), max_new_tokens, eos_ids, slack=control.max_length + 1)
+    greedy = sampling.greedy
+    target_hidden: Tensor | None = None
+    rounds: list[Round] = []
+    while not out.done:
+        n = out.length
+        budget = min(control.max_length, out.remaining - 1)
+        if control.needs_target_hidden and target_hidden is None:
+            budget = 0
+        drafts: list[Tensor] = []
+        draft_probs: list[Tensor] = []
+        if budget > 0:
+            control.begin_round(target_hidden)
+            step_input = out.pending(model.length(model.shared_slots))
+            for step in range(1, budget + 1):
+                logits, hidden = model.draft_step(step_input)
+                if greedy:
+                    token = logits.argmax(-1, keepdim=True)
+                else:
+                    p = probabilities(logits, sampling)
+                    token = sample(p, generator).view(1)
+                    draft_probs.append(p)
+                drafts.append(token)
+                if step == budget or not control.keep_drafting(step, hidden):
+                    break
+                step_input = token.view(1, 1)
+        k = len(drafts)
+        draft_tokens = torch.cat(drafts) if k else out.ids[:0]
+        pending = drafts[-1].view(1, 1) if k else out.pending(model.length(model.shared_slots))
+        logits, hidden = model.verify(pending, k + 1)
+        if greedy:
+            predicted = logits.argmax(-1)
+            accepted, new = accept_greedy(predicted, draft_tokens)
+            new_device = predicted[: accepted + 1]
+        else:
+            accepted, new_device = accept_sampled(logits, draft_tokens, draft_probs, sampling, generator)
+            new = new_device.tolist()
+        # the exit layers saw the pending tokens and all drafts but the last; without drafts, nothing new
+        exit_length = n + min(accepted, k - 1) if k else model.length(model.exit_slots)
+        model.crop(n + accepted, exit_length)
+        if k:
+            control.update(k, accepted)
+        if control.needs_target_hidden:
+            target_hidden = hidden[accepted]
+        kept = out.commit(new, new_device)
+        rounds.append(Round(k, k, min(accepted, kept)))
+    return Generation(
+        tokens=out.new,
+        stop=out.stop,
+        rounds=rounds,
+        target_calls=model.target_calls,
+        draft_calls=model.draft_calls,
+        wall_seconds=time.perf_counter() - start,
+        target_seconds=model.target_seconds,
+        draft_seconds=model.draft_seconds,
+    )

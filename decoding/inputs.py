@@ -1,0 +1,183 @@
+"""What the measure stage measures: the run's drafters and the evaluation prompt sets.
+
+Drafters are discovered in the upstream stage folders that exist, so a run without some stage
+measures what it has:
+- `finetune/<pair>/`: one language-specific drafter per pair (a Hugging Face folder);
+- `pretrain/model/`: the generic pretrained drafter (seed 003's P-only baseline), when asked for;
+- `measure.extra_drafters`: any other Hugging Face folder or hub id (a published drafter, say);
+- `early_exit/head/`: the early-exit head for `eesd`;
+- `calibrate/<name>/`: a calibration model for the drafter called `<name>` (`early_exit` for the head),
+  used by Cali-TS.
+
+Eval sets come from `data.eval`; prompts are built exactly as the distill stage builds them
+(`distill.prompt_format`: Vicuna v1.1 or the tokenizer's chat template; translation rows get seed
+003's task prefix), so drafters are measured on the prompt format they were trained on.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distill.prompts import build_prompt, chat_turns, encode_prompt, translation_messages
+from distill.sources import read_source
+from pipelines.schema import Recipe, SourceConfig
+from pipelines.stage import StageFailed
+
+log = logging.getLogger(__name__)
+
+PAIRS = ("de-en", "fr-en", "ru-en", "ja-en", "zh-en")
+
+
+@dataclass(frozen=True)
+class DrafterSource:
+    """A drafter to measure: where it is and what it was trained for."""
+
+    name: str
+    kind: str
+    """`finetune`, `pretrain`, `extra` (standalone models) or `early_exit` (the head for `eesd`)."""
+    path: str
+    pair: str | None
+    """The language pair it was finetuned on (None for generic drafters and the early-exit head)."""
+    calibration: Path | None = None
+    """Folder of its calibration model (Cali-TS), when the calibrate stage made one."""
+
+
+def discover_drafters(
+    upstream: dict[str, Path], extra: dict[str, str], include_pretrained: bool
+) -> list[DrafterSource]:
+    """The drafters present in the upstream stage folders, plus the configured extra ones."""
+    found: list[DrafterSource] = []
+    if "finetune" in upstream:
+        for folder in sorted(Path(upstream["finetune"]).iterdir()):
+            if (folder / "config.json").is_file():
+                pair = folder.name if folder.name in PAIRS else None
+                found.append(DrafterSource(folder.name, "finetune", str(folder), pair))
+    pretrained = Path(upstream["pretrain"]) / "model" if "pretrain" in upstream else None
+    if include_pretrained and pretrained is not None and (pretrained / "config.json").is_file():
+        found.append(DrafterSource("pretrain", "pretrain", str(pretrained), None))
+    for name, path in extra.items():
+        found.append(DrafterSource(name, "extra", path, None))
+    head = Path(upstream["early_exit"]) / "head" if "early_exit" in upstream else None
+    if head is not None and (head / "early_exit.json").is_file():
+        found.append(DrafterSource("early_exit", "early_exit", str(head), None))
+    names = [d.name for d in found]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise StageFailed(
+            f"measure: drafter names {duplicates} are used twice; rename measure.extra_drafters keys"
+        )
+    if "calibrate" in upstream:
+        root = Path(upstream["calibrate"])
+        found = [
+            DrafterSource(d.name, d.kind, d.path, d.pair, root / d.name)
+            if (root / d.name / "calibration.json").is_file()
+            else d
+            for d in found
+        ]
+    return found
+
+
+@dataclass
+class EvalSet:
+    """One evaluation set: its name, language pair (translation sets) and tokenized prompts."""
+
+    name: str
+    pair: str | None
+    prompts: list[torch.Tensor]
+    skipped_long: int = 0
+
+
+def prompt_messages(row: dict[str, Any], format: str) -> list[dict[str, str]]:
+    """The conversation a row asks the target to continue: as distill builds it (translation rows get
+    seed 003's task prefix; a chat row's first user turn, with what precedes it)."""
+    if format == "translation":
+        return translation_messages(row["pair"], row["source"])
+    if format == "prompts":
+        return [{"role": "user", "content": row["prompt"]}]
+    if format == "chat":
+        turns = chat_turns(row["conversations"])
+        if not turns:
+            raise StageFailed(f"measure: chat row {row['id']} has no user turn")
+        return turns[0][1]
+    raise ValueError(f"`{format}` rows are not prompts (use translation, chat or prompts sources)")
+
+
+def prompt_ids(messages: list[dict[str, str]], prompt_format: str, tokenizer: Any) -> list[int]:
+    """Token ids of the prompt, with distill's `build_prompt` and `encode_prompt`."""
+    try:
+        return encode_prompt(tokenizer, build_prompt(messages, prompt_format, tokenizer))
+    except ValueError as err:
+        raise StageFailed(f"measure: {err}") from err
+
+
+def _set_name(source: SourceConfig, taken: set[str]) -> str:
+    base = (
+        source.pair
+        if source.format == "translation"
+        else (source.name or Path(source.path or source.kind).stem)
+    )
+    name, index = base, 2
+    while name in taken:
+        name, index = f"{base}-{index}", index + 1
+    return name
+
+
+def load_eval_sets(recipe: Recipe, num_prompts: int, max_prompt_tokens: int, tokenizer: Any) -> list[EvalSet]:
+    """`num_prompts` prompts of each `data.eval` source (shuffled with `data.seed`), tokenized."""
+    if not recipe.data.eval:
+        raise StageFailed(
+            "measure: data.eval is empty; add evaluation sets, e.g. "
+            "`data.eval: [{kind: offline, split: test, pair: de-en}]` (one per pair)"
+        )
+    sets: list[EvalSet] = []
+    for source in recipe.data.eval:
+        if source.format == "text":
+            raise StageFailed(
+                f"measure: data.eval source {source.path or source.kind} has `text` rows, not prompts"
+            )
+        offline = recipe.data.offline
+        rows = read_source(
+            kind=source.kind,
+            format=source.format,
+            path=source.path,
+            name=source.name,
+            split=source.split,
+            revision=source.revision,
+            streaming=source.streaming,
+            fields=source.fields,
+            pair=source.pair,
+            # read extra rows: prompts longer than max_prompt_tokens are skipped
+            limit=source.limit if source.limit is not None else 2 * num_prompts,
+            skip_invalid=source.skip_invalid,
+            seed=recipe.data.seed,
+            offline_entries_per_sample=tuple(offline.entries_per_sample),
+            offline_test_fraction=offline.test_fraction,
+            offline_samples=offline.samples_per_pair,
+        ).rows
+        eval_set = EvalSet(_set_name(source, {s.name for s in sets}), source.pair, [])
+        for row in rows:
+            ids = prompt_ids(prompt_messages(row, source.format), recipe.distill.prompt_format, tokenizer)
+            if len(ids) > max_prompt_tokens:
+                eval_set.skipped_long += 1
+                continue
+            eval_set.prompts.append(torch.tensor(ids, dtype=torch.long))
+            if len(eval_set.prompts) == num_prompts:
+                break
+        if not eval_set.prompts:
+            raise StageFailed(
+                f"measure: eval set {eval_set.name} has no prompt of at most {max_prompt_tokens} tokens"
+            )
+        if eval_set.skipped_long:
+            log.warning(
+                "measure: %s: skipped %d prompts longer than %d tokens",
+                eval_set.name,
+                eval_set.skipped_long,
+                max_prompt_tokens,
+            )
+        sets.append(eval_set)
+    return sets

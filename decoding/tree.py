@@ -1,0 +1,220 @@
+"""Draft-token trees sampled without replacement, their attention masks, and their verification (seed 002 §3, App. B).
+
+A tree hangs below the root, the last committed token. Its nodes are stored flat, level by level
+(level l holds the tokens at depth l), each with the index of its parent node (-1 for the root); the
+children of one node keep the order in which they were drawn, which is what recursive rejection
+sampling needs. Two ways to grow it, one drafter forward per level for all nodes of the level:
+- `rsd_c`: constant branching factors b = (b_0, ..., b_{L-1}); every node of level l gets b_l children
+  drawn with Gumbel-top-k from p(.|node) (Alg. 3-4);
+- `rsd_s`: stochastic beam search with beamwidth W (Alg. 8-9): each level keeps the W (parent, token)
+  pairs with the largest truncated perturbed sequence log-probabilities.
+At temperature 0 the draws become deterministic: the top-b tokens by logit (`rsd_c`) and a plain beam
+search on the drafter's log-softmax (`rsd_s`); verification then accepts a child only when it is the
+target's argmax, so the output is `ar`'s.
+
+Attention: a node sees every committed position and its own ancestors (Alg. 5, where a child's mask
+row is its parent's row plus itself); it sits at position (root position + depth).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from decoding.lm import CachedLM, additive_mask
+from decoding.sampling import Sampling, gumbel_topk, probabilities, recursive_rejection, stochastic_beam_step
+
+
+@dataclass
+class Tree:
+    """Flat draft-token tree: node i has token tokens[i], parent parents[i] (-1: root), depth depths[i]."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+    fed: int = 0
+    """Nodes processed by the drafter (all levels but the last); their p(.|node) rows exist."""
+    ancestors: Tensor | None = None
+    """[N, N] bool on the models' device: ancestors[i, j] when node j is node i or one of its ancestors."""
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def children(self) -> dict[int, list[int]]:
+        """Node -> its children in draw order (the root is -1)."""
+        result: dict[int, list[int]] = {}
+        for node, parent in enumerate(self.parents):
+            result.setdefault(parent, []).append(node)
+        return result
+
+
+def extend_ancestors(ancestors: Tensor, start: int, parents: Tensor) -> None:
+    """Fill rows start..start+len(parents) of the [N, N] ancestor-or-self matrix (seed 002 Alg. 5).
+
+    A node's row is its parent's row plus itself; children of the root (-1) start from an empty row.
+    """
+    count = parents.numel()
+    rows = torch.arange(start, start + count, device=ancestors.device)
+    has_parent = parents >= 0
+    ancestors[rows] = ancestors[parents.clamp(min=0)] & has_parent.view(-1, 1)
+    ancestors[rows, rows] = True
+
+
+def tree_attention(num_cached: int, num_pending: int, tree_rows: Tensor, dtype: torch.dtype) -> Tensor:
+    """The 4D additive mask for [pending chain tokens, then tree nodes] after `num_cached` positions.
+
+    Pending tokens attend causally; tree rows attend to the cache, all pending tokens and the tree
+    nodes marked in `tree_rows` [R, N] (their ancestors-or-self among the N nodes in the cache/input).
+    """
+    rows, nodes = tree_rows.shape
+    prefix = num_cached + num_pending
+    allowed = torch.zeros(num_pending + rows, prefix + nodes, dtype=torch.bool, device=tree_rows.device)
+    if num_pending:
+        allowed[:num_pending, :prefix] = torch.ones(
+            num_pending, prefix, dtype=torch.bool, device=tree_rows.device
+        ).tril(diagonal=num_cached)
+    allowed[num_pending:, :prefix] = True
+    allowed[num_pending:, prefix:] = tree_rows
+    return additive_mask(allowed, dtype)
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """`rsd_c`: `branching` = b (depth len(b)); `rsd_s`: `beam_width` W and `depth` L."""
+
+    method: str
+    depth: int
+    branching: tuple[int, ...] = ()
+    beam_width: int = 0
+
+    @classmethod
+    def constant(cls, branching: list[int]) -> TreeShape:
+        if not branching or min(branching) < 1:
+            raise ValueError(f"branching factors must be >= 1, got {branching}")
+        return cls("rsd_c", len(branching), tuple(branching))
+
+    @classmethod
+    def beam(cls, width: int, depth: int) -> TreeShape:
+        if width < 1 or depth < 1:
+            raise ValueError(f"beam width and depth must be >= 1, got {width}, {depth}")
+        return cls("rsd_s", depth, beam_width=width)
+
+    @property
+    def max_nodes(self) -> int:
+        if self.method == "rsd_s":
+            return self.beam_width * self.depth
+        total, level = 0, 1
+        for b in self.branching:
+            level *= b
+            total += level
+        return total
+
+
+def _log_dist(logits: Tensor, sampling: Sampling) -> tuple[Tensor, Tensor | None]:
+    """(log-probabilities used to draw children, probabilities used to verify; None when greedy)."""
+    if sampling.greedy:
+        return torch.log_softmax(logits.float(), dim=-1), None
+    probs = probabilities(logits, sampling)
+    return probs.log(), probs
+
+
+def draft_tree(
+    drafter: CachedLM,
+    pending: Tensor,
+    shape: TreeShape,
+    depth: int,
+    sampling: Sampling,
+    generator: torch.Generator,
+) -> tuple[Tree, Tensor | None]:
+    """Grow a tree of `depth` <= shape.depth levels below the last pending token.
+
+    Returns the tree and, when sampling, the drafter's distributions [1 + tree.fed, V]: row 0 at the
+    root, row i + 1 at node i. The drafter's cache ends with the pending tokens and the fed nodes.
+    """
+    device = drafter.device
+    noise = None if sampling.greedy else generator
+    logits, _ = drafter.forward(pending)
+    log_p, probs = _log_dist(logits, sampling)
+    dists = [probs] if probs is not None else []
+    committed = drafter.length
+    ancestors = torch.zeros(shape.max_nodes, shape.max_nodes, dtype=torch.bool, device=device)
+    frontier = torch.full((1,), -1, dtype=torch.long, device=device)  # node ids of the current level
+    sum_log_p = torch.zeros(1, device=device)
+    gamma = torch.zeros(1, device=device)
+    tokens, parents = [], []
+    size = 0
+    for level in range(depth):
+        if shape.method == "rsd_c":
+            b = shape.branching[level]
+            drawn, valid = gumbel_topk(log_p, min(b, log_p.shape[-1]), noise)
+            chosen_parent = frontier.repeat_interleave(drawn.shape[1])[valid.view(-1)]
+            chosen = drawn.view(-1)[valid.view(-1)]
+        else:
+            rows, chosen, sum_log_p, gamma = stochastic_beam_step(
+                log_p, sum_log_p, gamma, shape.beam_width, noise
+            )
+            chosen_parent = frontier[rows]
+        count = chosen.numel()
+        extend_ancestors(ancestors, size, chosen_parent)
+        tokens.append(chosen)
+        parents.append(chosen_parent)
+        frontier = torch.arange(size, size + count, device=device)
+        size += count
+        if level == depth - 1:
+            break
+        # the new level sees the committed positions and its ancestors among the nodes so far
+        mask = tree_attention(committed, 0, ancestors[size - count : size, :size], drafter.dtype)
+        positions = torch.full((1, count), committed + level, dtype=torch.long, device=device)
+        logits, _ = drafter.forward(chosen.view(1, -1), count, positions, mask)
+        log_p, probs = _log_dist(logits, sampling)
+        if probs is not None:
+            dists.append(probs)
+    flat = torch.cat([torch.cat(tokens), torch.cat(parents)]).tolist()
+    levels = [t.numel() for t in tokens]
+    tree = Tree(
+        tokens=flat[:size],
+        parents=flat[size:],
+        depths=[d + 1 for d, n in enumerate(levels) for _ in range(n)],
+        fed=size - levels[-1],
+        ancestors=ancestors[:size, :size],
+    )
+    return tree, (torch.cat(dists) if dists else None)
+
+
+def verify_tree(
+    tree: Tree, draft_probs: Tensor | None, target_out: Tensor, greedy: bool, generator: torch.Generator
+) -> tuple[list[int], int]:
+    """Walk the tree level by level (seed 002 Alg. 6): returns (accepted node path, next token).
+
+    target_out is the target's argmax [1 + N] (greedy) or distribution [1 + N, V] (sampling), row 0 at
+    the root and row i + 1 at node i; draft_probs the drafter's distributions at the root and fed nodes.
+    """
+    children = tree.children()
+    path: list[int] = []
+    node = -1
+    if greedy:
+        best = target_out.tolist()
+        while True:
+            want = best[node + 1]
+            match = [c for c in children.get(node, []) if tree.tokens[c] == want]
+            if not match:
+                return path, want
+            node = match[0]
+            path.append(node)
+    assert draft_probs is not None
+    while True:
+        kids = children.get(node, [])
+        q = target_out[node + 1]
+        p = draft_probs[node + 1] if kids else q
+        index, token = recursive_rejection([tree.tokens[c] for c in kids], p, q, generator)
+        if index is None:
+            return path, token
+        node = kids[index]
+        path.append(node)
+
+
+def verify_rows(tree: Tree, logits: Tensor, sampling: Sampling) -> Tensor:
+    """What `verify_tree` reads from the target's logits [1 + N, V]."""
+    return logits.argmax(-1) if sampling.greedy else probabilities(logits, sampling)

@@ -1,0 +1,100 @@
+"""Beta-TS and Cali-TS parameter updates against values computed by hand for a given acceptance sequence."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from decoding.control import BetaTS, CaliTS, FixedK, chi_counts
+
+# (drafted K, accepted A) per round
+ROUNDS = [(4, 4), (4, 1), (3, 0), (1, 0), (5, 4), (2, 2)]
+
+
+def test_chi_counts_follow_alg2_lines_18_19():
+    # |Q_v| = A + 1; r = |Q_v| - 1; n = min(|Q_v| + 1, |Q_d|)
+    assert chi_counts(4, 4) == (4, 4)  # all accepted: n = min(6, 4)
+    assert chi_counts(4, 3) == (3, 4)  # n = min(5, 4)
+    assert chi_counts(4, 1) == (1, 3)
+    assert chi_counts(3, 0) == (0, 2)
+    assert chi_counts(1, 0) == (0, 1)
+
+
+def test_beta_ts_updates_by_hand():
+    control = BetaTS(alpha0=1.0, beta0=2.0, max_length=10, seed=0)
+    control.start()
+    # alpha += r, beta += n - r:
+    # (4,4): r=4 n=4 -> (5, 2); (4,1): r=1 n=3 -> (6, 4); (3,0): r=0 n=2 -> (6, 6);
+    # (1,0): r=0 n=1 -> (6, 7); (5,4): r=4 n=5 -> (10, 8); (2,2): r=2 n=2 -> (12, 8)
+    expected = [(5, 2), (6, 4), (6, 6), (6, 7), (10, 8), (12, 8)]
+    for (drafted, accepted), (alpha, beta) in zip(ROUNDS, expected, strict=True):
+        control.update(drafted, accepted)
+        assert (control.alpha, control.beta) == (alpha, beta)
+    control.start()
+    assert (control.alpha, control.beta) == (1.0, 2.0)
+
+
+def test_beta_ts_draws_follow_the_posterior():
+    """keep_drafting is Bernoulli(theta), theta ~ Beta(alpha, beta): its rate is alpha / (alpha + beta)."""
+    control = BetaTS(alpha0=1.0, beta0=1.0, max_length=10, seed=0)
+    control.alpha, control.beta = 9.0, 1.0
+    rate = sum(control.keep_drafting(1, torch.zeros(1)) for _ in range(4000)) / 4000
+    assert abs(rate - 0.9) < 0.03
+    control.alpha, control.beta = 1.0, 9.0
+    rate = sum(control.keep_drafting(1, torch.zeros(1)) for _ in range(4000)) / 4000
+    assert abs(rate - 0.1) < 0.03
+
+
+def test_cali_ts_updates_and_posterior_by_hand():
+    seen = []
+
+    def predict(step, target_hidden, draft_hidden):
+        seen.append((step, target_hidden.tolist(), draft_hidden.tolist()))
+        return 0.8
+
+    sigma_m, sigma_s, theta0 = 0.2, 0.5, 0.6
+    control = CaliTS(sigma_m, sigma_s, theta0, predict, max_length=8, seed=0)
+    # before any verification n = 0: mu = theta_M, sigma^2 = sigma_M^2
+    mu, variance = control.posterior(0.8)
+    assert math.isclose(mu, 0.8) and math.isclose(variance, 0.04)
+    # theta_hat = (theta_hat (m + 1) + r) / (m + n + 1), m += n, with (r, n) from chi_counts
+    theta_hat, m = theta0, 0
+    for count, (drafted, accepted) in enumerate(ROUNDS, start=1):
+        control.update(drafted, accepted)
+        r, n = chi_counts(drafted, accepted)
+        theta_hat, m = (theta_hat * (m + 1) + r) / (m + n + 1), m + n
+        assert math.isclose(control.theta_hat, theta_hat) and control.trials == m
+        assert control.verifications == count
+    # by hand for the first rounds: (4,4): (0.6*1 + 4)/5 = 0.92; (4,1): (0.92*5 + 1)/8 = 0.7
+    first = CaliTS(sigma_m, sigma_s, theta0, predict, 8, 0)
+    first.update(4, 4)
+    assert math.isclose(first.theta_hat, 0.92)
+    first.update(4, 1)
+    assert math.isclose(first.theta_hat, 0.7)
+    # after n = 6 verifications: mu = (s_S^2 theta_M + n s_M^2 theta_hat) / (n s_M^2 + s_S^2)
+    mu, variance = control.posterior(0.8)
+    assert math.isclose(mu, (0.25 * 0.8 + 6 * 0.04 * theta_hat) / (6 * 0.04 + 0.25))
+    assert math.isclose(variance, 0.04 * 0.25 / (0.25 + 6 * 0.04))
+    # the predictor gets the step and both hidden states
+    control.begin_round(torch.tensor([1.0, 2.0]))
+    control.keep_drafting(3, torch.tensor([3.0]))
+    assert seen == [(3, [1.0, 2.0], [3.0])]
+    control.start()
+    assert (control.theta_hat, control.trials, control.verifications) == (theta0, 0, 0)
+
+
+def test_cali_ts_needs_the_target_state():
+    control = CaliTS(0.2, 0.5, 0.6, lambda i, t, d: 0.5, 8, 0)
+    with pytest.raises(RuntimeError, match="begin_round"):
+        control.keep_drafting(1, torch.zeros(1))
+
+
+def test_bad_hyperparameters_are_errors():
+    with pytest.raises(ValueError, match="K must be >= 1"):
+        FixedK(0)
+    with pytest.raises(ValueError, match="alpha0"):
+        BetaTS(0.0, 1.0, 5, 0)
+    with pytest.raises(ValueError, match="sigma_M"):
+        CaliTS(0.0, 1.0, 0.5, lambda i, t, d: 0.5, 5, 0)

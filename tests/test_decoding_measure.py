@@ -1,0 +1,178 @@
+"""The measure stage on a tiny run: rows, losslessness checks, summary and plots, resume, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from decoding.measure import RESULTS_FILE, read_rows, run
+from models.tiny import build_llama
+from pipelines.schema import DataConfig, MeasureConfig, Recipe, SourceConfig, TargetConfig
+from pipelines.stage import ResolvedTarget, StageContext, StageFailed
+from pipelines.tracking import Tracker
+from tests.decoding_helpers import single_thread_fixture
+
+single_thread = single_thread_fixture()
+PAIRS = ["de-en", "fr-en"]
+
+
+@pytest.fixture(scope="module")
+def finetune_dir(tmp_path_factory, tiny_tokenizer, tiny_target):
+    """Two 'finetuned' drafters: the target's first layer plus its head (so they agree with it sometimes)."""
+    folder = tmp_path_factory.mktemp("finetune")
+    for index, pair in enumerate(PAIRS):
+        tok = tiny_tokenizer
+        drafter = build_llama(len(tok), 64, 1, 4, 128, bos_token_id=tok.bos_token_id,
+                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, seed=index)  # fmt: skip
+        state = {k: v for k, v in tiny_target.state_dict().items() if not k.startswith("model.layers.")}
+        state.update(
+            {k: v for k, v in tiny_target.state_dict().items() if k.startswith(f"model.layers.{index}.")}
+        )
+        drafter.load_state_dict({k.replace(f"layers.{index}.", "layers.0."): v for k, v in state.items()})
+        drafter.save_pretrained(folder / pair)
+        tok.save_pretrained(folder / pair)
+    (folder / "de-en.metrics.json").write_text("{}")  # files next to the drafters are ignored
+    return folder
+
+
+def recipe(target_dir, **measure) -> Recipe:
+    settings = {
+        "num_prompts": 2,
+        "max_new_tokens": 6,
+        "temperatures": [0.0, 1.0],
+        "seeds": [0, 1],
+        "decoders": ["ar", "sd", "rsd_c", "rsd_s", "assisted"],
+        "controls": ["fixed", "beta_ts"],
+        "k_sweep": [2],
+        "draft_length": 3,
+        "branching": [2, 1],
+        "beam_width": 2,
+        "beam_depth": 2,
+        **measure,
+    }
+    return Recipe(
+        target=TargetConfig(path=str(target_dir)),
+        data=DataConfig(
+            pairs=PAIRS, eval=[SourceConfig(kind="offline", split="test", pair=pair) for pair in PAIRS]
+        ),
+        measure=MeasureConfig(**settings),
+    )
+
+
+def context(tmp_path, target_dir, upstream) -> StageContext:
+    work = tmp_path / "measure.partial"
+    work.mkdir(exist_ok=True)
+    target = ResolvedTarget(str(target_dir), None, "float32", False)
+    return StageContext("measure", tmp_path, work, upstream, target, Tracker(None, "measure"), quiet=True)
+
+
+def test_measure_writes_rows_summary_and_plots_and_resumes(tmp_path, tiny_target_dir, finetune_dir):
+    ctx = context(tmp_path, tiny_target_dir, {"finetune": finetune_dir})
+    result = run(recipe(tiny_target_dir), ctx)
+    rows = [json.loads(line) for line in (ctx.work_dir / RESULTS_FILE).read_text().splitlines()]
+    # 2 sets x 2 temperatures x 2 seeds; per group: ar + 2 drafters x (sd K=3, sd K=2, sd beta_ts, rsd_c, rsd_s, assisted)
+    assert len(rows) == 8 * 13
+    methods = {r["method"] for r in rows}
+    assert methods == {"ar"} | {
+        f"{d}[{p}] {s}"
+        for p in PAIRS
+        for d, s in [
+            ("sd", "K=3"),
+            ("sd", "K=2"),
+            ("sd", "beta_ts"),
+            ("rsd_c", "2-1"),
+            ("rsd_s", "2x2"),
+            ("assisted", "K=3"),
+        ]
+    }
+    for row in rows:
+        assert row["prompts"] == 2 and row["group_rows"] == 13
+        assert row["hardware"] and row["date"] and row["device"] == "cpu"
+        if row["temperature"] == 0:
+            assert row["matches_ar"] is True, row["method"]
+        else:
+            assert row["matches_ar"] is None
+        if row["decoder"] == "ar":
+            assert row["speedup"] == 1.0 and row["block_efficiency"] == 1.0 and row["drafter"] is None
+        else:
+            assert row["in_domain"] == (row["drafter_pair"] == row["dataset_pair"])
+            assert 0 < row["size_ratio"] < 1 and row["speedup"] > 0
+        if row["decoder"] in ("sd", "rsd_c", "rsd_s"):
+            assert row["acceptance_rate"] is not None and row["target_calls"] >= 1
+    sweep = [r for r in rows if r["method"] == "sd[de-en] K=2"]
+    assert {r["draft_length"] for r in sweep} == {2} and {r["control"] for r in sweep} == {"fixed"}
+    summary = (ctx.work_dir / "summary.md").read_text()
+    assert "## Wall-clock speedup over ar" in summary and "| sd[de-en] K=3 |" in summary
+    assert "de-en T=0" in summary and "Every method produced exactly `ar`'s tokens" in summary
+    for plot in ("block_efficiency.png", "speedup.png", "speedup_vs_k.png"):
+        assert (ctx.work_dir / plot).read_bytes()[:4] == b"\x89PNG"
+    assert any(key.endswith("/speedup") for key in result.metrics)
+
+    # a run killed while appending: the last group is torn; a rerun measures only that group again
+    text = (ctx.work_dir / RESULTS_FILE).read_text()
+    lines = text.splitlines(keepends=True)
+    (ctx.work_dir / RESULTS_FILE).write_text("".join(lines[:-5]) + lines[-5][:20])
+    assert len(read_rows(ctx.work_dir / RESULTS_FILE)) == 7 * 13
+    run(recipe(tiny_target_dir), ctx)
+    again = [json.loads(line) for line in (ctx.work_dir / RESULTS_FILE).read_text().splitlines()]
+    assert len(again) == 8 * 13
+    assert again[: 7 * 13] == rows[: 7 * 13]  # finished groups were not measured again
+    assert {r["dataset"] for r in again[7 * 13 :]} == {rows[-1]["dataset"]}
+
+
+def test_measure_without_drafters_runs_ar_only(tmp_path, tiny_target_dir):
+    ctx = context(tmp_path, tiny_target_dir, {})
+    run(recipe(tiny_target_dir, temperatures=[0.0], seeds=[0]), ctx)
+    rows = read_rows(ctx.work_dir / RESULTS_FILE)
+    assert [r["method"] for r in rows] == ["ar", "ar"]
+
+
+def test_measure_refuses_a_drafter_with_another_vocabulary(tmp_path, tiny_target_dir, tiny_tokenizer):
+    folder = tmp_path / "finetune" / "de-en"
+    build_llama(len(tiny_tokenizer) + 7, 32, 1, 2, 64).save_pretrained(folder)
+    ctx = context(tmp_path, tiny_target_dir, {"finetune": folder.parent})
+    with pytest.raises(StageFailed, match="must share the target's vocabulary"):
+        run(recipe(tiny_target_dir), ctx)
+
+
+def test_measure_needs_eval_sets(tmp_path, tiny_target_dir):
+    bad = recipe(tiny_target_dir)
+    bad = bad.model_copy(update={"data": DataConfig(pairs=PAIRS)})
+    with pytest.raises(StageFailed, match="data.eval is empty"):
+        run(bad, context(tmp_path, tiny_target_dir, {}))
+
+
+def test_measure_config_errors():
+    with pytest.raises(ValueError, match="must include `ar`"):
+        MeasureConfig(decoders=["sd"])
+    with pytest.raises(ValueError, match="draft lengths"):
+        MeasureConfig(k_sweep=[0])
+    with pytest.raises(ValueError, match="beta_prior"):
+        MeasureConfig(beta_prior=[1.0])
+
+
+def test_eval_prompts_are_built_like_distill_prompts(tmp_path, tiny_tokenizer):
+    """Chat rows give their first user turn in the Vicuna format; over-long prompts are skipped, counted."""
+    from decoding.inputs import load_eval_sets
+    from distill.prompts import build_prompt, encode_prompt
+
+    rows = [
+        {"conversations": [{"from": "human", "value": "Hello there"}, {"from": "gpt", "value": "Hi"}]},
+        {"conversations": [{"from": "human", "value": "word " * 400}, {"from": "gpt", "value": "ok"}]},
+        {"conversations": [{"from": "human", "value": "Name a colour"}]},
+    ]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    source = SourceConfig(kind="local", format="chat", path=str(path), name="chat")
+    base = recipe(tmp_path)
+    sets = load_eval_sets(
+        base.model_copy(update={"data": DataConfig(pairs=PAIRS, eval=[source])}), 5, 200, tiny_tokenizer
+    )
+    (chat,) = sets
+    assert chat.name == "chat" and chat.pair is None and chat.skipped_long == 1
+    expected = [
+        encode_prompt(tiny_tokenizer, build_prompt([{"role": "user", "content": text}], "vicuna"))
+        for text in ("Hello there", "Name a colour")
+    ]
+    assert sorted(p.tolist() for p in chat.prompts) == sorted(expected)

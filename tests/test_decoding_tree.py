@@ -1,0 +1,92 @@
+"""Tree attention masks against brute-force masks built from the parent pointers; tree shapes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from decoding.lm import additive_mask
+from decoding.tree import Tree, TreeShape, extend_ancestors, tree_attention
+
+
+def random_tree(rng: random.Random, levels: int) -> Tree:
+    """Random level-ordered tree: each node's parent is a node of the previous level (or the root)."""
+    tree = Tree()
+    previous = [-1]
+    for depth in range(1, levels + 1):
+        current = []
+        for _ in range(rng.randint(1, 4)):
+            tree.tokens.append(rng.randrange(100))
+            tree.parents.append(rng.choice(previous))
+            tree.depths.append(depth)
+            current.append(len(tree.tokens) - 1)
+        previous = current
+    return tree
+
+
+def brute_force_ancestors(parents: list[int]) -> torch.Tensor:
+    size = len(parents)
+    result = torch.zeros(size, size, dtype=torch.bool)
+    for node in range(size):
+        walk = node
+        while walk >= 0:
+            result[node, walk] = True
+            walk = parents[walk]
+    return result
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_ancestor_matrix_built_level_by_level_matches_brute_force(seed):
+    tree = random_tree(random.Random(seed), levels=1 + seed % 5)
+    size = len(tree)
+    ancestors = torch.zeros(size + 3, size + 3, dtype=torch.bool)  # preallocated larger, as draft_tree does
+    start = 0
+    for depth in sorted(set(tree.depths)):
+        level = [i for i in range(size) if tree.depths[i] == depth]
+        extend_ancestors(ancestors, start, torch.tensor([tree.parents[i] for i in level]))
+        start += len(level)
+    assert torch.equal(ancestors[:size, :size], brute_force_ancestors(tree.parents))
+    assert not ancestors[size:].any() and not ancestors[:, size:].any()
+
+
+@pytest.mark.parametrize(("cached", "pending"), [(0, 1), (0, 5), (4, 1), (7, 3), (5, 0)])
+def test_tree_attention_matches_a_brute_force_mask_from_positions_and_parents(cached, pending):
+    tree = random_tree(random.Random(cached * 10 + pending), levels=3)
+    size = len(tree)
+    mask = tree_attention(cached, pending, brute_force_ancestors(tree.parents), torch.float32)
+    # brute force: query j (pending chain, then nodes) may see key k when k is in the past of j
+    total = cached + pending + size
+    expected = torch.zeros(pending + size, total, dtype=torch.bool)
+    for row in range(pending + size):
+        for key in range(total):
+            if row < pending:
+                expected[row, key] = key <= cached + row
+            elif key < cached + pending:
+                expected[row, key] = True
+            else:
+                node, other = row - pending, key - cached - pending
+                walk = node
+                while walk >= 0 and walk != other:
+                    walk = tree.parents[walk]
+                expected[row, key] = walk == other
+    assert mask.shape == (1, 1, pending + size, total)
+    assert torch.equal(mask[0, 0] == 0, expected)
+    assert torch.equal(mask, additive_mask(expected, torch.float32))
+    assert (mask[0, 0][~expected] == torch.finfo(torch.float32).min).all()
+
+
+def test_tree_shapes_and_their_sizes():
+    assert TreeShape.constant([2, 2, 1]).max_nodes == 2 + 4 + 4
+    assert TreeShape.constant([3, 1]).depth == 2
+    assert TreeShape.beam(3, 4).max_nodes == 12
+    with pytest.raises(ValueError, match="branching"):
+        TreeShape.constant([2, 0])
+    with pytest.raises(ValueError, match="beam width"):
+        TreeShape.beam(0, 3)
+
+
+def test_children_keep_draw_order():
+    tree = Tree(tokens=[5, 9, 4, 1, 2], parents=[-1, -1, 1, 0, 1], depths=[1, 1, 2, 2, 2])
+    assert tree.children() == {-1: [0, 1], 1: [2, 4], 0: [3]}

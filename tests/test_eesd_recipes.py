@@ -1,0 +1,39 @@
+"""The EESD recipes carry seed 001's Table 9 settings and §4.1 choices of N."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipelines.recipe import load_recipe
+from pipelines.stage import PROJECT_ROOT
+
+TABLE_9 = {  # recipe: (target, N, sequence, epochs, GPUs)
+    "llama-2-13b": ("meta-llama/Llama-2-13b-hf", 3, 2048, 4.0, 2),
+    "vicuna-13b": ("lmsys/vicuna-13b-v1.3", 3, 2048, 4.0, 2),
+    "codellama-13b": ("codellama/CodeLlama-13b-hf", 3, 16384, 4.0, 8),
+    "llama-2-70b": ("meta-llama/Llama-2-70b-hf", 5, 4096, 6.0, 8),
+    "llama-2-70b-chat": ("meta-llama/Llama-2-70b-chat-hf", 5, 4096, 6.0, 8),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TABLE_9))
+def test_eesd_recipe_follows_table_9(name):
+    path = PROJECT_ROOT / "recipes" / "eesd" / f"{name}.yaml"
+    assert (
+        path.read_text().startswith("# EESD for")
+        and f"polydraft run recipes/eesd/{name}.yaml" in path.read_text()
+    )
+    recipe = load_recipe(path)
+    target, n, sequence, epochs, gpus = TABLE_9[name]
+    block, loop = recipe.early_exit, recipe.early_exit.loop
+    assert recipe.target.path == target
+    assert (block.num_shared_layers, block.num_exit_layers, loop.max_length, loop.epochs) == (
+        n,
+        1,
+        sequence,
+        epochs,
+    )
+    assert recipe.launch.num_processes == gpus
+    assert loop.per_device_batch_size * loop.grad_accum_steps * gpus == 64
+    assert block.optim.lr == 1e-3
+    assert not recipe.pretrain.enabled and not recipe.finetune.enabled
