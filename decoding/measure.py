@@ -31,6 +31,7 @@ Row schema of `results.jsonl` (read by the export stage and the demo's summary):
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import logging
 import os
@@ -274,17 +275,25 @@ def method_label(fields: dict[str, Any]) -> str:
     return f"{name} K={fields['draft_length']}"
 
 
-def measure_group(methods: list[Method], prompts: list[torch.Tensor], warmed: set[str]) -> None:
-    """Decode every prompt with every method, rotating the order; warm each method up once first."""
-    for method in methods:
+def measure_group(
+    build: Callable[[], list[Method]], prompts: list[torch.Tensor], warmed: set[str]
+) -> list[Method]:
+    """Decode every prompt with every method, rotating the order, and return the methods.
+
+    Each method is first warmed up once per run (first calls allocate memory and pick kernels) on
+    its own copy, so that the measured methods' controllers start from their seeds untouched.
+    """
+    for method in build():
         label = method_label(method.fields)
-        if label not in warmed:  # first calls allocate memory and pick kernels: keep them out of the timing
+        if label not in warmed:
             method.decode(prompts[0], -1)
             warmed.add(label)
+    methods = build()
     for index, prompt in enumerate(prompts):
         shift = index % len(methods)
         for method in methods[shift:] + methods[:shift]:
             method.generations.append(method.decode(prompt, index))
+    return methods
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
@@ -414,8 +423,13 @@ def run(recipe: Recipe, ctx: StageContext) -> StageResult:
         if (eval_set.name, temperature, seed) in done:
             continue
         sampling = Sampling(temperature, cfg.top_p if temperature > 0 else 1.0)
-        methods = build_methods(cfg, eval_set, sampling, seed, target, target_lm, drafters, eos_ids)
-        measure_group(methods, eval_set.prompts, warmed)
+        methods = measure_group(
+            functools.partial(
+                build_methods, cfg, eval_set, sampling, seed, target, target_lm, drafters, eos_ids
+            ),
+            eval_set.prompts,
+            warmed,
+        )
         context["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         new_rows = group_rows(
             methods, eval_set, cfg, temperature, seed, {d.name: d for d in sources}, context
