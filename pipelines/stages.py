@@ -14,10 +14,5 @@ def default_stages() -> list[Stage]:
         Stage("distill", distill, blocks=("distill",)),
         Stage("pretrain", run_pretrain, blocks=("pretrain", "launch")),
         # finetune reads the pretrain block too: its defaults depend on pretrain.enabled and the arch
-        Stage(
-            "finetune",
-            run_finetune,
-            blocks=("pretrain", "finetune", "launch"),
-            upstream=("distill", "pretrain"),
-        ),
+        Stage("finetune", run_finetune, blocks=("pretrain", "finetune", "launch"), upstream=("distill", "pretrain")),
     ]
