@@ -205,7 +205,8 @@ def run_export(recipe, run_dir: Path, templates: Path, target_dir: Path):
     return run_pipeline(recipe, run_dir, export_stages(templates), target, command="test", quiet=True)
 
 
-def export_recipe(target_dir: Path, **export: Any):
+def export_recipe(target_dir: Path, export: dict[str, Any] | None = None, **blocks: Any):
+    """The tiny recipe with offline eval sets (the smoke prompts) and a short smoke check."""
     from tests.drafter_setup import tiny_recipe
 
     return tiny_recipe(
@@ -218,5 +219,6 @@ def export_recipe(target_dir: Path, **export: Any):
         },
         distill={"enabled": False},
         measure={"draft_length": 3},
-        export={"smoke_prompts": 2, "smoke_max_new_tokens": 12, **export},
+        export={"smoke_prompts": 2, "smoke_max_new_tokens": 8, **(export or {})},
+        **blocks,
     )
