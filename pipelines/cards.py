@@ -78,11 +78,14 @@ def intro(info: dict[str, Any]) -> str:
         )
     else:
         arch = info["architecture"]
-        purpose = f"for {info['pair']} translation prompts" if info["pair"] else "on generic text"
+        purpose = (
+            f"for {info['pair']} translation prompts (seed 003's language-specific drafters)"
+            if info["pair"]
+            else "on generic text only (the pretraining stage of seed 003's pretrain-then-finetune)"
+        )
         text = (
             f"A {_num(arch['parameters'])}-parameter `{arch['class']}` draft model for speculative decoding of "
-            f"{target_name(info)}, trained {purpose} (pretrain-then-finetune, seed 003). It uses the target's "
-            "tokenizer and vocabulary."
+            f"{target_name(info)}, trained {purpose}. It uses the target's tokenizer and vocabulary."
         )
     return (
         text + " Speculative decoding never changes what the target generates (it is lossless at every "
@@ -229,6 +232,8 @@ def draft_length(info: dict[str, Any]) -> tuple[int, str]:
     m = info["measurement"]
     if m["best_draft_length"] is not None:
         return m["best_draft_length"], "the K that measured best"
+    if m["measured"]:
+        return info["draft_length_default"], "no fixed K was measured: the recipe's `measure.draft_length`"
     return info["draft_length_default"], "not measured: the recipe's `measure.draft_length`"
 
 
@@ -294,6 +299,7 @@ def usage_section(info: dict[str, Any], repo_id: str) -> list[str]:
         "```python",
         "from vllm import LLM, SamplingParams",
         "",
+        f"prompt = {prompt['example']!r}",
         "llm = LLM(",
         f'    model="{target}",',
         f'    speculative_config={{"method": "draft_model", "model": "{repo_id}", "num_speculative_tokens": {k}}},',

@@ -148,14 +148,18 @@ def measurements(rows: list[Row], name: str, decoder: str, target_id: str | None
     mine = [{**row, "target": target_id or "local"} for row in rows_for(rows, name)]
     measured = any(r["drafter"] == name for r in mine)
     summary = summarize_rows(mine) if measured else []
-    k = best_draft_length(mine, decoder) if measured else None
-    if k is None and measured:  # no fixed-K chain rows: transformers' assisted generation ran with some K
-        k = best_draft_length(mine, "assisted")
+    k, best = None, None
+    # the chain decoder's fixed K; else the K transformers' assisted generation was measured with
+    for candidate in (decoder, "assisted") if measured else ():
+        k = best_draft_length(mine, candidate)
+        if k is not None:
+            best = headline(summary, candidate, k)
+            break
     return {
         "measured": measured,
         "decoder": decoder,
         "best_draft_length": k,
-        "headline": headline(summary, decoder, k) if k is not None else None,
+        "headline": best,
         "context": measurement_context(mine) if measured else {},
         "summary": summary,
         "rows": mine,
