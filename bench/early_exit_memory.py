@@ -1,10 +1,10 @@
 """Training cost of the early-exit head vs Medusa-style heads on the full model (seed 001 Table 6).
 
-    python -m bench.early_exit_memory                     # Llama-2-13B shape on a GPU (needs ~60 GB disk)
+    python -m bench.early_exit_memory                     # Llama-2-13B shape on a GPU (~26 GB of disk)
     python -m bench.early_exit_memory --preset cpu-small  # a small shape that runs on a CPU in a minute
 
-A target of the chosen shape with random weights is saved once as a checkpoint (`--target-dir` reuses
-one). Each method then runs in its own subprocess, so that its peak memory is its own:
+A target of the chosen shape with random weights is saved once as a temporary checkpoint (26 GB for
+13B, 140 GB for 70B in bf16; `--target-dir` reuses a saved one). Each method then runs in its own subprocess, so that its peak memory is its own:
 - `eesd`: the early-exit drafter built by partial loading (embeddings, first N layers, last layer, norm,
   head; the rest never materialised), frozen part without autograd, exit layer + norm + head trained;
   the step is the trainer's own (`train.early_exit.head_forward`, AdamW).

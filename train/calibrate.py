@@ -44,10 +44,10 @@ from pipelines.stage import (
 )
 from train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from train.data import encode_rows, epoch_order, micro_batch_indices
-from train.early_exit import append_log, truncate_log
 from train.losses import IGNORE_INDEX, scale_for_step
 from train.runtime import check_finite, configure_deepspeed, make_accelerator, resolve_mixed_precision
 from train.schedule import build_optimizer, build_scheduler
+from train.steplog import append_log, truncate_log
 
 log = logging.getLogger(__name__)
 

@@ -59,6 +59,7 @@ from train.runtime import (
     resolve_mixed_precision,
 )
 from train.schedule import build_optimizer, build_scheduler
+from train.steplog import append_log, mean_loss, truncate_log
 
 log = logging.getLogger(__name__)
 
@@ -295,7 +296,8 @@ def evaluate(
     evals: list[dict[str, torch.Tensor]],
     references: list[torch.Tensor],
 ) -> dict[str, float]:
-    """Held-out loss and top-1 agreement (with the full target's greedy tokens, and with the labels)."""
+    """Held-out `eval_loss`, `top1_target` (agreement with the full target's greedy tokens), `top1_labels`
+    (with the data) and `target_top1_labels` (the target's own agreement with the data)."""
     head.eval()
     device = accelerator.device
     sums = torch.zeros(5, dtype=torch.float64, device=device)
@@ -319,10 +321,10 @@ def evaluate(
     head.train()
     count = max(count, 1.0)
     return {
-        "eval/loss": loss / count,
-        "eval/top1_target": agree / count,
-        "eval/top1_labels": hits / count,
-        "eval/target_top1_labels": target_hits / count,
+        "eval_loss": loss / count,
+        "top1_target": agree / count,
+        "top1_labels": hits / count,
+        "target_top1_labels": target_hits / count,
     }
 
 
@@ -362,7 +364,7 @@ def fit(
     elif evals:  # the head as initialised from the target's last layer: the baseline training must beat
         initial = evaluate(accelerator, drafter, head, evals, references)
         if main_process:
-            tracker.log(initial, step=0)
+            tracker.log({f"eval/{k}": v for k, v in initial.items()}, step=0)
     if main_process:
         truncate_log(log_path, step)
     max_grad_norm = block.optim.max_grad_norm or float("inf")  # 0 disables clipping; the norm is logged
@@ -420,7 +422,7 @@ def fit(
         if evals and loop.eval_every and step % loop.eval_every == 0 and step < total_steps:
             metrics = evaluate(accelerator, drafter, head, evals, references)
             if main_process:
-                tracker.log(metrics, step=step)
+                tracker.log({f"eval/{k}": v for k, v in metrics.items()}, step=step)
         if step % loop.checkpoint_every == 0 or step == total_steps:
             last_checkpoint = save_checkpoint(
                 accelerator,
@@ -433,39 +435,16 @@ def fit(
         progress.update(1)
         progress.set_postfix(loss=f"{step_loss:.4f}")
     progress.close()
-    final: dict[str, Any] = {"steps": step, "train_loss": step_loss_mean(log_path, loop.log_every)}
-    final.update({f"initial_{k.removeprefix('eval/')}": v for k, v in initial.items()})
+    final: dict[str, Any] = {"steps": step, "train_loss": mean_loss(log_path, loop.log_every)}
+    final.update({f"initial_{k}": v for k, v in initial.items()})
     if evals:
         metrics = evaluate(accelerator, drafter, head, evals, references)
         if main_process:
-            tracker.log(metrics, step=step)
-        final.update({k.removeprefix("eval/"): v for k, v in metrics.items()})
+            tracker.log({f"eval/{k}": v for k, v in metrics.items()}, step=step)
+        final.update(metrics)
     if device.type == "cuda":
         final["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     return final
-
-
-def read_log(path: Path) -> list[dict[str, float]]:
-    """The per-step log: `step`, `loss`, `lr`, `grad_norm` (one entry per optimizer step)."""
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
-def append_log(path: Path, entry: dict[str, float]) -> None:
-    with open(path, "a", encoding="utf-8") as handle:
-        handle.write(json.dumps(entry) + "\n")
-
-
-def truncate_log(path: Path, step: int) -> None:
-    """Drop entries past `step`: a killed run logged steps after its last checkpoint that it now redoes."""
-    entries = [e for e in read_log(path) if e["step"] <= step]
-    path.write_text("".join(json.dumps(e) + "\n" for e in entries), encoding="utf-8")
-
-
-def step_loss_mean(path: Path, window: int) -> float | None:
-    entries = read_log(path)[-window:]
-    return sum(e["loss"] for e in entries) / len(entries) if entries else None
 
 
 if __name__ == "__main__":
