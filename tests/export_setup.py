@@ -178,18 +178,27 @@ def _provider(template: Path, metrics: dict[str, Any]):
     return run
 
 
-def export_stages(templates: Path) -> list[Stage]:
-    """Stand-ins for the upstream stages (copying the templates) and the real export stage."""
+def export_stages(templates: Path, real_measure: bool = False) -> list[Stage]:
+    """Stand-ins for the upstream stages (copying the templates) and the real export stage; with
+    `real_measure`, the real measure stage measures the stand-ins' drafters instead of the
+    hand-written rows."""
+    from decoding.measure import run as measure
     from pipelines.export import run as export
 
+    def provide(name: str, metrics: dict[str, Any]):
+        return _provider(templates / name, metrics)
+
     return [
-        Stage("pretrain", _provider(templates / "pretrain", TRAINING["pretrain"]), ("pretrain",)),
+        Stage("pretrain", provide("pretrain", TRAINING["pretrain"]), ("pretrain",)),
+        Stage("finetune", provide("finetune", TRAINING["finetune"]), ("finetune",), ("pretrain",)),
+        Stage("early_exit", provide("early_exit", {}), ("early_exit",)),
+        Stage("calibrate", provide("calibrate", {}), ("calibrate",), ("early_exit",)),
         Stage(
-            "finetune", _provider(templates / "finetune", TRAINING["finetune"]), ("finetune",), ("pretrain",)
+            "measure",
+            measure if real_measure else provide("measure", {}),
+            ("measure",),
+            ("pretrain", "finetune", "early_exit", "calibrate"),
         ),
-        Stage("early_exit", _provider(templates / "early_exit", {}), ("early_exit",)),
-        Stage("calibrate", _provider(templates / "calibrate", {}), ("calibrate",), ("early_exit",)),
-        Stage("measure", _provider(templates / "measure", {}), ("measure",), ("finetune", "early_exit")),
         Stage(
             "export",
             export,
@@ -199,10 +208,11 @@ def export_stages(templates: Path) -> list[Stage]:
     ]
 
 
-def run_export(recipe, run_dir: Path, templates: Path, target_dir: Path):
+def run_export(recipe, run_dir: Path, templates: Path, target_dir: Path, real_measure: bool = False):
     """Run the stand-ins and the export stage with the real runner; returns the outcomes."""
     target = ResolvedTarget(path=str(target_dir), revision=None, dtype="float32", trust_remote_code=False)
-    return run_pipeline(recipe, run_dir, export_stages(templates), target, command="test", quiet=True)
+    stages = export_stages(templates, real_measure)
+    return run_pipeline(recipe, run_dir, stages, target, command="test", quiet=True)
 
 
 def export_recipe(target_dir: Path, export: dict[str, Any] | None = None, **blocks: Any):
@@ -217,8 +227,10 @@ def export_recipe(target_dir: Path, export: dict[str, Any] | None = None, **bloc
                 {"kind": "offline", "split": "test", "pair": "fr-en"},
             ]
         },
-        distill={"enabled": False},
-        measure={"draft_length": 3},
-        export={"smoke_prompts": 2, "smoke_max_new_tokens": 8, **(export or {})},
-        **blocks,
+        **{
+            "distill": {"enabled": False},
+            "measure": {"draft_length": 3},
+            **blocks,
+            "export": {"smoke_prompts": 2, "smoke_max_new_tokens": 8, **(export or {})},
+        },
     )

@@ -11,7 +11,10 @@ import pytest
 import torch
 import yaml
 
+from tests.decoding_helpers import single_thread_fixture
 from tests.export_setup import TRAINING, build_templates, export_recipe, measure_rows, run_export
+
+single_thread = single_thread_fixture()
 
 
 @pytest.fixture(scope="module")
@@ -221,3 +224,39 @@ def test_the_exported_head_attaches_to_the_target(exported, tiny_target_dir):
     card = (folder / "README.md").read_text(encoding="utf-8")
     assert "attach_exit_head(target, snapshot_download(" in card and "FixedK(4)" in card
     assert "accuracy 0.75 (base rate 0.625)" in card
+
+
+def test_export_reads_what_the_real_measure_stage_writes(tmp_path, tiny_tokenizer, tiny_target_dir):
+    """The measure stage itself (not hand-written rows) measures the drafters; the card shows its rows."""
+    from decoding.measure import read_rows
+
+    templates = build_templates(tmp_path / "templates", tiny_tokenizer, tiny_target_dir)
+    recipe = export_recipe(
+        tiny_target_dir,
+        {"include_pretrained": False, "smoke_prompts": 1, "smoke_max_new_tokens": 4},
+        early_exit={"enabled": False},
+        calibrate={"enabled": False},
+        measure={
+            "decoders": ["ar", "sd", "assisted"],
+            "temperatures": [0.0],
+            "seeds": [0],
+            "num_prompts": 1,
+            "max_new_tokens": 4,
+            "draft_length": 2,
+            "include_pretrained": False,
+        },
+    )
+    outcomes = {
+        o.name: o for o in run_export(recipe, tmp_path / "run", templates, tiny_target_dir, real_measure=True)
+    }
+    assert outcomes["measure"].status == outcomes["export"].status == "ran"
+    rows = read_rows(tmp_path / "run" / "measure" / "results.jsonl")
+    info = results(tmp_path / "run", "de-en")
+    assert info["measurement"]["measured"] and info["measurement"]["best_draft_length"] == 2
+    mine = [r for r in rows if r["drafter"] == "de-en" or r["decoder"] == "ar"]
+    card = (tmp_path / "run" / "export" / "de-en" / "README.md").read_text(encoding="utf-8")
+    table = card_tables(card)["Speedup over autoregressive decoding"]
+    expected = expected_cells(mine, "speedup")
+    assert {k: v for k, v in table.items()} == {
+        k: (round(m, 2), round(s, 2)) for k, (m, s) in expected.items()
+    }

@@ -9,8 +9,11 @@ import torch
 
 from pipelines.smoke import VLLM_ARCHITECTURES, drafter_checks, passed, vllm_rule_checks
 from pipelines.stage import StageFailed
+from tests.decoding_helpers import single_thread_fixture
 from tests.drafter_setup import context
 from tests.export_setup import export_recipe, save_drafter
+
+single_thread = single_thread_fixture()
 
 
 def statuses(checks) -> dict[str, str]:

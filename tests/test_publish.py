@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 
 from pipelines.publish import PublishError, publish
+from tests.decoding_helpers import single_thread_fixture
 from tests.export_setup import build_templates, export_recipe, run_export
+
+single_thread = single_thread_fixture()
 
 SECRET = "hf_polydraftTestSecret0123456789"
 
