@@ -207,7 +207,10 @@ def training_section(info: dict[str, Any]) -> list[str]:
             f"{_num(finetune['top1_agreement'])}."
         )
     if info["calibration"] is not None:
-        lines.append("- A calibration model for Cali-TS ships in this folder (`calibration.*`).")
+        lines.append(
+            "- A calibration model for Cali-TS ships in `calibration/` "
+            "(`models.calibration.CalibrationModel.load`)."
+        )
     return [*lines, ""]
 
 
@@ -260,7 +263,8 @@ def usage_section(info: dict[str, Any], repo_id: str) -> list[str]:
             "",
             f'target = AutoModelForCausalLM.from_pretrained("{target}", dtype="auto", device_map="auto")',
             f'tokenizer = AutoTokenizer.from_pretrained("{target}")',
-            f'head = attach_exit_head(target, snapshot_download("{repo_id}"))',
+            f'folder = snapshot_download("{repo_id}")',
+            "head = attach_exit_head(target, folder)",
             "model = SelfSpeculative(target, head)",
             f"prompt = {prompt['example']!r}",
             f"ids = torch.tensor(tokenizer(prompt, add_special_tokens={prompt['add_special_tokens']})['input_ids'])",
@@ -270,8 +274,9 @@ def usage_section(info: dict[str, Any], repo_id: str) -> list[str]:
             "print(tokenizer.decode(out.tokens))",
             "```",
             "",
-            f"K={k} is {why}. The calibration model (`calibration.*`, when present) loads with "
-            "`models.calibration.CalibrationModel.load(folder)` and drives Cali-TS (`decoding.control.CaliTS`).",
+            f"K={k} is {why}. The calibration model (`calibration/`, when present) loads with "
+            "`models.calibration.CalibrationModel.load(folder + '/calibration')` and drives Cali-TS "
+            "(`decoding.control.CaliTS`).",
             "",
         ]
     return [

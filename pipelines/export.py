@@ -4,8 +4,10 @@ For every drafter the run trained (`finetune/<pair>/`, and the pretrain stage's 
 as `pretrain`) and for the early-exit head (`early_exit/head/`), one folder `<work_dir>/<name>/`:
 - a drafter: its config, `model.safetensors`, the target's tokenizer files and a generation config (whose
   `num_assistant_tokens` is the K that measured best), plus its calibration model when it has one;
-- the head: `early_exit.safetensors` + `early_exit.json` (target id and revision, N) and the calibration
-  model (`calibration.safetensors` + `calibration.json`), loadable with `attach_exit_head`;
+- the head: `early_exit.safetensors` + `early_exit.json` (target id and revision, N), loadable with
+  `attach_exit_head`, and its calibration model;
+- a calibration model (Cali-TS) goes into a `calibration/` sub-folder (`CalibrationModel.load` reads it):
+  vLLM loads every top-level `*.safetensors` of a draft model folder as the drafter's weights;
 - `results.json` (every fact of the card, machine-readable: the measure rows of this drafter and of the
   `ar` baseline beside it, their summary, training facts, the smoke check), `README.md` (the card,
   `pipelines.cards`), and per-drafter `summary.md` and PNG plots from the measure stage's report code.
@@ -50,6 +52,7 @@ INDEX_FILE = "export.json"
 INDEX_FORMAT = "polydraft-export/1"
 RESULTS_FILE = "results.json"
 CARD_FILE = "README.md"
+CALIBRATION_DIR = "calibration"
 FALLBACK_PROMPTS = ("Hello! How are you today?", "Explain speculative decoding in one sentence.")
 """Smoke prompts when the recipe has no `data.eval` sets (any prompt shows whether decoding is lossless)."""
 
@@ -86,8 +89,7 @@ def stage_drafter(item: Item, tokenizer: Any, threshold: float) -> None:
     copy_files(Path(item.source.path), item.staged)
     if not any((item.staged / name).is_file() for name in TOKENIZER_FILES):
         tokenizer.save_pretrained(item.staged)  # a drafter is used with the target's tokenizer
-    if item.source.calibration is not None:
-        copy_files(item.source.calibration, item.staged, ["calibration.safetensors", "calibration.json"])
+    stage_calibration(item)
     if (
         item.measurement["best_draft_length"] is not None
         and (item.staged / "generation_config.json").is_file()
@@ -108,9 +110,25 @@ def stage_head(item: Item, target: dict[str, Any]) -> dict[str, Any]:
     config["target"] = {"path": target["id"], "revision": target["revision"]}
     shutil.copy2(Path(item.source.path) / WEIGHTS_FILE, item.staged / WEIGHTS_FILE)
     (item.staged / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    if item.source.calibration is not None:
-        copy_files(item.source.calibration, item.staged, ["calibration.safetensors", "calibration.json"])
+    stage_calibration(item)
     return config
+
+
+def stage_calibration(item: Item) -> None:
+    """The calibration model and its report, which name the drafter they belong to by its local path:
+    in the export that drafter is the enclosing folder, `..`."""
+    if item.source.calibration is None:
+        return
+    folder = item.staged / CALIBRATION_DIR
+    folder.mkdir()
+    copy_files(item.source.calibration, folder, ["calibration.safetensors"])
+    for name in ("calibration.json", "report.json"):
+        path = item.source.calibration / name
+        if path.is_file():
+            content = json.loads(path.read_text(encoding="utf-8"))
+            if "drafter_path" in content:
+                content["drafter_path"] = ".."
+            (folder / name).write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
 
 
 def parameter_count(folder: Path) -> int:
@@ -119,8 +137,6 @@ def parameter_count(folder: Path) -> int:
 
     total = 0
     for path in sorted(folder.glob("*.safetensors")):
-        if path.name.startswith("calibration"):
-            continue
         with safe_open(str(path), framework="pt") as handle:
             for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 count = 1
@@ -223,7 +239,8 @@ def build_info(
         "polydraft": git_state(PROJECT_ROOT),
         **extra,
     }
-    info["files"] = sorted([p.name for p in item.staged.iterdir() if p.is_file()] + [RESULTS_FILE, CARD_FILE])
+    files = [p.relative_to(item.staged).as_posix() for p in item.staged.rglob("*") if p.is_file()]
+    info["files"] = sorted([*files, RESULTS_FILE, CARD_FILE])
     return info
 
 

@@ -151,7 +151,7 @@ def plan(
         if problems and not force:
             refusals.append(f"{item['name']}: {' and '.join(problems)}")
         message, description = commit_message(info)
-        files = sorted(p.name for p in folder.iterdir() if p.is_file())
+        files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
         plans.append(
             RepoPlan(
                 name=item["name"],

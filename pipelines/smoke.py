@@ -223,11 +223,32 @@ def drafter_checks(
         checks.append(Check("tokenizer", "fail", str(err)))
     supported, source = supported_architectures()
     checks += vllm_rule_checks(drafter.config, target.config, supported, source)
+    if (folder / "calibration").is_dir():
+        draft_hidden = drafter.config.get_text_config().hidden_size
+        hidden = target.config.get_text_config().hidden_size
+        checks.append(calibration_check(folder / "calibration", hidden, draft_hidden, target.device))
     if d_vocab != t_vocab:
         checks.append(Check("assisted_generation", "skipped", "not run: the vocabularies differ"))
     else:
         checks.append(assisted_check(target, drafter, prompts, max_new_tokens, eos_ids))
     return checks
+
+
+def calibration_check(folder: Path, target_hidden: int, draft_hidden: int, device: Any) -> Check:
+    """The calibration model (Cali-TS) loads and takes the two models' hidden states."""
+    from models.calibration import CalibrationModel
+
+    try:
+        calibration = CalibrationModel.load(folder, device)
+        sizes = (calibration.target_hidden_size, calibration.draft_hidden_size)
+        if sizes != (target_hidden, draft_hidden):
+            raise ValueError(
+                f"sizes {sizes}, the target's and drafter's hidden sizes are {target_hidden, draft_hidden}"
+            )
+        probability = calibration.predict(1, torch.zeros(target_hidden), torch.zeros(draft_hidden))
+    except (OSError, ValueError, RuntimeError) as err:
+        return Check("calibration", "fail", f"calibration model: {err}")
+    return Check("calibration", "pass", f"`calibration/` loads; predicts {probability:.3f} on zero states")
 
 
 # ----------------------------------------------------------------------------- the early-exit head
@@ -243,7 +264,6 @@ def head_checks(
     from decoding.engine import autoregressive
     from decoding.lm import CachedLM
     from decoding.sampling import Sampling
-    from models.calibration import CalibrationModel
     from models.early_exit import attach_exit_head
 
     try:
@@ -275,17 +295,9 @@ def head_checks(
             check = Check("eesd_greedy", "fail", f"prompt {index}: `eesd` output differs from the target's")
             break
     checks.append(check)
-    if (folder / "calibration.json").is_file():
-        hidden = target.config.get_text_config().hidden_size
-        try:
-            calibration = CalibrationModel.load(folder, target.device)
-            sizes = (calibration.target_hidden_size, calibration.draft_hidden_size)
-            if sizes != (hidden, hidden):
-                raise ValueError(f"sizes {sizes}, the target's hidden size is {hidden}")
-            probability = calibration.predict(1, torch.zeros(hidden), torch.zeros(hidden))
-            checks.append(Check("calibration", "pass", f"loads; predicts {probability:.3f} on zero states"))
-        except (OSError, ValueError, RuntimeError) as err:
-            checks.append(Check("calibration", "fail", f"calibration model: {err}"))
+    hidden = target.config.get_text_config().hidden_size
+    if (folder / "calibration").is_dir():
+        checks.append(calibration_check(folder / "calibration", hidden, hidden, target.device))
     checks.append(
         Check("vllm", "skipped", "vLLM has no method for polydraft's early-exit heads; decode with `eesd`")
     )

@@ -60,11 +60,13 @@ def save_head(folder: Path, target_dir: Path) -> Path:
     return save_exit_head(head, folder, extra={"training": training})
 
 
-def save_calibration(folder: Path) -> Path:
+def save_calibration(folder: Path, drafter: Path, draft_hidden: int) -> Path:
+    """A calibration model for the drafter in `drafter` (named by its local path, as the calibrate stage does)."""
     from models.calibration import CalibrationModel
 
-    model = CalibrationModel(64, 64, 10)
-    model.save(folder, extra={"drafter": "early_exit", "drafter_path": "head", "draft_length": 4})
+    model = CalibrationModel(64, draft_hidden, 10)
+    head = str(drafter)
+    model.save(folder, extra={"drafter": folder.name, "drafter_path": head, "draft_length": 4})
     heldout = {
         "accuracy": 0.75,
         "base_rate_accuracy": 0.625,
@@ -74,7 +76,7 @@ def save_calibration(folder: Path) -> Path:
         "base_rate": 0.375,
         "count": 80,
     }
-    report = {"drafter": "early_exit", "draft_length": 4, "heldout": heldout, "train": heldout}
+    report = {"drafter": folder.name, "drafter_path": head, "draft_length": 4, "heldout": heldout}
     (folder / "report.json").write_text(json.dumps(report), encoding="utf-8")
     return folder
 
@@ -161,7 +163,8 @@ def build_templates(root: Path, tokenizer: Any, target_dir: Path, fr_vocab: int 
     save_drafter(root / "finetune" / "de-en", tokenizer, seed=2)
     save_drafter(root / "finetune" / "fr-en", tokenizer, vocab_size=fr_vocab, seed=3)
     save_head(root / "early_exit" / "head", target_dir)
-    save_calibration(root / "calibrate" / "early_exit")
+    save_calibration(root / "calibrate" / "early_exit", root / "early_exit" / "head", 64)
+    save_calibration(root / "calibrate" / "de-en", root / "finetune" / "de-en", TINY["hidden_size"])
     (root / "measure").mkdir(parents=True)
     rows = measure_rows()
     (root / "measure" / "results.jsonl").write_text(

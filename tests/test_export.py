@@ -90,8 +90,15 @@ def test_export_writes_a_smoke_checked_folder_per_drafter_and_head(exported):
         checks = {c["name"]: c["status"] for c in results(run_dir, name)["smoke"]["checks"]}
         assert checks["reload"] == checks["assisted_generation"] == checks["vllm_vocabulary"] == "pass"
         assert checks["vllm_generation"] == "skipped"  # no vllm, no GPU here
-    assert {"early_exit.safetensors", "early_exit.json", "calibration.safetensors", "calibration.json"} <= {
-        p.name for p in (export_dir / "early_exit").iterdir()
+    drafter = export_dir / "de-en"  # its calibration model sits apart: vLLM loads every top-level safetensors
+    assert [p.name for p in drafter.glob("*.safetensors")] == ["model.safetensors"]
+    assert (drafter / "calibration" / "calibration.safetensors").is_file()
+    assert {c["name"]: c["status"] for c in results(run_dir, "de-en")["smoke"]["checks"]}[
+        "calibration"
+    ] == "pass"
+    head = export_dir / "early_exit"
+    assert {"early_exit.safetensors", "early_exit.json", "calibration/calibration.safetensors"} <= {
+        p.relative_to(head).as_posix() for p in head.rglob("*")
     }
     assert {c["name"]: c["status"] for c in results(run_dir, "early_exit")["smoke"]["checks"]}[
         "eesd_greedy"
@@ -202,7 +209,7 @@ def test_a_drafter_without_measurements_gets_a_card_that_says_so(exported):
 def test_no_local_path_leaves_in_an_exported_folder(exported, tiny_target_dir):
     run_dir, templates, _ = exported
     for folder in (p for p in (run_dir / "export").iterdir() if p.is_dir()):
-        for path in folder.iterdir():
+        for path in folder.rglob("*"):
             if path.suffix in (".json", ".md", ".jinja"):
                 text = path.read_text(encoding="utf-8")
                 for local in (str(tiny_target_dir), str(run_dir), str(templates), "/home/someone"):
@@ -220,9 +227,10 @@ def test_the_exported_head_attaches_to_the_target(exported, tiny_target_dir):
     target = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
     head = attach_exit_head(target, folder)
     assert head.num_shared_layers == read_head_config(folder)["num_shared_layers"] == 2
-    assert CalibrationModel.load(folder).target_hidden_size == 64
+    assert CalibrationModel.load(folder / "calibration").target_hidden_size == 64
+    assert json.loads((folder / "calibration" / "calibration.json").read_text())["drafter_path"] == ".."
     card = (folder / "README.md").read_text(encoding="utf-8")
-    assert "attach_exit_head(target, snapshot_download(" in card and "FixedK(4)" in card
+    assert "head = attach_exit_head(target, folder)" in card and "FixedK(4)" in card
     assert "accuracy 0.75 (base rate 0.625)" in card
 
 
