@@ -100,3 +100,65 @@ def test_strict_export_stops_on_a_broken_drafter_and_a_rerun_resumes(
     assert info["smoke"]["passed"] is False
     card = (ctx.work_dir / "fr-en" / "README.md").read_text(encoding="utf-8")
     assert "**FAILED** (do not use this export)" in card and "| vllm_vocabulary | fail |" in card
+
+
+FAKE_VLLM = """
+import json, os
+__version__ = "0.0.fake"
+
+class SamplingParams:
+    def __init__(self, temperature, max_tokens):
+        self.temperature, self.max_tokens = temperature, max_tokens
+
+class _Completion:
+    def __init__(self, n):
+        self.token_ids = list(range(n))
+
+class _Output:
+    def __init__(self, n):
+        self.outputs = [_Completion(n)]
+
+class LLM:
+    def __init__(self, model, speculative_config, **kwargs):
+        with open(os.environ["FAKE_VLLM_LOG"], "w") as handle:
+            json.dump({"model": model, "speculative_config": speculative_config}, handle)
+
+    def generate(self, prompts, params):
+        return [_Output(params.max_tokens) for _ in prompts]
+"""
+
+
+def test_vllm_generation_runs_in_a_subprocess_with_the_draft_model_config(tmp_path, monkeypatch):
+    from pipelines.smoke import vllm_generation_check
+
+    (tmp_path / "fake" / "vllm").mkdir(parents=True)
+    (tmp_path / "fake" / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    monkeypatch.syspath_prepend(str(tmp_path / "fake"))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
+    monkeypatch.setenv("FAKE_VLLM_LOG", str(tmp_path / "vllm.json"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    target = {"path": "org/target", "revision": None, "trust_remote_code": False}
+    check = vllm_generation_check("auto", target, tmp_path / "drafter", 3, [[1, 2, 3], [1, 4]], 5)
+    assert check.status == "pass" and "vLLM 0.0.fake generated 10 tokens for 2 prompts" in check.detail
+    request = json.loads((tmp_path / "vllm.json").read_text())
+    assert request == {
+        "model": "org/target",
+        "speculative_config": {
+            "method": "draft_model",
+            "model": str(tmp_path / "drafter"),
+            "num_speculative_tokens": 3,
+        },
+    }
+
+
+def test_vllm_generation_is_skipped_or_required(monkeypatch):
+    import importlib.util
+
+    from pipelines.smoke import vllm_generation_check
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    target = {"path": "t", "revision": None, "trust_remote_code": False}
+    assert vllm_generation_check("off", target, None, 3, [], 4).status == "skipped"
+    assert vllm_generation_check("auto", target, None, 3, [], 4).status == "skipped"
+    required = vllm_generation_check("require", target, None, 3, [], 4)
+    assert required.status == "fail" and "vllm is not installed" in required.detail
