@@ -63,7 +63,66 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--out", type=Path, required=True, help="output folder (must not exist)")
     merge.add_argument("--quiet", action="store_true")
     merge.add_argument("--verbose", action="store_true")
+
+    _publish_parser(commands)
     return parser
+
+
+# ----------------------------------------------------------------------------- publish (pipelines/publish.py)
+
+
+def _publish_parser(commands: argparse._SubParsersAction) -> None:
+    publish = commands.add_parser(
+        "publish",
+        help="push the export stage's folders to the Hugging Face Hub (token: HF_TOKEN or `hf auth login`)",
+    )
+    publish.add_argument("run_dir", type=Path, help="run directory holding a completed export stage")
+    where = publish.add_mutually_exclusive_group()
+    where.add_argument("--repo-id", help="ORG/NAME, when one folder is published")
+    where.add_argument(
+        "--repo-prefix", help="ORG/ (or ORG/prefix-): one repo per folder (default: export.repo_prefix)"
+    )
+    publish.add_argument(
+        "--only", action="append", metavar="NAME", help="publish only this folder (repeatable)"
+    )
+    publish.add_argument("--private", action="store_true", help="create the repos private")
+    publish.add_argument("--revision", metavar="BRANCH", help="push to this branch (created if missing)")
+    publish.add_argument(
+        "--dry-run", action="store_true", help="print the repos, files and cards; push nothing"
+    )
+    publish.add_argument(
+        "--force",
+        action="store_true",
+        help="publish even a folder whose smoke check failed or that has no measurements",
+    )
+    publish.add_argument("--quiet", action="store_true")
+    publish.add_argument("--verbose", action="store_true")
+
+
+def _publish(args: argparse.Namespace) -> int:
+    from pipelines.publish import PublishError, describe, publish
+
+    try:
+        plans = publish(
+            args.run_dir,
+            repo_id=args.repo_id,
+            repo_prefix=args.repo_prefix,
+            private=args.private,
+            revision=args.revision,
+            dry_run=args.dry_run,
+            force=args.force,
+            only=args.only,
+        )
+    except PublishError as err:
+        print(f"polydraft: {err}", file=sys.stderr)
+        return 1
+    if args.dry_run:
+        print(describe(plans, args.private, args.revision))
+        print(f"dry run: nothing was pushed ({len(plans)} repo(s) planned)")
+    else:
+        for plan in plans:
+            print(f"{plan.repo_id}: {plan.commit_url}")
+    return 0
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -114,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
             recipe = load_recipe(args.recipe, args.overrides)
             print(resolve_target(recipe.target, recipe.data, show_progress=not args.quiet).path)
             return 0
+        if args.command == "publish":
+            return _publish(args)
         if args.command == "merge-shards":
             from distill.merge import MergeError, merge_shards
 

@@ -92,9 +92,33 @@ class MeasureConfig(StrictModel):
 
 
 class ExportConfig(StrictModel):
-    """Hugging Face folders with model cards carrying the measured speedups."""
+    """Hugging Face folders with model cards carrying the measured speedups, smoke-checked before publishing.
+
+    One folder per trained drafter (`finetune/<pair>/`, and `pretrain/model/` as `pretrain`) and one for
+    the early-exit head, each with a `README.md` card and a machine-readable `results.json`.
+    """
 
     enabled: bool = True
     license: str = "apache-2.0"
+    """License id written into the cards' metadata (a Hub license id; the target's own license may bind)."""
+    base_model: str | None = None
+    """Hub id of the target named in the cards (`base_model`) and in the usage snippets. None: `target.path`
+    when it is a hub id; a local target folder is then described as local and never written into a card."""
     repo_prefix: str | None = None
-    """Default `ORG/` prefix for `polydraft publish`."""
+    """Default `ORG/` (or `ORG/prefix-`) for `polydraft publish` when it gets neither --repo-id nor
+    --repo-prefix; each exported folder becomes the repo `<repo_prefix><target>-drafter-<name>`."""
+    include_pretrained: bool = True
+    """Also export the pretrain stage's generic drafter (`pretrain`), when that stage ran."""
+    smoke_prompts: int = Field(default=3, ge=1)
+    """Prompts of the smoke check (taken from `data.eval`, the drafter's own pair first): each is decoded
+    greedily by the target alone and with the exported drafter as `assistant_model`; outputs must match."""
+    smoke_max_new_tokens: int = Field(default=32, ge=1)
+    """New tokens per smoke prompt."""
+    vllm_check: Literal["auto", "require", "off"] = "auto"
+    """One real vLLM generation with the exported drafter as draft model (`method: draft_model`), in a
+    subprocess. `auto`: when vllm is installed and a GPU is present, else recorded as skipped; `require`:
+    a missing vllm or GPU fails that check; `off`: never run. The static checks of vLLM's draft-model rules
+    (same vocabulary, supported architecture, context length) always run."""
+    strict: bool = False
+    """Fail the stage when a smoke check fails. Otherwise the failure is recorded in the manifest and the
+    card, and `polydraft publish` refuses that folder unless --force."""

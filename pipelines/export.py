@@ -1,0 +1,422 @@
+"""The export stage: Hugging Face folders with model cards that carry the measured speedups, smoke-checked.
+
+For every drafter the run trained (`finetune/<pair>/`, and the pretrain stage's generic `pretrain/model/`
+as `pretrain`) and for the early-exit head (`early_exit/head/`), one folder `<work_dir>/<name>/`:
+- a drafter: its config, `model.safetensors`, the target's tokenizer files and a generation config (whose
+  `num_assistant_tokens` is the K that measured best), plus its calibration model when it has one;
+- the head: `early_exit.safetensors` + `early_exit.json` (target id and revision, N), loadable with
+  `attach_exit_head`, and its calibration model;
+- a calibration model (Cali-TS) goes into a `calibration/` sub-folder (`CalibrationModel.load` reads it):
+  vLLM loads every top-level `*.safetensors` of a draft model folder as the drafter's weights;
+- `results.json` (every fact of the card, machine-readable: the measure rows of this drafter and of the
+  `ar` baseline beside it, their summary, training facts, the smoke check), `README.md` (the card,
+  `pipelines.cards`), and per-drafter `summary.md` and PNG plots from the measure stage's report code.
+`export.json` indexes the folders for `polydraft publish`.
+
+Each folder is written as `<name>.tmp/` and renamed when complete, so a rerun after a crash redoes only
+the unfinished ones. Smoke checks (`pipelines.smoke`) run on the staged folder, i.e. on exactly what
+would be published; their result goes into the card, `results.json`, `export.json` and the manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from decoding.inputs import DrafterSource, discover_drafters
+from pipelines.cards import render_card
+from pipelines.export_info import (
+    RESULTS_FORMAT,
+    calibration_facts,
+    early_exit_facts,
+    finetune_facts,
+    hub_datasets,
+    languages_of,
+    measurements,
+    pair_sources,
+    pretrain_facts,
+    public_target,
+)
+from pipelines.manifest import git_state, write_json_atomic
+from pipelines.schema import Recipe
+from pipelines.smoke import Check, as_dicts, drafter_checks, head_checks, passed, vllm_generation_check
+from pipelines.stage import PROJECT_ROOT, StageContext, StageFailed, StageResult
+
+log = logging.getLogger(__name__)
+
+INDEX_FILE = "export.json"
+INDEX_FORMAT = "polydraft-export/1"
+RESULTS_FILE = "results.json"
+CARD_FILE = "README.md"
+CALIBRATION_DIR = "calibration"
+FALLBACK_PROMPTS = ("Hello! How are you today?", "Explain speculative decoding in one sentence.")
+"""Smoke prompts when the recipe has no `data.eval` sets (any prompt shows whether decoding is lossless)."""
+
+
+@dataclass
+class Item:
+    """One folder being exported: where it comes from, where it is staged, what was measured."""
+
+    source: DrafterSource
+    staged: Path
+    measurement: dict[str, Any]
+    draft_length: int
+
+    @property
+    def kind(self) -> str:
+        return "early_exit" if self.source.kind == "early_exit" else "drafter"
+
+
+# ----------------------------------------------------------------------------- staging the files
+
+
+def copy_files(source: Path, dest: Path, names: list[str] | None = None) -> None:
+    for path in sorted(Path(source).iterdir()):
+        if path.is_file() and (names is None or path.name in names):
+            shutil.copy2(path, dest / path.name)
+
+
+def stage_drafter(item: Item, tokenizer: Any, threshold: float) -> None:
+    """The drafter's Hugging Face folder, its calibration model, and a generation config drafting K."""
+    from transformers import GenerationConfig
+
+    from pipelines.smoke import TOKENIZER_FILES
+
+    copy_files(Path(item.source.path), item.staged)
+    if not any((item.staged / name).is_file() for name in TOKENIZER_FILES):
+        tokenizer.save_pretrained(item.staged)  # a drafter is used with the target's tokenizer
+    stage_calibration(item)
+    if (
+        item.measurement["best_draft_length"] is not None
+        and (item.staged / "generation_config.json").is_file()
+    ):
+        # transformers' assisted generation then drafts the measured K per round, as `assisted` measured it
+        config = GenerationConfig.from_pretrained(item.staged)
+        config.num_assistant_tokens = item.draft_length
+        config.num_assistant_tokens_schedule = "constant"
+        config.assistant_confidence_threshold = threshold
+        config.save_pretrained(item.staged)
+
+
+def stage_head(item: Item, target: dict[str, Any]) -> dict[str, Any]:
+    """The head's weights and config (naming the public target, never a local path), its calibration."""
+    from models.early_exit import CONFIG_FILE, WEIGHTS_FILE, read_head_config
+
+    config = read_head_config(item.source.path)
+    config["target"] = {"path": target["id"], "revision": target["revision"]}
+    shutil.copy2(Path(item.source.path) / WEIGHTS_FILE, item.staged / WEIGHTS_FILE)
+    (item.staged / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    stage_calibration(item)
+    return config
+
+
+def stage_calibration(item: Item) -> None:
+    """The calibration model and its report, which name the drafter they belong to by its local path:
+    in the export that drafter is the enclosing folder, `..`."""
+    if item.source.calibration is None:
+        return
+    folder = item.staged / CALIBRATION_DIR
+    folder.mkdir()
+    copy_files(item.source.calibration, folder, ["calibration.safetensors"])
+    for name in ("calibration.json", "report.json"):
+        path = item.source.calibration / name
+        if path.is_file():
+            content = json.loads(path.read_text(encoding="utf-8"))
+            if "drafter_path" in content:
+                content["drafter_path"] = ".."
+            (folder / name).write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
+
+
+def parameter_count(folder: Path) -> int:
+    """Parameters in a folder's safetensors files, read from their headers."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                count = 1
+                for size in handle.get_slice(key).get_shape():
+                    count *= size
+                total += count
+    return total
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+def smoke_prompts(recipe: Recipe, tokenizer: Any, count: int) -> dict[str | None, list[Any]]:
+    """Token-id prompts by pair (None: any): the first `count` of each `data.eval` set, built as the
+    measure stage builds them; generic prompts when the recipe has no eval sets."""
+    import torch
+
+    from decoding.inputs import load_eval_sets
+    from distill.prompts import build_prompt, encode_prompt
+
+    if not recipe.data.eval:
+        texts = [
+            build_prompt([{"role": "user", "content": t}], recipe.distill.prompt_format, tokenizer)
+            for t in FALLBACK_PROMPTS
+        ]
+        return {None: [torch.tensor(encode_prompt(tokenizer, t)) for t in texts][:count]}
+    prompts: dict[str | None, list[Any]] = {None: []}
+    for eval_set in load_eval_sets(recipe, count, recipe.measure.max_prompt_tokens, tokenizer):
+        prompts.setdefault(eval_set.pair, []).extend(eval_set.prompts)
+        prompts[None].extend(eval_set.prompts)
+    return prompts
+
+
+def prompts_for(prompts: dict[str | None, list[Any]], pair: str | None, count: int) -> list[Any]:
+    return (prompts.get(pair, []) + prompts[None])[:count] if pair else prompts[None][:count]
+
+
+def prompt_example(recipe: Recipe, tokenizer: Any, pair: str | None) -> dict[str, Any]:
+    """The prompt format the drafter was trained on, with a placeholder, for the card's usage snippet."""
+    from distill.prompts import build_prompt, translation_messages
+
+    messages = translation_messages(pair, "{text}") if pair else [{"role": "user", "content": "{question}"}]
+    example = build_prompt(messages, recipe.distill.prompt_format, tokenizer)
+    bos = tokenizer.bos_token
+    return {
+        "format": recipe.distill.prompt_format,
+        "example": example,
+        "add_special_tokens": not (bos and example.startswith(bos)),
+    }
+
+
+# ----------------------------------------------------------------------------- the stage
+
+
+def build_info(
+    item: Item,
+    recipe: Recipe,
+    ctx: StageContext,
+    target: dict[str, Any],
+    checks: list[Check],
+    extra: dict[str, Any],
+    tokenizer: Any,
+) -> dict[str, Any]:
+    """Everything the card says, as written to `results.json`."""
+    source, cfg = item.source, recipe.export
+    sources = [*pair_sources(recipe.data.distill, source.pair), *pair_sources(recipe.data.open, source.pair)]
+    if source.kind in ("pretrain", "finetune"):
+        sources += recipe.data.pretrain if "pretrain" in ctx.upstream else []
+    calibration = None
+    if source.calibration is not None:
+        report = source.calibration / "report.json"
+        calibration = calibration_facts(
+            json.loads(report.read_text(encoding="utf-8")) if report.is_file() else None
+        )
+    info = {
+        "format": RESULTS_FORMAT,
+        "name": source.name,
+        "kind": item.kind,
+        "source": source.kind,
+        "pair": source.pair,
+        "repo_name": repo_name(target, ctx.run_dir.name, item),
+        "target": target,
+        "license": cfg.license,
+        "languages": languages_of(source.pair, list(recipe.data.pairs)),
+        "datasets": hub_datasets(sources),
+        "training": {
+            "pretrain": pretrain_facts(recipe, ctx.upstream)
+            if source.kind in ("pretrain", "finetune")
+            else None,
+            "finetune": finetune_facts(recipe, ctx.upstream, source.pair)
+            if source.kind == "finetune"
+            else None,
+        },
+        "calibration": calibration,
+        "prompt": prompt_example(recipe, tokenizer, source.pair),
+        "measurement": item.measurement,
+        "draft_length_default": recipe.measure.draft_length,
+        "smoke": {"passed": passed(checks), "checks": as_dicts(checks)},
+        "plots": sorted(p.name for p in item.staged.glob("*.png")),
+        "polydraft": git_state(PROJECT_ROOT),
+        **extra,
+    }
+    files = [p.relative_to(item.staged).as_posix() for p in item.staged.rglob("*") if p.is_file()]
+    info["files"] = sorted([*files, RESULTS_FILE, CARD_FILE])
+    return info
+
+
+def repo_name(target: dict[str, Any], run_name: str, item: Item) -> str:
+    """`<target>-drafter-<name>` / `<target>-eesd-head`; a local target is named after the run."""
+    prefix = target["label"] or run_name
+    return f"{prefix}-eesd-head" if item.kind == "early_exit" else f"{prefix}-drafter-{item.source.name}"
+
+
+def run(recipe: Recipe, ctx: StageContext) -> StageResult:
+    """Stage `export`: one smoke-checked Hugging Face folder with a card per drafter and head."""
+    from decoding.measure import RESULTS_FILE as MEASURE_RESULTS
+    from decoding.measure import read_rows
+    from models.loading import load_tokenizer
+
+    cfg, resolved = recipe.export, ctx.target
+    sources = discover_drafters(ctx.upstream, {}, cfg.include_pretrained)
+    if not sources:
+        log.warning(
+            "export: no drafter or early-exit head upstream (finetune, pretrain, early_exit): nothing to export"
+        )
+    rows = read_rows(ctx.upstream["measure"] / MEASURE_RESULTS) if "measure" in ctx.upstream else []
+    target = public_target(cfg.base_model, recipe.target.path, resolved)
+    tokenizer = load_tokenizer(resolved.path, resolved.revision, resolved.trust_remote_code)
+    items = []
+    for source in sources:
+        if (ctx.work_dir / source.name / RESULTS_FILE).is_file():
+            continue  # finished by an earlier, interrupted run of this same config
+        decoder = "eesd" if source.kind == "early_exit" else "sd"
+        measured = measurements(rows, source.name, decoder, target["id"])
+        staged = ctx.work_dir / f"{source.name}.tmp"
+        shutil.rmtree(staged, ignore_errors=True)
+        staged.mkdir(parents=True)
+        items.append(
+            Item(source, staged, measured, measured["best_draft_length"] or recipe.measure.draft_length)
+        )
+    if items:
+        finish_items(items, recipe, ctx, target, tokenizer)
+    index = write_index(ctx.work_dir, [s.name for s in sources], target)
+    for entry in index["items"]:
+        info = json.loads((ctx.work_dir / entry["folder"] / RESULTS_FILE).read_text(encoding="utf-8"))
+        ctx.tracker.log_table(f"export/{entry['name']}", flat_summary(info["measurement"]["summary"]))
+    return StageResult(metrics=stage_metrics(index))
+
+
+def finish_items(
+    items: list[Item], recipe: Recipe, ctx: StageContext, target: dict[str, Any], tokenizer: Any
+) -> None:
+    """Stage each folder's files, smoke-check them, write results.json and the card, rename into place."""
+    from decoding.measure import eos_ids_of
+    from decoding.report import write_report
+    from models.loading import load_causal_lm
+
+    cfg, resolved = recipe.export, ctx.target
+    extras: dict[str, dict[str, Any]] = {}
+    for item in ctx.progress(items, desc="stage folders", unit="folder"):
+        if item.kind == "early_exit":
+            extras[item.source.name] = {"head": early_exit_facts(stage_head(item, target), ctx.upstream)}
+        else:
+            stage_drafter(item, tokenizer, recipe.measure.assisted_confidence_threshold)
+            config = json.loads((item.staged / "config.json").read_text(encoding="utf-8"))
+            extras[item.source.name] = {"architecture": architecture_facts(config, item.staged)}
+        if item.measurement["measured"]:
+            write_report(item.measurement["rows"], item.staged)  # this drafter's summary.md and plots
+
+    prompts = smoke_prompts(recipe, tokenizer, cfg.smoke_prompts)
+    # vLLM first, in subprocesses, while this process holds no model on the GPU
+    vllm_checks = {
+        item.source.name: vllm_generation_check(
+            cfg.vllm_check,
+            {
+                "path": resolved.path,
+                "revision": resolved.revision,
+                "trust_remote_code": resolved.trust_remote_code,
+            },
+            item.staged,
+            item.draft_length,
+            [p.tolist() for p in prompts_for(prompts, item.source.pair, cfg.smoke_prompts)],
+            cfg.smoke_max_new_tokens,
+        )
+        for item in items
+        if item.kind == "drafter"
+    }
+    model = load_causal_lm(resolved.path, resolved.revision, resolved.dtype, resolved.trust_remote_code)
+    eos_ids = eos_ids_of(model, tokenizer)
+    # drafters first: attaching the head builds exit modules beside the target's
+    for item in sorted(items, key=lambda i: i.kind == "early_exit"):
+        name, chosen = item.source.name, prompts_for(prompts, item.source.pair, cfg.smoke_prompts)
+        if item.kind == "early_exit":
+            checks = head_checks(
+                item.staged, model, chosen, cfg.smoke_max_new_tokens, eos_ids, item.draft_length
+            )
+        else:
+            checks = drafter_checks(item.staged, model, tokenizer, chosen, cfg.smoke_max_new_tokens, eos_ids)
+            checks.append(vllm_checks[name])
+        info = build_info(item, recipe, ctx, target, checks, extras[name], tokenizer)
+        write_json_atomic(item.staged / RESULTS_FILE, info)
+        card = render_card(info, default_repo_id(cfg.repo_prefix, info))
+        (item.staged / CARD_FILE).write_text(card, encoding="utf-8")
+        failed = "; ".join(f"{c.name}: {c.detail}" for c in checks if c.status == "fail")
+        if failed:
+            log.error("export: %s failed its smoke check: %s", name, failed)
+            if cfg.strict:  # the folder stays staged (`.tmp`): a rerun checks it again
+                raise StageFailed(
+                    f"export: {name} failed its smoke check ({failed}); see {item.staged / CARD_FILE}"
+                )
+        final = ctx.work_dir / name
+        shutil.rmtree(final, ignore_errors=True)
+        item.staged.rename(final)
+
+
+def architecture_facts(config: dict[str, Any], folder: Path) -> dict[str, Any]:
+    text = config.get("text_config", config)
+    return {
+        "class": (config.get("architectures") or [config.get("model_type")])[0],
+        "model_type": config.get("model_type"),
+        "hidden_size": text.get("hidden_size"),
+        "num_hidden_layers": text.get("num_hidden_layers"),
+        "vocab_size": text.get("vocab_size"),
+        "max_position_embeddings": text.get("max_position_embeddings"),
+        "parameters": parameter_count(folder),
+    }
+
+
+def default_repo_id(repo_prefix: str | None, info: dict[str, Any]) -> str:
+    """The repo id the card's snippets name before `polydraft publish` picks the real one."""
+    return f"{repo_prefix or 'ORG/'}{info['repo_name']}"
+
+
+def write_index(work_dir: Path, names: list[str], target: dict[str, Any]) -> dict[str, Any]:
+    """`export.json`: one entry per exported folder, read by `polydraft publish` and the demo summary."""
+    items = []
+    for name in names:
+        info = json.loads((work_dir / name / RESULTS_FILE).read_text(encoding="utf-8"))
+        m = info["measurement"]
+        items.append(
+            {
+                "name": name,
+                "kind": info["kind"],
+                "folder": name,
+                "pair": info["pair"],
+                "repo_name": info["repo_name"],
+                "smoke_passed": info["smoke"]["passed"],
+                "measured": m["measured"],
+                "best_draft_length": m["best_draft_length"],
+                "headline": m["headline"],
+            }
+        )
+    index = {"format": INDEX_FORMAT, "target": target, "items": items}
+    write_json_atomic(work_dir / INDEX_FILE, index)
+    return index
+
+
+def stage_metrics(index: dict[str, Any]) -> dict[str, Any]:
+    metrics: dict[str, Any] = {
+        "exported": len(index["items"]),
+        "smoke_failed": [i["name"] for i in index["items"] if not i["smoke_passed"]],
+        "unmeasured": [i["name"] for i in index["items"] if not i["measured"]],
+    }
+    for item in index["items"]:
+        name = item["name"]
+        metrics[f"{name}/smoke_passed"] = item["smoke_passed"]
+        if item["headline"] is not None:
+            metrics[f"{name}/best_k"] = item["best_draft_length"]
+            metrics[f"{name}/speedup"] = item["headline"]["speedup"]["mean"]
+            metrics[f"{name}/block_efficiency"] = item["headline"]["block_efficiency"]["mean"]
+    return metrics
+
+
+def flat_summary(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Summary entries as flat rows (one column per metric mean and std) for a wandb Table."""
+    out = []
+    for entry in summary:
+        row = {k: v for k, v in entry.items() if not isinstance(v, dict | list)}
+        for key, value in entry.items():
+            if isinstance(value, dict):
+                row[f"{key}_mean"], row[f"{key}_std"] = value["mean"], value["std"]
+        out.append(row)
+    return out

@@ -1,0 +1,239 @@
+"""A run whose upstream stages left real artifacts, for the export and publish tests.
+
+Tiny drafters (`models.drafters`), an early-exit head and a calibration model on the tiny target, and a
+hand-written `results.jsonl` that follows the row schema documented in `decoding.measure`. The upstream
+stages are stand-ins that copy these prepared folders; the export stage itself is the real one, run by
+the real runner (`run_pipeline`), so manifests are written exactly as in a pipeline run.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipelines.runner import Stage, run_pipeline
+from pipelines.stage import ResolvedTarget, StageResult
+
+TINY = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
+DATASETS = ("de-en", "fr-en")
+TEMPERATURES = (0.0, 1.0)
+SEEDS = (0, 1)
+TRAINING = {  # what the trainers' manifests report (metrics of the finetune and pretrain stages)
+    "pretrain": {"steps": 6, "tokens": 1536, "train_loss": 5.125},
+    "finetune": {
+        "de-en/steps": 6,
+        "de-en/tokens": 4321,
+        "de-en/train_loss": 3.5,
+        "de-en/top1_agreement": 0.25,
+        "fr-en/steps": 6,
+        "fr-en/tokens": 4567,
+        "fr-en/train_loss": 3.75,
+        "fr-en/top1_agreement": 0.125,
+    },
+}
+
+
+def save_drafter(folder: Path, tokenizer: Any, vocab_size: int | None = None, seed: int = 0) -> Path:
+    from models.drafters import build_drafter, export_drafter
+
+    model = build_drafter(
+        "custom", vocab_size or len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, seed=seed, **TINY,
+    )  # fmt: skip
+    return export_drafter(model, tokenizer, folder)
+
+
+def save_head(folder: Path, target_dir: Path) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    from models.early_exit import from_target, save_exit_head
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    head = from_target(target, 2, 1)
+    head.target_path = str(target_dir)
+    training = {"steps": 4, "train_loss": 4.5, "initial_top1_target": 0.5, "top1_target": 0.625}
+    return save_exit_head(head, folder, extra={"training": training})
+
+
+def save_calibration(folder: Path, drafter: Path, draft_hidden: int) -> Path:
+    """A calibration model for the drafter in `drafter` (named by its local path, as the calibrate stage does)."""
+    from models.calibration import CalibrationModel
+
+    model = CalibrationModel(64, draft_hidden, 10)
+    head = str(drafter)
+    model.save(folder, extra={"drafter": folder.name, "drafter_path": head, "draft_length": 4})
+    heldout = {
+        "accuracy": 0.75,
+        "base_rate_accuracy": 0.625,
+        "brier": 0.1875,
+        "base_rate_brier": 0.234375,
+        "ece": 0.0625,
+        "base_rate": 0.375,
+        "count": 80,
+    }
+    report = {"drafter": folder.name, "drafter_path": head, "draft_length": 4, "heldout": heldout}
+    (folder / "report.json").write_text(json.dumps(report), encoding="utf-8")
+    return folder
+
+
+def _row(
+    rng: random.Random, method: dict[str, Any], dataset: str, temperature: float, seed: int, n: int
+) -> dict:
+    ar = method["decoder"] == "ar"
+    pair = method.get("pair")
+    efficiency = 1.0 if ar else round(rng.uniform(1.2, 3.0), 4)
+    speedup = 1.0 if ar else round(rng.uniform(0.8, 2.0), 4)
+    return {
+        "decoder": method["decoder"],
+        "method": method["method"],
+        "drafter": method.get("drafter"),
+        "drafter_kind": method.get("kind"),
+        "drafter_pair": pair,
+        "dataset": dataset,
+        "dataset_pair": dataset,
+        "in_domain": (pair == dataset) if pair else None,
+        "temperature": temperature,
+        "top_p": 1.0,
+        "seed": seed,
+        "draft_length": method.get("k"),
+        "control": method.get("control"),
+        "tree": method.get("tree"),
+        "max_new_tokens": 64,
+        "size_ratio": None if ar else 0.05,
+        "prompts": 4,
+        "new_tokens": 200,
+        "target_calls": round(200 / efficiency),
+        "draft_calls": 0 if ar else 300,
+        "block_efficiency": efficiency,
+        "mean_accepted_length": None if ar else round(efficiency - 1, 4),
+        "mean_draft_length": None if ar else float(method.get("k") or 3),
+        "acceptance_rate": None if ar else round(rng.uniform(0.2, 0.9), 4),
+        "draft_proportion": None if ar else round(rng.uniform(0.2, 0.9), 4),
+        "hm": None if ar else round(rng.uniform(0.2, 0.9), 4),
+        "mbsu": round(efficiency / 1.2, 4),
+        "token_rate": round(100 * speedup, 4),
+        "wall_seconds": 2.0,
+        "target_seconds": 1.5,
+        "draft_seconds": 0.0 if ar else 0.3,
+        "overhead_share": 0.1,
+        "eos_stops": 1,
+        "speedup": speedup,
+        "matches_ar": True if temperature == 0 else None,
+        "target": "/home/someone/.cache/polydraft/bootstrap/abc123",
+        "device": "cpu",
+        "hardware": "Test CPU (2 cores)",
+        "date": f"2026-11-2{seed}T10:00:00+00:00",
+        "torch": "2.13.0",
+        "transformers": "5.23.0",
+        "group_rows": n,
+    }
+
+
+METHODS = [
+    {"decoder": "ar", "method": "ar"},
+    {"decoder": "sd", "method": "sd[de-en] K=2", "drafter": "de-en", "kind": "finetune", "pair": "de-en", "k": 2, "control": "fixed"},
+    {"decoder": "sd", "method": "sd[de-en] K=4", "drafter": "de-en", "kind": "finetune", "pair": "de-en", "k": 4, "control": "fixed"},
+    {"decoder": "rsd_c", "method": "rsd_c[de-en] 2-2-1", "drafter": "de-en", "kind": "finetune", "pair": "de-en", "tree": "2-2-1"},
+    {"decoder": "assisted", "method": "assisted[de-en] K=4", "drafter": "de-en", "kind": "finetune", "pair": "de-en", "k": 4, "control": "fixed"},
+    {"decoder": "sd", "method": "sd[fr-en] K=4", "drafter": "fr-en", "kind": "finetune", "pair": "fr-en", "k": 4, "control": "fixed"},
+    {"decoder": "eesd", "method": "eesd K=4", "drafter": "early_exit", "kind": "early_exit", "k": 4, "control": "fixed"},
+]  # fmt: skip
+"""Measured methods; the pretrain stage's generic drafter is left unmeasured on purpose."""
+
+
+def measure_rows(seed: int = 0) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    return [
+        _row(rng, method, dataset, temperature, s, len(METHODS))
+        for dataset in DATASETS
+        for temperature in TEMPERATURES
+        for s in SEEDS
+        for method in METHODS
+    ]
+
+
+def build_templates(root: Path, tokenizer: Any, target_dir: Path, fr_vocab: int | None = None) -> Path:
+    """Prepared stage outputs under `root/<stage>/`; `fr_vocab` breaks the fr-en drafter's vocabulary."""
+    save_drafter(root / "pretrain" / "model", tokenizer, seed=1)
+    save_drafter(root / "finetune" / "de-en", tokenizer, seed=2)
+    save_drafter(root / "finetune" / "fr-en", tokenizer, vocab_size=fr_vocab, seed=3)
+    save_head(root / "early_exit" / "head", target_dir)
+    save_calibration(root / "calibrate" / "early_exit", root / "early_exit" / "head", 64)
+    save_calibration(root / "calibrate" / "de-en", root / "finetune" / "de-en", TINY["hidden_size"])
+    (root / "measure").mkdir(parents=True)
+    rows = measure_rows()
+    (root / "measure" / "results.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8"
+    )
+    return root
+
+
+def _provider(template: Path, metrics: dict[str, Any]):
+    def run(recipe, ctx):
+        shutil.copytree(template, ctx.work_dir, dirs_exist_ok=True)
+        return StageResult(metrics=metrics)
+
+    return run
+
+
+def export_stages(templates: Path, real_measure: bool = False) -> list[Stage]:
+    """Stand-ins for the upstream stages (copying the templates) and the real export stage; with
+    `real_measure`, the real measure stage measures the stand-ins' drafters instead of the
+    hand-written rows."""
+    from decoding.measure import run as measure
+    from pipelines.export import run as export
+
+    def provide(name: str, metrics: dict[str, Any]):
+        return _provider(templates / name, metrics)
+
+    return [
+        Stage("pretrain", provide("pretrain", TRAINING["pretrain"]), ("pretrain",)),
+        Stage("finetune", provide("finetune", TRAINING["finetune"]), ("finetune",), ("pretrain",)),
+        Stage("early_exit", provide("early_exit", {}), ("early_exit",)),
+        Stage("calibrate", provide("calibrate", {}), ("calibrate",), ("early_exit",)),
+        Stage(
+            "measure",
+            measure if real_measure else provide("measure", {}),
+            ("measure",),
+            ("pretrain", "finetune", "early_exit", "calibrate"),
+        ),
+        Stage(
+            "export",
+            export,
+            ("export", "distill", "measure"),
+            ("pretrain", "finetune", "early_exit", "calibrate", "measure"),
+        ),
+    ]
+
+
+def run_export(recipe, run_dir: Path, templates: Path, target_dir: Path, real_measure: bool = False):
+    """Run the stand-ins and the export stage with the real runner; returns the outcomes."""
+    target = ResolvedTarget(path=str(target_dir), revision=None, dtype="float32", trust_remote_code=False)
+    stages = export_stages(templates, real_measure)
+    return run_pipeline(recipe, run_dir, stages, target, command="test", quiet=True)
+
+
+def export_recipe(target_dir: Path, export: dict[str, Any] | None = None, **blocks: Any):
+    """The tiny recipe with offline eval sets (the smoke prompts) and a short smoke check."""
+    from tests.drafter_setup import tiny_recipe
+
+    return tiny_recipe(
+        target_dir,
+        data={
+            "eval": [
+                {"kind": "offline", "split": "test", "pair": "de-en"},
+                {"kind": "offline", "split": "test", "pair": "fr-en"},
+            ]
+        },
+        **{
+            "distill": {"enabled": False},
+            "measure": {"draft_length": 3},
+            **blocks,
+            "export": {"smoke_prompts": 2, "smoke_max_new_tokens": 8, **(export or {})},
+        },
+    )

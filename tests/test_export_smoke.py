@@ -1,0 +1,164 @@
+"""Smoke checks that must fail: a broken export is caught before it leaves the machine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pipelines.smoke import VLLM_ARCHITECTURES, drafter_checks, passed, vllm_rule_checks
+from pipelines.stage import StageFailed
+from tests.decoding_helpers import single_thread_fixture
+from tests.drafter_setup import context
+from tests.export_setup import export_recipe, save_drafter
+
+single_thread = single_thread_fixture()
+
+
+def statuses(checks) -> dict[str, str]:
+    return {c.name: c.status for c in checks}
+
+
+def test_a_drafter_with_another_vocabulary_fails_with_a_clear_message(tmp_path, tiny_tokenizer, tiny_target):
+    folder = save_drafter(tmp_path / "broken", tiny_tokenizer, vocab_size=len(tiny_tokenizer) + 8)
+    checks = drafter_checks(folder, tiny_target, tiny_tokenizer, [torch.tensor([1, 40, 41])], 4, {2})
+    assert not passed(checks)
+    found = statuses(checks)
+    assert found["reload"] == "pass"
+    assert found["tokenizer"] == found["vllm_vocabulary"] == "fail"
+    assert found["assisted_generation"] == "skipped"
+    vocab = next(c for c in checks if c.name == "vllm_vocabulary").detail
+    assert f"{len(tiny_tokenizer) + 8} tokens but the target {len(tiny_tokenizer)}" in vocab
+    assert "same vocabulary size" in vocab
+
+
+def test_a_folder_without_weights_or_tokenizer_fails(tmp_path, tiny_tokenizer, tiny_target):
+    folder = save_drafter(tmp_path / "drafter", tiny_tokenizer)
+    (folder / "tokenizer.json").unlink()
+    (folder / "model.safetensors").unlink()
+    checks = drafter_checks(folder, tiny_target, tiny_tokenizer, [torch.tensor([1, 40, 41])], 4, {2})
+    assert statuses(checks)["files"] == "fail" and statuses(checks)["reload"] == "fail"
+    assert "model.safetensors" in checks[0].detail and "tokenizer files" in checks[0].detail
+
+
+def test_vllm_rules(tiny_target):
+    from transformers import LlamaConfig, Qwen2VLConfig
+
+    target = tiny_target.config
+    vocab = target.vocab_size
+    good = LlamaConfig(vocab_size=vocab, hidden_size=32, num_attention_heads=2, max_position_embeddings=2048)
+    good.architectures = ["LlamaForCausalLM"]
+    assert passed(vllm_rule_checks(good, target, VLLM_ARCHITECTURES, "the list"))
+
+    short = LlamaConfig(vocab_size=vocab, hidden_size=32, num_attention_heads=2, max_position_embeddings=64)
+    short.architectures = ["LlamaForCausalLM"]
+    checks = vllm_rule_checks(short, target, VLLM_ARCHITECTURES, "the list")
+    assert passed(checks) and statuses(checks)["vllm_max_model_len"] == "warn"
+
+    unknown = LlamaConfig(vocab_size=vocab, hidden_size=32, num_attention_heads=2)
+    unknown.architectures = ["MyOwnForCausalLM"]
+    checks = vllm_rule_checks(unknown, target, VLLM_ARCHITECTURES, "the list")
+    assert statuses(checks)["vllm_architecture"] == "fail" and "not in the list" in checks[1].detail
+
+    multimodal = Qwen2VLConfig()
+    multimodal.architectures = ["Qwen2VLForConditionalGeneration"]
+    checks = vllm_rule_checks(multimodal, target, frozenset({"Qwen2VLForConditionalGeneration"}), "the list")
+    assert statuses(checks)["vllm_architecture"] == "fail" and "multimodal" in checks[1].detail
+
+    mrope = LlamaConfig(vocab_size=vocab, hidden_size=32, num_attention_heads=2, max_position_embeddings=2048)
+    mrope.architectures = ["LlamaForCausalLM"]
+    mrope.rope_parameters = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}
+    checks = vllm_rule_checks(mrope, target, VLLM_ARCHITECTURES, "the list")
+    assert statuses(checks)["vllm_rope"] == "fail" and "M-RoPE" in checks[2].detail
+
+
+def test_strict_export_stops_on_a_broken_drafter_and_a_rerun_resumes(
+    tmp_path, tiny_tokenizer, tiny_target_dir
+):
+    from pipelines.export import run
+
+    upstream = tmp_path / "finetune"
+    save_drafter(upstream / "de-en", tiny_tokenizer, seed=2)
+    save_drafter(upstream / "fr-en", tiny_tokenizer, vocab_size=len(tiny_tokenizer) + 8, seed=3)
+    ctx = context(tmp_path / "run", "export", tiny_target_dir, {"finetune": upstream})
+    strict = export_recipe(tiny_target_dir, {"strict": True, "smoke_prompts": 1, "smoke_max_new_tokens": 4})
+    with pytest.raises(
+        StageFailed, match=r"fr-en failed its smoke check \(tokenizer: .*vocabulary of 520 tokens"
+    ):
+        run(strict, ctx)
+    assert (ctx.work_dir / "de-en" / "results.json").is_file()  # finished before the failure, kept
+    assert (ctx.work_dir / "fr-en.tmp").is_dir() and not (ctx.work_dir / "fr-en").exists()
+    finished = (ctx.work_dir / "de-en" / "results.json").stat().st_mtime_ns
+
+    lenient = export_recipe(tiny_target_dir, {"smoke_prompts": 1, "smoke_max_new_tokens": 4})
+    result = run(lenient, ctx)
+    assert (ctx.work_dir / "de-en" / "results.json").stat().st_mtime_ns == finished  # not redone
+    assert not (ctx.work_dir / "fr-en.tmp").exists()
+    assert result.metrics["smoke_failed"] == ["fr-en"] and result.metrics["de-en/smoke_passed"] is True
+    info = json.loads((ctx.work_dir / "fr-en" / "results.json").read_text(encoding="utf-8"))
+    assert info["smoke"]["passed"] is False
+    card = (ctx.work_dir / "fr-en" / "README.md").read_text(encoding="utf-8")
+    assert "**FAILED** (do not use this export)" in card and "| vllm_vocabulary | fail |" in card
+
+
+FAKE_VLLM = """
+import json, os
+__version__ = "0.0.fake"
+
+class SamplingParams:
+    def __init__(self, temperature, max_tokens):
+        self.temperature, self.max_tokens = temperature, max_tokens
+
+class _Completion:
+    def __init__(self, n):
+        self.token_ids = list(range(n))
+
+class _Output:
+    def __init__(self, n):
+        self.outputs = [_Completion(n)]
+
+class LLM:
+    def __init__(self, model, speculative_config, **kwargs):
+        with open(os.environ["FAKE_VLLM_LOG"], "w") as handle:
+            json.dump({"model": model, "speculative_config": speculative_config}, handle)
+
+    def generate(self, prompts, params):
+        return [_Output(params.max_tokens) for _ in prompts]
+"""
+
+
+def test_vllm_generation_runs_in_a_subprocess_with_the_draft_model_config(tmp_path, monkeypatch):
+    from pipelines.smoke import vllm_generation_check
+
+    (tmp_path / "fake" / "vllm").mkdir(parents=True)
+    (tmp_path / "fake" / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    monkeypatch.syspath_prepend(str(tmp_path / "fake"))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
+    monkeypatch.setenv("FAKE_VLLM_LOG", str(tmp_path / "vllm.json"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    target = {"path": "org/target", "revision": None, "trust_remote_code": False}
+    check = vllm_generation_check("auto", target, tmp_path / "drafter", 3, [[1, 2, 3], [1, 4]], 5)
+    assert check.status == "pass" and "vLLM 0.0.fake generated 10 tokens for 2 prompts" in check.detail
+    request = json.loads((tmp_path / "vllm.json").read_text())
+    assert request == {
+        "model": "org/target",
+        "speculative_config": {
+            "method": "draft_model",
+            "model": str(tmp_path / "drafter"),
+            "num_speculative_tokens": 3,
+        },
+    }
+
+
+def test_vllm_generation_is_skipped_or_required(monkeypatch):
+    import importlib.util
+
+    from pipelines.smoke import vllm_generation_check
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    target = {"path": "t", "revision": None, "trust_remote_code": False}
+    assert vllm_generation_check("off", target, None, 3, [], 4).status == "skipped"
+    assert vllm_generation_check("auto", target, None, 3, [], 4).status == "skipped"
+    required = vllm_generation_check("require", target, None, 3, [], 4)
+    assert required.status == "fail" and "vllm is not installed" in required.detail
