@@ -24,17 +24,30 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--recipe", default="recipes/demo/demo.yaml")
     parser.add_argument("--out", default="bench/results/demo_time.md")
     parser.add_argument("--budget-s", type=float, default=600.0, help="the target: 10 minutes on 2 cores")
     args = parser.parse_args()
     run_dir = Path(tempfile.mkdtemp(prefix="polydraft-demo-"))
-    command = [sys.executable, "-m", "pipelines.cli", "run", args.recipe, "--run-dir", str(run_dir), "--quiet"]
+    command = [
+        sys.executable,
+        "-m",
+        "pipelines.cli",
+        "run",
+        args.recipe,
+        "--run-dir",
+        str(run_dir),
+        "--quiet",
+    ]
     started = time.perf_counter()
     result = subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     total = time.perf_counter() - started
-    stages = json.loads((run_dir / "run.json").read_text())["stages"] if (run_dir / "run.json").exists() else []
+    stages = (
+        json.loads((run_dir / "run.json").read_text())["stages"] if (run_dir / "run.json").exists() else []
+    )
     lines = [
         f"## {datetime.date.today()} — {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "",

@@ -36,5 +36,7 @@ def load_causal_lm(
     return model.to(device).eval()
 
 
-def load_tokenizer(path: str, revision: str | None = None, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+def load_tokenizer(
+    path: str, revision: str | None = None, trust_remote_code: bool = False
+) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)

@@ -1,4 +1,4 @@
-"""Stand-in stages for runner tests: each writes a small output and records that it ran."""
+"""Stand-in stages for runner tests: the real stage graph, each stage writing a small output and recording that it ran."""
 
 from __future__ import annotations
 
@@ -9,16 +9,7 @@ from pathlib import Path
 
 from pipelines.runner import Stage
 from pipelines.stage import StageResult
-
-TOPOLOGY = {  # the real pipeline's blocks and upstream edges
-    "distill": (("distill",), ()),
-    "pretrain": (("pretrain", "launch"), ()),
-    "finetune": (("finetune", "launch"), ("distill", "pretrain")),
-    "early_exit": (("early_exit", "launch"), ("distill",)),
-    "calibrate": (("calibrate", "launch"), ("early_exit", "finetune")),
-    "measure": (("measure",), ("finetune", "early_exit", "calibrate")),
-    "export": (("export",), ("finetune", "early_exit", "calibrate", "measure")),
-}
+from pipelines.stages import default_stages
 
 
 def _make(name: str):
@@ -42,4 +33,8 @@ def _make(name: str):
 
 
 def fake_stages() -> list[Stage]:
-    return [Stage(name, _make(name), blocks, upstream) for name, (blocks, upstream) in TOPOLOGY.items()]
+    """The real pipeline's stages (names, blocks, upstream edges) with stand-in functions."""
+    return [Stage(s.name, _make(s.name), s.blocks, s.upstream) for s in default_stages()]
+
+
+TOPOLOGY = [s.name for s in fake_stages()]

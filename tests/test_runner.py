@@ -63,7 +63,7 @@ def test_first_run_produces_exactly_the_expected_files(setup):
     manifest = json.loads((run_dir / "finetune" / "manifest.json").read_text())
     assert manifest["status"] == "completed"
     assert set(manifest["upstream"]) == {"distill", "pretrain"}
-    assert set(manifest["config"]) == {"target", "data", "finetune", "launch", "resolved_target"}
+    assert set(manifest["config"]) == {"target", "data", "pretrain", "finetune", "launch", "resolved_target"}
     for key in (
         "config_hash",
         "key",
