@@ -156,12 +156,19 @@ def accelerate_command(
     return [*command, "-m", module, *args]
 
 
-def launch_training(recipe: Recipe, ctx: StageContext, module: str) -> None:
-    """Run `module` as `accelerate launch ... -m module SPEC` and wait; raise StageFailed on failure.
+TRAINING_METRICS = "metrics.json"
+"""Headline metrics a training subprocess leaves in the work dir for the runner side."""
+TRAINING_ERROR = "error.txt"
+"""The subprocess's own one-line reason for failing (NaN at step N, vocabulary mismatch, ...)."""
+
+
+def launch_training(recipe: Recipe, ctx: StageContext, module: str) -> dict[str, Any]:
+    """Run `module` as `accelerate launch ... -m module SPEC`, wait, and return its headline metrics.
 
     On a machine without a GPU (or with `launch.cpu`), ACCELERATE_USE_CPU=true turns a multi-process
     config into real gloo DDP ranks. (`accelerate launch --cpu --num_processes 2` would silently run
-    one process.) The subprocess's output goes to the console and to `<work_dir>/<stage>.log`.
+    one process.) The subprocess's output goes to the console and to `<work_dir>/<stage>.log`. A failed
+    subprocess raises StageFailed with the reason it wrote (see `run_training_process`).
     """
     import torch
 
@@ -170,6 +177,8 @@ def launch_training(recipe: Recipe, ctx: StageContext, module: str) -> None:
     command = accelerate_command(
         resolve_accelerate_config(launch.accelerate_config), launch.num_processes, module, [str(spec_path)]
     )
+    error_file = ctx.work_dir / TRAINING_ERROR
+    error_file.unlink(missing_ok=True)
     env = {
         **os.environ,
         **launch.env,
@@ -190,4 +199,38 @@ def launch_training(recipe: Recipe, ctx: StageContext, module: str) -> None:
                 sys.stderr.flush()
         code = process.wait()
     if code != 0:
+        if error_file.is_file():
+            raise StageFailed(
+                f"{ctx.name}: {error_file.read_text(encoding='utf-8').strip()} (log: {log_path})"
+            )
         raise StageFailed(f"{ctx.name}: training exited with status {code}; see {log_path}")
+    return json.loads((ctx.work_dir / TRAINING_METRICS).read_text(encoding="utf-8"))
+
+
+def setup_process_logging(spec: StageSpec) -> None:
+    """Log levels of a training subprocess follow the pipeline's --quiet / --verbose."""
+    logging.basicConfig(
+        level=logging.DEBUG if spec.verbose else logging.WARNING if spec.quiet else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    # accelerate logs every checkpoint file at INFO; keep that for --verbose
+    logging.getLogger("accelerate").setLevel(logging.DEBUG if spec.verbose else logging.WARNING)
+
+
+def run_training_process(spec: StageSpec, accelerator: Any, tracker: Tracker, train: Any) -> None:
+    """Call `train()` in a training subprocess; leave its metrics (or its failure reason) for the runner."""
+    work_dir = Path(spec.work_dir)
+    try:
+        metrics = train()
+    except Exception as err:
+        if accelerator.is_main_process:
+            (work_dir / TRAINING_ERROR).write_text(f"{type(err).__name__}: {err}\n", encoding="utf-8")
+        tracker.finish(failed=True)
+        raise
+    if accelerator.is_main_process:
+        tmp = work_dir / (TRAINING_METRICS + ".tmp")
+        tmp.write_text(json.dumps(metrics, indent=2), encoding="utf-8")
+        tmp.replace(work_dir / TRAINING_METRICS)
+    tracker.summary(metrics)
+    tracker.finish()
+    accelerator.end_training()

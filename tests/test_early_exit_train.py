@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from models.early_exit import attach_exit_head, build_early_exit, from_target, read_head_config
+from pipelines.stage import TRAINING_METRICS as METRICS_FILE
 from pipelines.stage import StageFailed, spec_for
 from pipelines.tracking import Tracker
 from tests.drafter_setup import context, tiny_recipe, write_tiny_mix
 from tests.eesd_setup import save_layered_target
-from train.early_exit import HEAD_DIR, LOG_FILE, METRICS_FILE, run, teacher_logits, train_early_exit
+from train.early_exit import HEAD_DIR, LOG_FILE, run, teacher_logits, train_early_exit
 from train.runtime import make_accelerator
 
 LOOP = {"max_length": 96, "per_device_batch_size": 4, "grad_accum_steps": 1, "max_steps": 4, "log_every": 1,

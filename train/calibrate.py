@@ -40,6 +40,8 @@ from pipelines.stage import (
     StageResult,
     StageSpec,
     launch_training,
+    run_training_process,
+    setup_process_logging,
     tracker_for_spec,
 )
 from train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -51,8 +53,6 @@ from train.steplog import append_log, truncate_log
 
 log = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.json"
-ERROR_FILE = "error.txt"
 REPORT_FILE = "report.json"
 SINGLE_PROCESS = "recipes/accelerate/single.yaml"
 CHUNK = 50
@@ -71,18 +71,12 @@ def run(recipe: Recipe, ctx: StageContext) -> StageResult:
             raise StageFailed(f"calibrate needs the {needed} stage's output: enable the {needed} stage")
     if recipe.calibrate.drafters == "all" and "finetune" not in ctx.upstream:
         raise StageFailed("calibrate.drafters: all needs the finetune stage; enable it or use `early_exit`")
-    error_file = ctx.work_dir / ERROR_FILE
-    error_file.unlink(missing_ok=True)
     # one process: labelling needs the whole target, which load_target spreads over every visible GPU
     # (a 70B target fits no single one); the calibration model itself is small
     single = recipe.launch.model_copy(update={"accelerate_config": SINGLE_PROCESS, "num_processes": None})
-    try:
-        launch_training(recipe.model_copy(update={"launch": single}), ctx, "train.calibrate")
-    except StageFailed as err:
-        if error_file.is_file():
-            raise StageFailed(f"calibrate: {error_file.read_text(encoding='utf-8').strip()}") from err
-        raise
-    return StageResult(metrics=json.loads((ctx.work_dir / METRICS_FILE).read_text(encoding="utf-8")))
+    return StageResult(
+        metrics=launch_training(recipe.model_copy(update={"launch": single}), ctx, "train.calibrate")
+    )
 
 
 # ============================================================================ labels
@@ -280,31 +274,13 @@ def fit(
 def main(argv: list[str] | None = None) -> None:
     """`python -m train.calibrate SPEC.json`, started by `accelerate launch` on every process."""
     spec = StageSpec.read((argv or sys.argv[1:])[0])
-    logging.basicConfig(
-        level=logging.DEBUG if spec.verbose else logging.WARNING if spec.quiet else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    logging.getLogger("accelerate").setLevel(logging.DEBUG if spec.verbose else logging.WARNING)
+    setup_process_logging(spec)
     recipe = spec.parsed_recipe
     loop = recipe.calibrate.loop
     cuda = torch.cuda.is_available() and not recipe.launch.cpu
     accelerator = make_accelerator(loop.grad_accum_steps, resolve_mixed_precision(loop.mixed_precision, cuda))
     tracker = tracker_for_spec(spec, accelerator.is_main_process)
-    work_dir = Path(spec.work_dir)
-    try:
-        metrics = calibrate(spec, accelerator, tracker)
-    except Exception as err:
-        if accelerator.is_main_process:
-            (work_dir / ERROR_FILE).write_text(f"{type(err).__name__}: {err}\n", encoding="utf-8")
-        tracker.finish(failed=True)
-        raise
-    if accelerator.is_main_process:
-        tmp = work_dir / (METRICS_FILE + ".tmp")
-        tmp.write_text(json.dumps(metrics, indent=2), encoding="utf-8")
-        tmp.replace(work_dir / METRICS_FILE)
-    tracker.summary(metrics)
-    tracker.finish()
-    accelerator.end_training()
+    run_training_process(spec, accelerator, tracker, lambda: calibrate(spec, accelerator, tracker))
 
 
 def load_target(target: Any, accelerator: Any) -> torch.nn.Module:

@@ -46,6 +46,8 @@ from pipelines.stage import (
     StageResult,
     StageSpec,
     launch_training,
+    run_training_process,
+    setup_process_logging,
     tracker_for_spec,
 )
 from train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -65,8 +67,6 @@ from train.schedule import build_optimizer, build_scheduler
 
 log = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.json"
-ERROR_FILE = "error.txt"
 
 # ============================================================================ runner side
 
@@ -128,16 +128,7 @@ def _preflight(init: str | None, revision: str | None, ctx: StageContext) -> Non
 
 
 def _launch(recipe: Recipe, ctx: StageContext) -> StageResult:
-    error_file = ctx.work_dir / ERROR_FILE
-    error_file.unlink(missing_ok=True)
-    try:
-        launch_training(recipe, ctx, "train.drafter")
-    except StageFailed as err:
-        # the subprocess leaves its own, clearer message (NaN loss at step N, vocabulary mismatch, ...)
-        if error_file.is_file():
-            raise StageFailed(f"{ctx.name}: {error_file.read_text(encoding='utf-8').strip()}") from err
-        raise
-    return StageResult(metrics=json.loads((ctx.work_dir / METRICS_FILE).read_text(encoding="utf-8")))
+    return StageResult(metrics=launch_training(recipe, ctx, "train.drafter"))
 
 
 # ============================================================================ subprocess side
@@ -146,12 +137,7 @@ def _launch(recipe: Recipe, ctx: StageContext) -> StageResult:
 def main(argv: list[str] | None = None) -> None:
     """`python -m train.drafter SPEC.json`, started by `accelerate launch` on every process."""
     spec = StageSpec.read((argv or sys.argv[1:])[0])
-    logging.basicConfig(
-        level=logging.DEBUG if spec.verbose else logging.WARNING if spec.quiet else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    # accelerate logs every checkpoint file at INFO; keep that for --verbose
-    logging.getLogger("accelerate").setLevel(logging.DEBUG if spec.verbose else logging.WARNING)
+    setup_process_logging(spec)
     if spec.stage not in ("pretrain", "finetune"):
         raise SystemExit(f"train.drafter trains the `pretrain` and `finetune` stages, not {spec.stage!r}")
     recipe = spec.parsed_recipe
@@ -159,22 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     cuda = torch.cuda.is_available() and not recipe.launch.cpu
     accelerator = make_accelerator(loop.grad_accum_steps, resolve_mixed_precision(loop.mixed_precision, cuda))
     tracker = tracker_for_spec(spec, accelerator.is_main_process)
-    work_dir = Path(spec.work_dir)
-    try:
-        stage = pretrain if spec.stage == "pretrain" else finetune
-        metrics = stage(spec, recipe, accelerator, tracker)
-    except Exception as err:
-        if accelerator.is_main_process:
-            (work_dir / ERROR_FILE).write_text(f"{type(err).__name__}: {err}\n", encoding="utf-8")
-        tracker.finish(failed=True)
-        raise
-    if accelerator.is_main_process:
-        tmp = work_dir / (METRICS_FILE + ".tmp")
-        tmp.write_text(json.dumps(metrics, indent=2), encoding="utf-8")
-        tmp.replace(work_dir / METRICS_FILE)
-    tracker.summary(metrics)
-    tracker.finish()
-    accelerator.end_training()
+    stage = pretrain if spec.stage == "pretrain" else finetune
+    run_training_process(spec, accelerator, tracker, lambda: stage(spec, recipe, accelerator, tracker))
 
 
 def initial_drafter(

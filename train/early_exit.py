@@ -19,7 +19,6 @@ resume with the same data order and RNG states, and are removed once the head is
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import sys
@@ -45,6 +44,8 @@ from pipelines.stage import (
     StageResult,
     StageSpec,
     launch_training,
+    run_training_process,
+    setup_process_logging,
     tracker_for_spec,
 )
 from train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -64,8 +65,6 @@ from train.steplog import append_log, mean_loss, truncate_log
 log = logging.getLogger(__name__)
 
 HEAD_DIR = "head"
-METRICS_FILE = "metrics.json"
-ERROR_FILE = "error.txt"
 LOG_FILE = "train_log.jsonl"
 
 # ============================================================================ runner side
@@ -75,15 +74,7 @@ def run(recipe: Recipe, ctx: StageContext) -> StageResult:
     """Stage `early_exit`: launch the training subprocess, return its headline metrics."""
     if "distill" not in ctx.upstream:
         raise StageFailed("early_exit trains on the distill stage's mix: enable the distill stage")
-    error_file = ctx.work_dir / ERROR_FILE
-    error_file.unlink(missing_ok=True)
-    try:
-        launch_training(recipe, ctx, "train.early_exit")
-    except StageFailed as err:
-        if error_file.is_file():  # the subprocess's own message (NaN at step N, missing tensors, ...)
-            raise StageFailed(f"early_exit: {error_file.read_text(encoding='utf-8').strip()}") from err
-        raise
-    return StageResult(metrics=json.loads((ctx.work_dir / METRICS_FILE).read_text(encoding="utf-8")))
+    return StageResult(metrics=launch_training(recipe, ctx, "train.early_exit"))
 
 
 # ============================================================================ subprocess side
@@ -92,31 +83,13 @@ def run(recipe: Recipe, ctx: StageContext) -> StageResult:
 def main(argv: list[str] | None = None) -> None:
     """`python -m train.early_exit SPEC.json`, started by `accelerate launch` on every process."""
     spec = StageSpec.read((argv or sys.argv[1:])[0])
-    logging.basicConfig(
-        level=logging.DEBUG if spec.verbose else logging.WARNING if spec.quiet else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    logging.getLogger("accelerate").setLevel(logging.DEBUG if spec.verbose else logging.WARNING)
+    setup_process_logging(spec)
     recipe = spec.parsed_recipe
     loop = recipe.early_exit.loop
     cuda = torch.cuda.is_available() and not recipe.launch.cpu
     accelerator = make_accelerator(loop.grad_accum_steps, resolve_mixed_precision(loop.mixed_precision, cuda))
     tracker = tracker_for_spec(spec, accelerator.is_main_process)
-    work_dir = Path(spec.work_dir)
-    try:
-        _, metrics = train_early_exit(spec, accelerator, tracker)
-    except Exception as err:
-        if accelerator.is_main_process:
-            (work_dir / ERROR_FILE).write_text(f"{type(err).__name__}: {err}\n", encoding="utf-8")
-        tracker.finish(failed=True)
-        raise
-    if accelerator.is_main_process:
-        tmp = work_dir / (METRICS_FILE + ".tmp")
-        tmp.write_text(json.dumps(metrics, indent=2), encoding="utf-8")
-        tmp.replace(work_dir / METRICS_FILE)
-    tracker.summary(metrics)
-    tracker.finish()
-    accelerator.end_training()
+    run_training_process(spec, accelerator, tracker, lambda: train_early_exit(spec, accelerator, tracker)[1])
 
 
 def load_examples(
