@@ -155,9 +155,7 @@ def load_eval_sets(recipe: Recipe, num_prompts: int, max_prompt_tokens: int, tok
             limit=source.limit if source.limit is not None else 2 * num_prompts,
             skip_invalid=source.skip_invalid,
             seed=recipe.data.seed,
-            offline_entries_per_sample=tuple(offline.entries_per_sample),
-            offline_test_fraction=offline.test_fraction,
-            offline_samples=offline.samples_per_pair,
+            **offline.source_options(),
         ).rows
         eval_set = EvalSet(_set_name(source, {s.name for s in sets}), source.pair, [])
         for row in rows:

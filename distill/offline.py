@@ -120,10 +120,10 @@ def number_entry(lang: str, rng: random.Random) -> Entry | None:
     return Entry(num2words(value, lang=lang), num2words(value, lang="en"), "number")
 
 
-def _pick(lang: str, split: str, test_fraction: float, rng: random.Random) -> Entry:
-    """One entry of the given split; kinds are drawn evenly, then an entry of that kind."""
+def _pick(lang: str, split: str, test_fraction: float, rng: random.Random, weights: list[float]) -> Entry:
+    """One entry of the given split: a kind drawn with `weights` (in KINDS order), then an entry of it."""
     while True:
-        kind = rng.choice(KINDS)
+        kind = rng.choices(KINDS, weights)[0]
         if kind == "catalog":
             entry: Entry | None = rng.choice(catalog_entries(lang))
         elif kind == "name":
@@ -143,8 +143,12 @@ def offline_pairs(
     entries_per_sample: tuple[int, int] = (2, 4),
     test_fraction: float = 0.1,
     seed: int = 0,
+    kind_weights: dict[str, float] | None = None,
 ) -> list[dict[str, str]]:
-    """Translation samples for `pair` (e.g. `de-en`): `{"id", "source", "target"}`, entries one per line."""
+    """Translation samples for `pair` (e.g. `de-en`): `{"id", "source", "target"}`, entries one per line.
+
+    `kind_weights` (catalog, name, date, number; default all 1) sets how often each kind of entry is drawn.
+    """
     lang, into = pair.split("-")
     if into != "en" or lang not in LOCALE_DIRS:
         raise ValueError(f"the offline corpus has X->en pairs for {sorted(LOCALE_DIRS)}, not {pair!r}")
@@ -152,9 +156,10 @@ def offline_pairs(
         raise ValueError(f"offline split must be `train` or `test`, not {split!r}")
     rng = random.Random(f"{pair}/{split}/{seed}")
     low, high = entries_per_sample
+    weights = [(kind_weights or {}).get(kind, 1.0) for kind in KINDS]
     samples = []
     for index in range(num_samples):
-        entries = [_pick(lang, split, test_fraction, rng) for _ in range(rng.randint(low, high))]
+        entries = [_pick(lang, split, test_fraction, rng, weights) for _ in range(rng.randint(low, high))]
         samples.append(
             {
                 "id": f"offline/{pair}/{split}/{index}",
@@ -171,7 +176,7 @@ def offline_texts(langs: list[str], num_documents: int, seed: int = 0) -> list[d
     documents = []
     for index in range(num_documents):
         lang = rng.choice(langs)
-        entries = [_pick(lang, "train", 0.1, rng) for _ in range(rng.randint(3, 8))]
+        entries = [_pick(lang, "train", 0.1, rng, [1.0] * len(KINDS)) for _ in range(rng.randint(3, 8))]
         side = rng.choice(["source", "target"])
         documents.append(
             {"id": f"offline/text/{index}", "text": "\n".join(getattr(e, side) for e in entries)}

@@ -166,6 +166,7 @@ def read_source(
     offline_entries_per_sample: tuple[int, int] = (2, 4),
     offline_test_fraction: float = 0.1,
     offline_samples: int = 4000,
+    offline_kind_weights: dict[str, float] | None = None,
 ) -> SourceRows:
     """All (or `limit`, shuffled with `seed`) rows of one source, normalised for its format."""
     fields = fields or {}
@@ -174,7 +175,13 @@ def read_source(
         if format == "translation":
             count = offline_samples if split == "train" else max(1, offline_samples // 10)
             raw: Any = offline_pairs(
-                pair or "", split, count, offline_entries_per_sample, offline_test_fraction, seed
+                pair or "",
+                split,
+                count,
+                offline_entries_per_sample,
+                offline_test_fraction,
+                seed,
+                offline_kind_weights,
             )
         elif format == "text":
             raw = offline_texts(["de", "fr", "ru", "ja", "zh"], offline_samples, seed)

@@ -82,9 +82,7 @@ def source_kwargs(source: SourceConfig, data: DataConfig) -> dict[str, Any]:
         "limit": source.limit,
         "skip_invalid": source.skip_invalid,
         "seed": data.seed,
-        "offline_entries_per_sample": tuple(data.offline.entries_per_sample),
-        "offline_test_fraction": data.offline.test_fraction,
-        "offline_samples": data.offline.samples_per_pair,
+        **data.offline.source_options(),
     }
 
 

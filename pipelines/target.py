@@ -61,6 +61,7 @@ def resolve_target(target: TargetConfig, data: DataConfig, show_progress: bool =
             entries_per_sample=(data.offline.entries_per_sample[0], data.offline.entries_per_sample[1]),
             test_fraction=data.offline.test_fraction,
             samples_per_pair=data.offline.samples_per_pair,
+            kind_weights=dict(data.offline.kind_weights),
             show_progress=show_progress,
         )
     return ResolvedTarget(str(folder.resolve()), None, target.dtype, False)

@@ -34,11 +34,14 @@ def conversations(
     entries_per_sample: tuple[int, int],
     test_fraction: float,
     seed: int,
+    kind_weights: dict[str, float],
 ) -> list[tuple[str, str]]:
     """(prompt, answer) strings: the Vicuna prompt of a translation request and the reference + EOS."""
     out = []
     for pair in pairs:
-        for row in offline_pairs(pair, "train", samples_per_pair, entries_per_sample, test_fraction, seed):
+        for row in offline_pairs(
+            pair, "train", samples_per_pair, entries_per_sample, test_fraction, seed, kind_weights
+        ):
             prompt = vicuna_prompt([{"role": "user", "content": task_prefix(pair) + row["source"]}])
             out.append((prompt, " " + row["target"] + "</s>"))
     return out
@@ -87,6 +90,7 @@ def build_bootstrap_target(
     entries_per_sample: tuple[int, int],
     test_fraction: float,
     samples_per_pair: int,
+    kind_weights: dict[str, float],
     show_progress: bool = True,
 ) -> dict[str, Any]:
     """Train a tokenizer and a small Llama on the offline corpus and save them as a Hugging Face folder.
@@ -99,7 +103,7 @@ def build_bootstrap_target(
     torch.manual_seed(seed)
     rng = random.Random(seed)
     langs = [pair.split("-")[0] for pair in pairs]
-    examples = conversations(pairs, samples_per_pair, entries_per_sample, test_fraction, seed)
+    examples = conversations(pairs, samples_per_pair, entries_per_sample, test_fraction, seed, kind_weights)
     tokenizer_texts = [row["text"] for row in offline_texts(langs, 2000, seed)] + [p + a for p, a in examples]
     tokenizer = train_tokenizer(tokenizer_texts, vocab_size)
     encoded = _encode(tokenizer, examples, seq_len)

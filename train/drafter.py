@@ -422,12 +422,7 @@ def pretrain(spec: StageSpec, recipe: Recipe, accelerator: Any, tracker: Any) ->
     model = initial_drafter(
         block.drafter, block.drafter.init, block.drafter.revision, target, tokenizer, loop, cuda
     )
-    offline = {
-        "offline_entries_per_sample": tuple(data.offline.entries_per_sample),
-        "offline_test_fraction": data.offline.test_fraction,
-        "offline_samples": data.offline.samples_per_pair,
-    }
-    sources = [{**s.model_dump(mode="json"), **offline} for s in data.pretrain]
+    sources = [{**s.model_dump(mode="json"), **data.offline.source_options()} for s in data.pretrain]
 
     def documents(epoch: int, start: int) -> Any:
         return tokenized_documents(tokenizer, sources, data.seed, epoch, start)

@@ -5,7 +5,7 @@ Every field's default lives here and is documented once, in the docstring under 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -113,6 +113,31 @@ class OfflineCorpusConfig(StrictModel):
     """Share of entries held out for the `test` split (chosen by a hash of the entry, so stable)."""
     samples_per_pair: int = 4000
     """Number of composite samples generated per language pair and split `train` (a tenth for `test`)."""
+    kind_weights: dict[Literal["catalog", "name", "date", "number"], float] = Field(
+        default_factory=lambda: {"catalog": 1.0, "name": 1.0, "date": 1.0, "number": 1.0}
+    )
+    """How often each kind of entry is drawn: gettext catalog messages, CLDR names, dates, numbers.
+    Dates and numbers are systematic (learnable by small models); catalog messages must be memorised."""
+
+    def source_options(self) -> dict[str, Any]:
+        """The `offline_*` keyword arguments of `distill.sources.read_source`."""
+        return {
+            "offline_entries_per_sample": (self.entries_per_sample[0], self.entries_per_sample[1]),
+            "offline_test_fraction": self.test_fraction,
+            "offline_samples": self.samples_per_pair,
+            "offline_kind_weights": dict(self.kind_weights),
+        }
+
+    @model_validator(mode="after")
+    def _check(self) -> OfflineCorpusConfig:
+        if (
+            len(self.entries_per_sample) != 2
+            or not 1 <= self.entries_per_sample[0] <= self.entries_per_sample[1]
+        ):
+            raise ValueError("entries_per_sample: [low, high] with 1 <= low <= high")
+        if any(w < 0 for w in self.kind_weights.values()) or not any(self.kind_weights.values()):
+            raise ValueError("kind_weights: non-negative, at least one positive")
+        return self
 
 
 class DataConfig(StrictModel):
