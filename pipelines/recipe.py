@@ -145,8 +145,8 @@ def validate(data: dict, provenance: dict[tuple, str], default_origin: str) -> R
                 for p in error["loc"]
                 if not (isinstance(p, str) and ("[" in p or p.startswith("function-")))
             )
-            path = ".".join(str(p) for p in loc) or "(top level)"
-            lines.append(f"{_origin(loc, provenance, default_origin)}: {path}: {_describe(error)}")
+            path = "".join(f"{p}: " for p in [".".join(str(p) for p in loc)] if p)
+            lines.append(f"{_origin(loc, provenance, default_origin)}: {path}{_describe(error)}")
         raise RecipeError("invalid recipe:\n  " + "\n  ".join(dict.fromkeys(lines))) from None
 
 

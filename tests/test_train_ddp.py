@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from tests.drafter_setup import context, tiny_recipe, write_tiny_mix
-from train.drafter import read_train_log, run_finetune
+from train.drafter import run_finetune
+from train.steplog import read_log
 
 
 def _finetune(tmp_path, target_dir, distill, name, **loop_and_launch):
@@ -43,8 +44,8 @@ def test_two_ddp_ranks_match_one_rank_with_the_same_global_batch(tmp_path, tiny_
         "random_states_0.pkl",
         "random_states_1.pkl",
     ]
-    one_log = read_train_log(one_dir / "de-en.train_log.jsonl")
-    two_log = read_train_log(two_dir / "de-en.train_log.jsonl")
+    one_log = read_log(one_dir / "de-en.train_log.jsonl")
+    two_log = read_log(two_dir / "de-en.train_log.jsonl")
     assert len(one_log) == len(two_log) == 4
     for a, b in zip(one_log, two_log, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)

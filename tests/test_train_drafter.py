@@ -12,8 +12,9 @@ from distill.prompts import task_prefix, vicuna_prompt
 from pipelines.schema import TrackingConfig
 from tests.drafter_setup import context, tiny_recipe, write_tiny_mix
 from tests.test_tracking import read_wandb_records
-from train.drafter import read_train_log, run_finetune, run_pretrain, step_loss
+from train.drafter import run_finetune, run_pretrain, step_loss
 from train.losses import topk_kl_sum
+from train.steplog import read_log
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def pf_run(tmp_path_factory, tiny_target_dir):
 def test_pretrain_packs_the_corpus_and_exports_a_drafter(pf_run):
     work_dir, metrics = pf_run["pretrain"]
     assert metrics["steps"] == 6 and metrics["tokens"] == 6 * 4 * 64  # token_budget / (batch x length)
-    log = read_train_log(work_dir / "model.train_log.jsonl")
+    log = read_log(work_dir / "model.train_log.jsonl")
     assert [e["step"] for e in log] == list(range(1, 7))
     assert all(e["tokens"] == 256 * e["step"] for e in log)  # packed: no padding anywhere
     assert (work_dir / "model" / "model.safetensors").is_file()
@@ -78,7 +79,7 @@ def test_finetune_trains_one_drafter_per_pair_from_the_pretrained_one(pf_run):
         assert metrics[f"{pair}/steps"] == 6
         assert metrics[f"{pair}/eval_loss"] > 0
         assert 0.0 <= metrics[f"{pair}/top1_agreement"] <= 1.0
-        log = read_train_log(work_dir / f"{pair}.train_log.jsonl")
+        log = read_log(work_dir / f"{pair}.train_log.jsonl")
         assert len(log) == 6 and all(torch.isfinite(torch.tensor(e["loss"])) for e in log)
         assert json.loads((work_dir / f"{pair}.metrics.json").read_text()) == {
             k: v for k, v in metrics.items() if k.startswith(pair)

@@ -14,7 +14,8 @@ import pytest
 from pipelines.stage import PROJECT_ROOT, StageFailed
 from tests.drafter_setup import context, tiny_recipe
 from train.checkpoint import list_checkpoints, read_state
-from train.drafter import read_train_log, run_pretrain
+from train.drafter import run_pretrain
+from train.steplog import read_log
 
 STEPS = 300
 
@@ -50,13 +51,13 @@ def test_killed_pretraining_resumes_with_the_same_losses(tmp_path, tiny_target_d
     try:
         while time.monotonic() < deadline and process.poll() is None:
             saved = list_checkpoints(checkpoints)
-            if saved and len(read_train_log(log_path)) >= read_state(saved[-1])["step"] + 3:
+            if saved and len(read_log(log_path)) >= read_state(saved[-1])["step"] + 3:
                 break
             time.sleep(0.05)
     finally:
         os.killpg(process.pid, signal.SIGKILL)  # the launcher and the training worker, mid-step
         process.wait()
-    killed_log = read_train_log(log_path)
+    killed_log = read_log(log_path)
     resumed_from = read_state(list_checkpoints(checkpoints)[-1])["step"]
     assert not (ctx.work_dir / "model").exists(), "the run finished before it could be killed"
     assert resumed_from < len(killed_log) < STEPS
@@ -67,7 +68,7 @@ def test_killed_pretraining_resumes_with_the_same_losses(tmp_path, tiny_target_d
         f"resuming from {checkpoints / f'step-{resumed_from:08d}'}"
         in (ctx.work_dir / "pretrain.log").read_text()
     )
-    final_log = read_train_log(log_path)
+    final_log = read_log(log_path)
     assert [e["step"] for e in final_log] == list(range(1, STEPS + 1))
     redone = [e for e in killed_log if e["step"] > resumed_from]
     assert redone

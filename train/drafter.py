@@ -64,6 +64,7 @@ from train.runtime import (
     unwrap,
 )
 from train.schedule import build_optimizer, build_scheduler
+from train.steplog import append_log, mean_loss, truncate_log
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +269,7 @@ def train_loop(
         data.restore(state["data"])
         log.info("[%s] resuming from %s (step %d of %d)", name, last_checkpoint, step, total_steps)
     if main_process:
-        _truncate_log(log_path, step)
+        truncate_log(log_path, step)
     max_grad_norm = optim.max_grad_norm or float("inf")  # 0 disables clipping; the norm is still logged
     throughput, window = Throughput(), []
     progress = tqdm(total=total_steps, initial=step, desc=name, disable=quiet or not main_process)
@@ -305,7 +306,16 @@ def train_loop(
         window.append(step_loss_value)
         grad_norm_value = float(grad_norm) if grad_norm is not None else float("nan")
         if main_process:
-            _append_log(log_path, step, step_loss_value, lr, grad_norm_value, tokens_seen)
+            append_log(
+                log_path,
+                {
+                    "step": step,
+                    "loss": step_loss_value,
+                    "lr": lr,
+                    "grad_norm": grad_norm_value,
+                    "tokens": tokens_seen,
+                },
+            )
         if step % loop.log_every == 0 or step == total_steps:
             tokens_per_s = throughput.rate()
             metrics = {
@@ -335,36 +345,12 @@ def train_loop(
         progress.update(1)
         progress.set_postfix(loss=f"{step_loss_value:.4f}")
     progress.close()
-    final = {"steps": step, "tokens": tokens_seen, "train_loss": _final_train_loss(log_path, loop.log_every)}
+    final = {"steps": step, "tokens": tokens_seen, "train_loss": mean_loss(log_path, loop.log_every)}
     if evals:
         final.update(
             evaluate(accelerator, model, evals, loop.per_device_batch_size, loop.eval_batches, pad_id)
         )
     return model, final
-
-
-def _append_log(path: Path, step: int, loss: float, lr: float, grad_norm: float, tokens: int) -> None:
-    entry = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens}
-    with open(path, "a", encoding="utf-8") as handle:
-        handle.write(json.dumps(entry) + "\n")
-
-
-def read_train_log(path: Path) -> list[dict[str, float]]:
-    """The per-step log a job writes: `step`, `loss`, `lr`, `grad_norm`, `tokens` (one entry per step)."""
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
-def _truncate_log(path: Path, step: int) -> None:
-    """Drop entries past `step`: a killed run logged steps after its last checkpoint that it now redoes."""
-    entries = [e for e in read_train_log(path) if e["step"] <= step]
-    path.write_text("".join(json.dumps(e) + "\n" for e in entries), encoding="utf-8")
-
-
-def _final_train_loss(path: Path, window: int) -> float | None:
-    entries = read_train_log(path)[-window:]
-    return sum(e["loss"] for e in entries) / len(entries) if entries else None
 
 
 def export(accelerator: Any, model: torch.nn.Module, tokenizer: Any, out_dir: Path) -> None:

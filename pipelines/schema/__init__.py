@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from pipelines.schema.common import (
     BootstrapConfig,
@@ -40,6 +40,15 @@ class Recipe(StrictModel):
     export: ExportConfig = Field(default_factory=ExportConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    @model_validator(mode="after")
+    def _blocks_agree(self) -> Recipe:
+        if self.finetune.enabled and not self.data.pairs:
+            raise ValueError(
+                "data.pairs is empty, but finetune trains one drafter per language pair: "
+                "list the pairs or set finetune.enabled: false"
+            )
+        return self
 
 
 __all__ = [

@@ -143,8 +143,8 @@ class OfflineCorpusConfig(StrictModel):
 class DataConfig(StrictModel):
     """Where prompts, training text and evaluation sets come from."""
 
-    pairs: list[LanguagePair] = Field(min_length=1)
-    """Language pairs of this run; finetune trains one drafter per pair."""
+    pairs: list[LanguagePair] = Field(default_factory=list)
+    """Language pairs of this run; finetune trains one drafter per pair (EESD-only runs may leave it empty)."""
     seed: int = 0
     """Seed of every shuffle and subsample of the data."""
     offline: OfflineCorpusConfig = Field(default_factory=OfflineCorpusConfig)
