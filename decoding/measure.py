@@ -354,7 +354,8 @@ def group_rows(
     rows = []
     for method in methods:
         fields = method.fields
-        metrics = summarize(method.generations, fields.get("size_ratio"))
+        fixed_k = fields.get("draft_length") if fields.get("decoder") == "assisted" else None
+        metrics = summarize(method.generations, fields.get("size_ratio"), fixed_k)
         drafter = fields.get("drafter")
         source = sources.get(drafter) if drafter else None
         drafter_pair = source.pair if source else None

@@ -25,11 +25,14 @@ def _ratio(numerator: float, denominator: float) -> float | None:
     return numerator / denominator if denominator else None
 
 
-def summarize(generations: Sequence[Generation], size_ratio: float | None) -> dict[str, float | int | None]:
+def summarize(
+    generations: Sequence[Generation], size_ratio: float | None, fixed_draft_length: int | None = None
+) -> dict[str, float | int | None]:
     """Metrics of a set of generations (one decoder, one drafter, one dataset, one seed).
 
     `size_ratio`: drafter parameters / target parameters, None for `ar`. Metrics that do not apply
-    (acceptance of a decoder that drafts nothing) are None.
+    (acceptance of a decoder that drafts nothing) are None. `fixed_draft_length` is the L of MBSU for a
+    decoder that does not report its rounds (transformers' assisted generation drafts K every round).
     """
     tokens = sum(len(g.tokens) for g in generations)
     target_calls = sum(g.target_calls for g in generations)
@@ -42,7 +45,7 @@ def summarize(generations: Sequence[Generation], size_ratio: float | None) -> di
     v_d = _ratio(accepted, drafted)
     r_d = _ratio(accepted, tokens) if rounds else None
     hm = 2 * v_d * r_d / (v_d + r_d) if v_d is not None and r_d is not None and v_d + r_d > 0 else None
-    draft_length = _ratio(sum(r.draft_length for r in rounds), len(rounds)) or 0.0
+    draft_length = _ratio(sum(r.draft_length for r in rounds), len(rounds)) or float(fixed_draft_length or 0)
     mbsu = None
     if efficiency is not None:
         mbsu = efficiency / (draft_length * size_ratio + 1) if size_ratio is not None else efficiency

@@ -69,3 +69,11 @@ def test_mean_std_is_the_sample_standard_deviation():
     assert mean_std([3.0]) == (3.0, 0.0)
     assert mean_std([None, 2.0, None]) == (2.0, 0.0)
     assert mean_std([]) == (None, None)
+
+
+def test_mbsu_of_a_decoder_without_rounds_uses_its_fixed_draft_length():
+    # transformers' assisted generation reports no rounds: 12 tokens in 4 target calls with K = 4
+    assisted = Generation(tokens=list(range(12)), stop="length", rounds=[], target_calls=4, wall_seconds=1.0)
+    m = summarize([assisted], size_ratio=0.05, fixed_draft_length=4)
+    assert math.isclose(m["block_efficiency"], 3.0)
+    assert math.isclose(m["mbsu"], 3.0 / (4 * 0.05 + 1))
