@@ -128,6 +128,7 @@ def _publish(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from pipelines.runner import run_pipeline, summary_table
     from pipelines.stages import default_stages
+    from pipelines.summary import results_summary
     from pipelines.target import resolve_target
 
     recipe = load_recipe(args.recipe, args.overrides)
@@ -148,6 +149,9 @@ def _run(args: argparse.Namespace) -> int:
     )
     print(f"\nrun directory: {run_dir}\n")
     print(summary_table(outcomes))
+    results = results_summary(run_dir)
+    if results:
+        print(f"\n{results}")
     return 0
 
 

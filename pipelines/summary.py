@@ -1,0 +1,37 @@
+"""The table `polydraft run` prints at the end, read from the run's own result files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from decoding.measure import RESULTS_FILE, read_rows
+from decoding.report import domain_table, table
+
+
+def results_summary(run_dir: Path) -> str | None:
+    """Block efficiency and speedup per method and eval set (from measure/results.jsonl), in-domain vs
+    out-of-domain, and the exported folders with their smoke checks (from export/export.json)."""
+    rows = read_rows(run_dir / "measure" / RESULTS_FILE)
+    if not rows:
+        return None
+    parts = [
+        "Block efficiency (tokens per target call), mean ± std over seeds:",
+        table(rows, "block_efficiency"),
+        "",
+        "Wall-clock speedup over ar (same process, same prompts):",
+        table(rows, "speedup"),
+        "",
+        "In-domain vs out-of-domain (each language-specific drafter on its own pair and on the others):",
+        domain_table(rows),
+    ]
+    index = run_dir / "export" / "export.json"
+    if index.is_file():
+        items = json.loads(index.read_text(encoding="utf-8"))["items"]
+        parts += ["", "Exported (run_dir/export/<name>/, model card README.md inside):"]
+        for item in items:
+            smoke = "smoke check passed" if item["smoke_passed"] else "SMOKE CHECK FAILED"
+            parts.append(
+                f"  {item['name']:<12} {item['kind']:<10} {smoke}, best K {item['best_draft_length']}"
+            )
+    return "\n".join(parts)
