@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from pipelines.schema.common import (
     BootstrapConfig,
@@ -40,6 +40,23 @@ class Recipe(StrictModel):
     export: ExportConfig = Field(default_factory=ExportConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    @model_validator(mode="after")
+    def _raw_prompts_need_texts(self) -> Recipe:
+        # a raw prompt is the text itself: a translation would lose its task prefix and a conversation
+        # its turns, so such sources need a chat format
+        if self.distill.prompt_format != "raw":
+            return self
+        for block in ("distill", "open", "eval"):
+            for index, source in enumerate(getattr(self.data, block)):
+                if source.format in ("translation", "chat"):
+                    raise ValueError(
+                        f"distill.prompt_format `raw` sends a text as it is, for `text` and `prompts` "
+                        f"sources only, but data.{block}[{index}] ({source.path or source.kind}) is a "
+                        f"`{source.format}` source: use prompt_format vicuna or chat_template for "
+                        f"translation and chat data"
+                    )
+        return self
 
 
 __all__ = [
