@@ -202,3 +202,21 @@ def test_chat_eesd_recipes_keep_their_chat_format(name, prompt_format):
     recipe = load_recipe(PROJECT_ROOT / "recipes" / "eesd" / f"{name}.yaml")
     assert recipe.distill.prompt_format == prompt_format
     assert {s.format for s in recipe.data.distill} == {s.format for s in recipe.data.open} == {"chat"}
+
+
+def test_hf_answer_text_keeps_the_space_a_sentencepiece_decode_drops():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from distill.hf_backend import answer_text
+
+    # Llama's tokenizer marks a word start with `▁` and drops it on the first token it decodes
+    words = ["<unk>", "▁The", "▁cat", "▁sat", "▁on", "▁the", "▁mat"]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    core.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>")
+    ids = tok("The cat sat on the mat", add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids[4:]) == "the mat"  # what decoding the answer alone gives
+    assert answer_text(tok, ids[:4], ids[4:]) == " the mat"
+    assert tok.decode(ids[:4]) + answer_text(tok, ids[:4], ids[4:]) == "The cat sat on the mat"
