@@ -10,8 +10,9 @@ measures what it has:
   used by Cali-TS.
 
 Eval sets come from `data.eval`; prompts are built exactly as the distill stage builds them
-(`distill.prompt_format`: Vicuna v1.1 or the tokenizer's chat template; translation rows get seed
-003's task prefix), so drafters are measured on the prompt format they were trained on.
+(`distill.prompt_format`: Vicuna v1.1, the tokenizer's chat template or the raw text; translation rows
+get seed 003's task prefix; a `text` row's first `distill.text_prompt_tokens` tokens), so drafters are
+measured on the prompt format they were trained on.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-from distill.prompts import build_prompt, chat_turns, encode_prompt, translation_messages
+from distill.prompts import build_prompt, chat_turns, encode_prompt, text_prefix, translation_messages
 from distill.sources import read_source
 from pipelines.schema import Recipe, SourceConfig
 from pipelines.stage import StageFailed
@@ -92,19 +93,24 @@ class EvalSet:
     skipped_long: int = 0
 
 
-def prompt_messages(row: dict[str, Any], format: str) -> list[dict[str, str]]:
+def prompt_messages(
+    row: dict[str, Any], format: str, tokenizer: Any, text_prompt_tokens: int
+) -> list[dict[str, str]]:
     """The conversation a row asks the target to continue: as distill builds it (translation rows get
-    seed 003's task prefix; a chat row's first user turn, with what precedes it)."""
+    seed 003's task prefix; a chat row's first user turn, with what precedes it; a text row's first
+    `text_prompt_tokens` tokens)."""
     if format == "translation":
         return translation_messages(row["pair"], row["source"])
     if format == "prompts":
         return [{"role": "user", "content": row["prompt"]}]
+    if format == "text":
+        return [{"role": "user", "content": text_prefix(tokenizer, row["text"], text_prompt_tokens)}]
     if format == "chat":
         turns = chat_turns(row["conversations"])
         if not turns:
             raise StageFailed(f"measure: chat row {row['id']} has no user turn")
         return turns[0][1]
-    raise ValueError(f"`{format}` rows are not prompts (use translation, chat or prompts sources)")
+    raise ValueError(f"`{format}` rows are not prompts (use translation, chat, prompts or text sources)")
 
 
 def prompt_ids(messages: list[dict[str, str]], prompt_format: str, tokenizer: Any) -> list[int]:
@@ -136,10 +142,6 @@ def load_eval_sets(recipe: Recipe, num_prompts: int, max_prompt_tokens: int, tok
         )
     sets: list[EvalSet] = []
     for source in recipe.data.eval:
-        if source.format == "text":
-            raise StageFailed(
-                f"measure: data.eval source {source.path or source.kind} has `text` rows, not prompts"
-            )
         offline = recipe.data.offline
         rows = read_source(
             kind=source.kind,
@@ -159,7 +161,8 @@ def load_eval_sets(recipe: Recipe, num_prompts: int, max_prompt_tokens: int, tok
         ).rows
         eval_set = EvalSet(_set_name(source, {s.name for s in sets}), source.pair, [])
         for row in rows:
-            ids = prompt_ids(prompt_messages(row, source.format), recipe.distill.prompt_format, tokenizer)
+            messages = prompt_messages(row, source.format, tokenizer, recipe.distill.text_prompt_tokens)
+            ids = prompt_ids(messages, recipe.distill.prompt_format, tokenizer)
             if len(ids) > max_prompt_tokens:
                 eval_set.skipped_long += 1
                 continue

@@ -81,6 +81,23 @@ def cut_answer(ids: list[int], eos: list[int], pad_id: int, max_new_tokens: int)
     return ids, len(ids) < max_new_tokens
 
 
+def answer_text(tokenizer: Any, prompt_ids: list[int], answer_ids: list[int]) -> str:
+    """The answer as the text that follows the prompt.
+
+    Decoded together with the prompt, then the prompt's text removed: a SentencePiece tokenizer (Llama)
+    drops the leading space of the first token it decodes, so the answer decoded alone would lose the
+    space between a raw prompt `The cat sat on` and its continuation ` the mat`. Spaces are not cleaned
+    up, so the text spells exactly the generated tokens.
+    """
+    options = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}
+    head = tokenizer.decode(prompt_ids, **options)
+    whole = tokenizer.decode(prompt_ids + answer_ids, **options)
+    if whole.startswith(head):
+        return whole[len(head) :]
+    # a prompt ending inside a multi-byte character decodes differently alone: decode the answer alone
+    return tokenizer.decode(answer_ids, **options)
+
+
 def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
     """Text before the first stop string (which the answer leaves out, as vLLM and OpenAI servers do)."""
     positions = [text.find(s) for s in stop if s and s in text]
@@ -137,7 +154,7 @@ def generate_hf(
                 batch, prompts, out[:, width:].tolist(), strict=True
             ):
                 ids, ended = cut_answer(row, eos, pad_id, budget)
-                text = tokenizer.decode([t for t in ids if t not in eos], skip_special_tokens=True)
+                text = answer_text(tokenizer, prompt, [t for t in ids if t not in eos])
                 text, stopped = cut_at_stop(text, stop)
                 generation = Generation(
                     text=text,

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from distill.prompts import build_prompt, chat_turns, translation_messages
+from distill.prompts import build_prompt, chat_turns, text_prefix, translation_messages
 from distill.sources import SourceError, SourceRows
 
 Key = tuple[str, float, int]
@@ -123,12 +123,15 @@ def prompt_items(
     tokenizer: Any,
     skip_invalid: bool,
     seen: set[str],
+    text_prompt_tokens: int,
 ) -> tuple[list[PromptItem], Invalid]:
     """Prompt items of one source's normalised rows.
 
     `translation`: one user turn with the pair's task prefix; `chat`: one item per user turn (every
-    assistant turn regenerated given the turns before it); `prompts`: the prompt as one user turn.
-    Ids are `<source index>:<row id>` (plus `#<turn>` for chat) and must be unique over the run: `seen`
+    assistant turn regenerated given the turns before it); `prompts`: the prompt as one user turn;
+    `text`: a document's first `text_prompt_tokens` target tokens as one user turn, which the target
+    continues (with prompt_format `raw` the prompt is exactly that text). Ids are
+    `<source index>:<row id>` (plus `#<turn>` for chat) and must be unique over the run: `seen`
     collects them. A duplicate id or a conversation without a user turn is an invalid row.
     """
     invalid = Invalid(rows.invalid, list(rows.invalid_examples))
@@ -151,9 +154,16 @@ def prompt_items(
                 )
         elif format == "prompts":
             prompts = [(base_id, [{"role": "user", "content": row["prompt"]}], "")]
+        elif format == "text":
+            if tokenizer is None:
+                raise ValueError(
+                    f"{rows.description}: `text` prompts are cut in target tokens: load a tokenizer"
+                )
+            prefix = text_prefix(tokenizer, row["text"], text_prompt_tokens)
+            prompts = [(base_id, [{"role": "user", "content": prefix}], "")]
         else:
             raise SourceError(
-                f"{rows.description}: format {format!r} has no prompts (use translation, chat or prompts)"
+                f"{rows.description}: format {format!r} has no prompts (use translation, chat, prompts or text)"
             )
         for prompt_id, messages, reference in prompts:
             if prompt_id in seen:
@@ -182,7 +192,9 @@ def open_rows(
     rows: SourceRows, format: str, source_index: int, prompt_format: str, tokenizer: Any
 ) -> list[dict[str, Any]]:
     """Mix rows (origin `open`) of an open-source dataset: the prompt built as for distillation, the
-    data's own answer as the response (seed 001 §3.2 keeps such rows next to the distilled ones)."""
+    data's own answer as the response (seed 001 §3.2 keeps such rows next to the distilled ones).
+    A `text` row (a document) has an empty prompt and the whole document as its response, so the
+    trainers learn every token of it (they add BOS before and EOS after, and cut at their max_length)."""
     out = []
     for row in rows.rows:
         base_id = f"open{source_index}:{row['id']}"
@@ -194,9 +206,12 @@ def open_rows(
                 for turn, messages, answer in chat_turns(row["conversations"])
                 if answer is not None
             ]
+        elif format == "text":
+            pairs = [(base_id, None, row["text"])]
         else:
             raise SourceError(
-                f"{rows.description}: an open source needs answers (format translation or chat), not {format!r}"
+                f"{rows.description}: an open source needs answers (format translation, chat or text), "
+                f"not {format!r}"
             )
         for row_id, messages, answer in pairs:
             out.append(
@@ -204,7 +219,7 @@ def open_rows(
                     "id": row_id,
                     "pair": row.get("pair") or CHAT_PAIR,
                     "origin": "open",
-                    "prompt": build_prompt(messages, prompt_format, tokenizer),
+                    "prompt": "" if messages is None else build_prompt(messages, prompt_format, tokenizer),
                     "response": answer,
                     "temperature": None,
                     "sample_index": 0,

@@ -1,4 +1,5 @@
-"""Prompt building: task prefixes per language pair and the Vicuna v1.1 conversation format (seed 003 F.2)."""
+"""Prompt building: task prefixes per language pair, the Vicuna v1.1 conversation format (seed 003 F.2),
+raw text for base targets, and document beginnings as prompts (seed 001 on SlimPajama)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def vicuna_prompt(messages: list[dict[str, str]], add_generation_prompt: bool = 
     return "".join(parts)
 
 
-PROMPT_FORMATS = ("vicuna", "chat_template")
+PROMPT_FORMATS = ("vicuna", "chat_template", "raw")
 
 
 def translation_messages(pair: str, source: str) -> list[dict[str, str]]:
@@ -65,10 +66,19 @@ def build_prompt(messages: list[dict[str, str]], prompt_format: str, tokenizer: 
     """The exact string the target is prompted with, ending where its answer starts.
 
     `vicuna`: the Vicuna v1.1 format (no tokenizer needed); `chat_template`: the tokenizer's own chat
-    template with the generation prompt. Distill and measure both build prompts here so that they agree.
+    template with the generation prompt; `raw`: the text of the one user turn as it is, for base
+    targets that continue text. Distill and measure both build prompts here so that they agree.
     """
     if prompt_format == "vicuna":
         return vicuna_prompt(messages)
+    if prompt_format == "raw":
+        if len(messages) != 1 or messages[0]["role"] != "user":
+            roles = [m["role"] for m in messages]
+            raise ValueError(
+                f"prompt_format `raw` sends one text as it is, not a conversation (got turns {roles}): "
+                "use prompt_format vicuna or chat_template for chat data"
+            )
+        return messages[0]["content"]
     if prompt_format == "chat_template":
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ValueError(
@@ -77,6 +87,26 @@ def build_prompt(messages: list[dict[str, str]], prompt_format: str, tokenizer: 
             )
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     raise ValueError(f"unknown prompt_format {prompt_format!r}; expected one of {PROMPT_FORMATS}")
+
+
+def text_prefix(tokenizer: Any, text: str, max_tokens: int) -> str:
+    """The beginning of a document, at most `max_tokens` target tokens, as a prompt the target continues.
+
+    The document is cut after a whole token and the kept tokens are decoded back to text, so the prompt
+    ends on a token boundary. A document of at most `max_tokens` tokens is returned whole. A byte-level
+    tokenizer can split one character over several tokens: tokens are then dropped until the cut no
+    longer leaves half a character (which would decode to U+FFFD).
+    """
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) <= max_tokens:
+        return text
+    keep = max_tokens
+    # no clean-up of spaces: the prompt keeps the document's own characters (` .` stays ` .`)
+    prefix = tokenizer.decode(ids[:keep], clean_up_tokenization_spaces=False)
+    while keep > 1 and prefix.endswith("\ufffd"):
+        keep -= 1
+        prefix = tokenizer.decode(ids[:keep], clean_up_tokenization_spaces=False)
+    return prefix
 
 
 def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:

@@ -130,7 +130,7 @@ def collect_prompts(
     cfg, data = recipe.distill, recipe.data
     if not data.distill:
         raise StageFailed(
-            "distill: data.distill lists no prompt source; add one (translation, chat or prompts)"
+            "distill: data.distill lists no prompt source; add one (translation, chat, prompts or text)"
         )
     items: list[PromptItem] = []
     counts = {"invalid_rows": 0, "long_prompts": 0}
@@ -139,7 +139,14 @@ def collect_prompts(
         try:
             rows = read_source(**source_kwargs(source, data))
             found, invalid = prompt_items(
-                rows, source.format, index, cfg.prompt_format, tokenizer, source.skip_invalid, seen
+                rows,
+                source.format,
+                index,
+                cfg.prompt_format,
+                tokenizer,
+                source.skip_invalid,
+                seen,
+                cfg.text_prompt_tokens,
             )
         except (SourceError, ValueError) as err:
             raise StageFailed(f"distill: {err}") from err
@@ -302,7 +309,10 @@ def run(recipe: Recipe, ctx: StageContext) -> StageResult:
     cfg, target = recipe.distill, ctx.target
     started = time.time()
     needs_tokenizer = (
-        cfg.backend != "openai" or cfg.prompt_format == "chat_template" or cfg.max_prompt_tokens is not None
+        cfg.backend != "openai"
+        or cfg.prompt_format == "chat_template"
+        or cfg.max_prompt_tokens is not None
+        or any(source.format == "text" for source in recipe.data.distill)  # prefixes cut in tokens
     )
     tokenizer = (
         load_tokenizer(target.path, target.revision, target.trust_remote_code) if needs_tokenizer else None

@@ -48,6 +48,17 @@ class Recipe(StrictModel):
                 "data.pairs is empty, but finetune trains one drafter per language pair: "
                 "list the pairs or set finetune.enabled: false"
             )
+        # a raw prompt is the text itself: a translation would lose its task prefix and a conversation
+        # its turns, so such sources need a chat format
+        for block in ("distill", "open", "eval") if self.distill.prompt_format == "raw" else ():
+            for index, source in enumerate(getattr(self.data, block)):
+                if source.format in ("translation", "chat"):
+                    raise ValueError(
+                        f"distill.prompt_format `raw` sends a text as it is, for `text` and `prompts` "
+                        f"sources only, but data.{block}[{index}] ({source.path or source.kind}) is a "
+                        f"`{source.format}` source: use prompt_format vicuna or chat_template for "
+                        f"translation and chat data"
+                    )
         return self
 
 

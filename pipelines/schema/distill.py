@@ -76,9 +76,16 @@ class DistillConfig(StrictModel):
     backend: Literal["hf", "vllm", "openai"] = "hf"
     """`hf`: local transformers generate; `vllm`: the offline vLLM engine (GPU); `openai`: any
     OpenAI-compatible server (vllm serve, transformers serve, SGLang)."""
-    prompt_format: Literal["vicuna", "chat_template"] = "vicuna"
+    prompt_format: Literal["vicuna", "chat_template", "raw"] = "vicuna"
     """`vicuna`: the Vicuna v1.1 system prompt and `USER: ... ASSISTANT:` (seed 003 F.2);
-    `chat_template`: the target tokenizer's own chat template."""
+    `chat_template`: the target tokenizer's own chat template; `raw`: the text itself, with no system
+    prompt, chat wrapper or task prefix, for base (non-chat) targets that continue text (seed 001 on
+    SlimPajama). `raw` takes `text` and `prompts` sources only (data.distill, data.open, data.eval)."""
+    text_prompt_tokens: int = Field(default=128, ge=1)
+    """A `text` source in data.distill (documents, e.g. SlimPajama) is prompted with each document's
+    first this many target tokens, cut at a token boundary and decoded back to text, so the target
+    continues the document (a shorter document is sent whole). The measure stage builds prompts of
+    `text` eval sources the same way."""
     temperatures: list[float] = Field(default_factory=lambda: [0.0, 0.3, 0.7, 1.0])
     samples_per_prompt: int = Field(default=1, ge=1)
     """Samples per prompt and temperature > 0 (greedy is generated once)."""
