@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+import time
 
 from pipelines.tracking import Tracker, start_tracking
 
@@ -53,7 +54,13 @@ def test_offline_run_folder_holds_logged_metrics(tmp_path, monkeypatch):
     tracker.finish()
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1
+    # wandb's service process writes the log; on a loaded machine the last records can land just after
+    # finish() returns, so wait (bounded) for the final summary record
+    deadline = time.monotonic() + 30
     records = read_wandb_records(runs[0])
+    while not any(r.WhichOneof("record_type") == "summary" for r in records) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        records = read_wandb_records(runs[0])
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     assert run.run_group == "demo" and run.display_name == "demo/finetune" and run.job_type == "finetune"
     history = [
