@@ -1,0 +1,103 @@
+"""The real pipeline end to end on a tiny recipe: every stage, through the CLI, then a rerun that skips."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipelines.cli import main
+
+RECIPE = """
+# polydraft run tiny.yaml (a test recipe)
+target:
+  bootstrap: {{vocab_size: 400, hidden_size: 32, num_layers: 3, num_heads: 2, intermediate_size: 64,
+              steps: 20, batch_size: 8, seq_len: 160, cache_dir: {cache}}}
+data:
+  pairs: [de-en, fr-en]
+  offline: {{entries_per_sample: [1, 2], samples_per_pair: 60}}
+  distill:
+    - {{kind: offline, format: translation, pair: de-en, limit: 6}}
+    - {{kind: offline, format: translation, pair: fr-en, limit: 6}}
+  pretrain:
+    - {{kind: offline, format: text, limit: 40}}
+  eval:
+    - {{kind: offline, format: translation, pair: de-en, split: test}}
+    - {{kind: offline, format: translation, pair: fr-en, split: test}}
+distill: {{temperatures: [0.0, 1.0], max_new_tokens: 10, eval_fraction: 0.2}}
+pretrain:
+  drafter: {{arch: custom, hidden_size: 32, num_layers: 1, num_heads: 2, intermediate_size: 64}}
+  loop: {{max_steps: 2, per_device_batch_size: 2, max_length: 128, eval_every: 0}}
+finetune:
+  loop: {{max_steps: 2, per_device_batch_size: 2, max_length: 160, eval_every: 0, eval_batches: 1}}
+early_exit:
+  num_shared_layers: 1
+  loop: {{max_steps: 2, per_device_batch_size: 2, max_length: 160, eval_every: 0, eval_batches: 1}}
+calibrate: {{num_positions: 12, draft_length: 3, max_steps: 3, loop: {{max_length: 160}}}}
+measure: {{temperatures: [0.0], seeds: [0], num_prompts: 2, max_new_tokens: 6, controls: [fixed, cali_ts],
+          include_pretrained: false}}
+export: {{smoke_prompts: 1, smoke_max_new_tokens: 6}}
+tracking: {{mode: disabled}}
+"""
+
+STAGES = ["distill", "pretrain", "finetune", "early_exit", "calibrate", "measure", "export"]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("e2e")
+    recipe = root / "tiny.yaml"
+    recipe.write_text(RECIPE.format(cache=root / "cache"))
+    run_dir = root / "run"
+    assert main(["run", str(recipe), "--run-dir", str(run_dir), "--quiet"]) == 0
+    return recipe, run_dir
+
+
+def test_every_stage_produces_its_outputs(tiny_run, capsys):
+    _, run_dir = tiny_run
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted(["recipe.yaml", "run.json", *STAGES])
+    for stage in STAGES:
+        manifest = json.loads((run_dir / stage / "manifest.json").read_text())
+        assert manifest["status"] == "completed" and manifest["stage"] == stage
+    expected = [
+        "distill/mix/de-en/train.jsonl", "distill/mix/fr-en/eval.jsonl",
+        "pretrain/model/model.safetensors",
+        "finetune/de-en/model.safetensors", "finetune/fr-en/tokenizer.json",
+        "early_exit/head/early_exit.safetensors", "early_exit/head/early_exit.json",
+        "calibrate/early_exit/report.json",
+        "measure/results.jsonl", "measure/summary.md",
+        "export/export.json", "export/de-en/README.md", "export/de-en/results.json",
+        "export/early_exit/README.md",
+    ]
+    assert [p for p in expected if not (run_dir / p).is_file()] == []
+    rows = [json.loads(line) for line in (run_dir / "measure" / "results.jsonl").read_text().splitlines()]
+    assert {r["decoder"] for r in rows} == {"ar", "sd", "rsd_c", "rsd_s", "eesd", "assisted"}
+    assert {r["dataset"] for r in rows} == {"de-en", "fr-en"}
+    assert all(r["matches_ar"] for r in rows if r["decoder"] != "ar")  # lossless at temperature 0
+    items = {i["name"]: i for i in json.loads((run_dir / "export" / "export.json").read_text())["items"]}
+    assert items["de-en"]["smoke_passed"] and items["fr-en"]["smoke_passed"]
+
+
+def test_rerun_skips_every_stage_and_prints_the_results_table(tiny_run, capsys):
+    recipe, run_dir = tiny_run
+    before = {s: (run_dir / s / "manifest.json").stat().st_mtime_ns for s in STAGES}
+    assert main(["run", str(recipe), "--run-dir", str(run_dir), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("skipped (up to date)") == len(STAGES)
+    assert before == {s: (run_dir / s / "manifest.json").stat().st_mtime_ns for s in STAGES}
+    assert "Wall-clock speedup over ar" in out and "| sd[de-en] K=4 |" in out
+
+
+def test_cli_reports_recipe_errors_with_exit_code_2(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("target: {path: x}\ndata: {pairs: [de-en]}\nfinetune: {optim: {lr: fast}}\n")
+    assert main(["run", str(bad), "--run-dir", str(tmp_path / "run")]) == 2
+    assert f"{bad}: finetune.optim.lr: expected float, got 'fast'" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_cli_rejects_unknown_arguments(tmp_path):
+    with pytest.raises(SystemExit):
+        main(["run", str(tmp_path / "r.yaml"), "--frobnicate"])
+    assert Path(tmp_path).exists()
