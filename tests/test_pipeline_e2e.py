@@ -61,13 +61,19 @@ def test_every_stage_produces_its_outputs(tiny_run, capsys):
         manifest = json.loads((run_dir / stage / "manifest.json").read_text())
         assert manifest["status"] == "completed" and manifest["stage"] == stage
     expected = [
-        "distill/mix/de-en/train.jsonl", "distill/mix/fr-en/eval.jsonl",
+        "distill/mix/de-en/train.jsonl",
+        "distill/mix/fr-en/eval.jsonl",
         "pretrain/model/model.safetensors",
-        "finetune/de-en/model.safetensors", "finetune/fr-en/tokenizer.json",
-        "early_exit/head/early_exit.safetensors", "early_exit/head/early_exit.json",
+        "finetune/de-en/model.safetensors",
+        "finetune/fr-en/tokenizer.json",
+        "early_exit/head/early_exit.safetensors",
+        "early_exit/head/early_exit.json",
         "calibrate/early_exit/report.json",
-        "measure/results.jsonl", "measure/summary.md",
-        "export/export.json", "export/de-en/README.md", "export/de-en/results.json",
+        "measure/results.jsonl",
+        "measure/summary.md",
+        "export/export.json",
+        "export/de-en/README.md",
+        "export/de-en/results.json",
         "export/early_exit/README.md",
     ]
     assert [p for p in expected if not (run_dir / p).is_file()] == []
