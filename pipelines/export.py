@@ -283,6 +283,10 @@ def run(recipe: Recipe, ctx: StageContext) -> StageResult:
     for entry in index["items"]:
         info = json.loads((ctx.work_dir / entry["folder"] / RESULTS_FILE).read_text(encoding="utf-8"))
         ctx.tracker.log_table(f"export/{entry['name']}", flat_summary(info["measurement"]["summary"]))
+        if recipe.tracking.model_artifacts:
+            metadata = {"kind": entry["kind"], "pair": entry["pair"], "target": target["id"]}
+            metadata |= {"smoke_passed": entry["smoke_passed"], "headline": entry["headline"]}
+            ctx.tracker.log_artifact(entry["repo_name"], ctx.work_dir / entry["folder"], metadata)
     return StageResult(metrics=stage_metrics(index))
 
 

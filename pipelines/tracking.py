@@ -48,6 +48,16 @@ class Tracker:
             {key: wandb.Table(columns=columns, data=[[row.get(c) for c in columns] for row in rows])}
         )
 
+    def log_artifact(self, name: str, folder: Path, metadata: dict[str, Any]) -> None:
+        """A folder as a wandb `model` artifact (its files are copied to wandb's staging area now)."""
+        if self._ensure() is None:
+            return
+        import wandb
+
+        artifact = wandb.Artifact(name, type="model", metadata=metadata)
+        artifact.add_dir(str(folder))
+        self._run.log_artifact(artifact)
+
     @property
     def run_dir(self) -> Path | None:
         return Path(self._run.dir) if self._run is not None else None

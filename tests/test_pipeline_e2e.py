@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.cli import main
+from tests.test_tracking import wait_for_record
 
 RECIPE = """
 # polydraft run tiny.yaml (a test recipe)
@@ -93,6 +94,44 @@ def test_rerun_skips_every_stage_and_prints_the_results_table(tiny_run, capsys):
     assert out.count("skipped (up to date)") == len(STAGES)
     assert before == {s: (run_dir / s / "manifest.json").stat().st_mtime_ns for s in STAGES}
     assert "Wall-clock speedup over ar" in out and "| sd[de-en] K=4 |" in out
+
+
+def test_export_logs_each_folder_as_a_wandb_model_artifact_when_asked(tiny_run):
+    recipe, run_dir = tiny_run
+    overrides = ["tracking.mode=offline", "tracking.model_artifacts=true"]
+    assert (
+        main(
+            [
+                "run",
+                str(recipe),
+                *overrides,
+                "--run-dir",
+                str(run_dir),
+                "--only",
+                "export",
+                "--force",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
+    items = json.loads((run_dir / "export" / "export.json").read_text())["items"]
+    (log,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    records = wait_for_record(log, "exit")  # the run's last record: every artifact is logged before it
+    logged = [r.artifact for r in records if r.WhichOneof("record_type") == "artifact"]
+    artifacts = {a.name: a for a in logged if a.type == "model"}
+    assert sorted(artifacts) == sorted(i["repo_name"] for i in items)
+    # each measured folder's results table goes along as a wandb Table (a `run_table` artifact to wandb)
+    assert sum(a.type == "run_table" for a in logged) == sum(i["measured"] for i in items) == 3
+    for item in items:
+        files = {entry.path for entry in artifacts[item["repo_name"]].manifest.contents}
+        on_disk = {
+            str(p.relative_to(run_dir / "export" / item["folder"]))
+            for p in (run_dir / "export" / item["folder"]).rglob("*")
+            if p.is_file()
+        }
+        assert files == on_disk and "README.md" in files and "results.json" in files
+        assert json.loads(artifacts[item["repo_name"]].metadata)["pair"] == item["pair"]
 
 
 def test_cli_reports_recipe_errors_with_exit_code_2(tmp_path, capsys):

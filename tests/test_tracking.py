@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import struct
 import time
 
@@ -35,18 +36,33 @@ def read_wandb_records(path):
     return records
 
 
-def test_offline_run_folder_holds_logged_metrics(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    tracker = start_tracking(
-        stage="finetune",
+def wait_for_record(log, kind: str, timeout: float = 30.0) -> list:
+    """The records of `log` once one of `kind` is there: wandb's service process writes the log, and on a
+    loaded machine the last records can land just after finish() returns (bounded wait)."""
+    deadline = time.monotonic() + timeout
+    records = read_wandb_records(log)
+    while not any(r.WhichOneof("record_type") == kind for r in records) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        records = read_wandb_records(log)
+    return records
+
+
+def offline_tracker(tmp_path, stage: str, **config):
+    return start_tracking(
+        stage=stage,
         group="demo",
         wandb_dir=tmp_path,
-        config={"lr": 3e-5},
+        config=config,
         project="polydraft-test",
         entity=None,
         tags=["test"],
         mode="offline",
     )
+
+
+def test_offline_run_folder_holds_logged_metrics(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    tracker = offline_tracker(tmp_path, "finetune", lr=3e-5)
     assert tracker.run_dir is None  # nothing logged yet: no run started
     tracker.log({"loss": 1.25, "tokens_per_s": 100.0}, step=1)
     tracker.log({"loss": 0.5}, step=2)
@@ -54,13 +70,7 @@ def test_offline_run_folder_holds_logged_metrics(tmp_path, monkeypatch):
     tracker.finish()
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1
-    # wandb's service process writes the log; on a loaded machine the last records can land just after
-    # finish() returns, so wait (bounded) for the final summary record
-    deadline = time.monotonic() + 30
-    records = read_wandb_records(runs[0])
-    while not any(r.WhichOneof("record_type") == "summary" for r in records) and time.monotonic() < deadline:
-        time.sleep(0.5)
-        records = read_wandb_records(runs[0])
+    records = wait_for_record(runs[0], "summary")
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     assert run.run_group == "demo" and run.display_name == "demo/finetune" and run.job_type == "finetune"
     history = [
@@ -96,3 +106,21 @@ def test_disabled_tracking_only_logs_to_console(tmp_path, caplog):
     assert "[measure] step 3 speedup=1.5" in caplog.text
     assert not (tmp_path / "wandb").exists()
     assert isinstance(tracker, Tracker)
+
+
+def test_an_exported_folder_becomes_a_model_artifact_with_its_files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "export" / "de-en"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    (folder / "README.md").write_text("# card")
+    tracker = offline_tracker(tmp_path, "export")
+    tracker.log_artifact("demo-drafter-de-en", folder, {"pair": "de-en", "smoke_passed": True})
+    tracker.finish()
+    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1
+    records = wait_for_record(runs[0], "artifact")
+    artifacts = [r.artifact for r in records if r.WhichOneof("record_type") == "artifact"]
+    assert [(a.name, a.type) for a in artifacts] == [("demo-drafter-de-en", "model")]
+    assert sorted(entry.path for entry in artifacts[0].manifest.contents) == ["README.md", "config.json"]
+    assert json.loads(artifacts[0].metadata) == {"pair": "de-en", "smoke_passed": True}

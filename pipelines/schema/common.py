@@ -182,3 +182,7 @@ class TrackingConfig(StrictModel):
     tags: list[str] = Field(default_factory=list)
     mode: Literal["online", "offline", "disabled"] = "offline"
     """`offline` writes a local run folder under `<run_dir>/wandb` that `wandb sync` can upload later."""
+    model_artifacts: bool = False
+    """Log every exported folder (weights, tokenizer, card, results.json) as a wandb `model` artifact
+    named after its repo name. Off by default: each run would upload every checkpoint again. Read when
+    the export stage runs: turning it on later does not redo a completed export (`--only export --force`)."""
