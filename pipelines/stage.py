@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from pipelines.schema import Recipe
 from pipelines.tracking import Tracker, start_tracking
 
@@ -147,6 +149,22 @@ def resolve_accelerate_config(path: str) -> Path:
     raise StageFailed(f"launch.accelerate_config: no such file {path!r} (see recipes/accelerate/)")
 
 
+def cpu_fallback(config_file: Path) -> str | None:
+    """Why a GPU-only accelerate config does not do what it says on a CPU machine, or None.
+
+    With ACCELERATE_USE_CPU, accelerate runs an FSDP or DeepSpeed config's processes as plain gloo DDP
+    (checked with accelerate 1.x: `distributed_type` MULTI_CPU, the model wrapped in
+    DistributedDataParallel), so nothing is sharded.
+    """
+    kind = (yaml.safe_load(config_file.read_text(encoding="utf-8")) or {}).get("distributed_type")
+    if kind not in ("FSDP", "DEEPSPEED"):
+        return None
+    return (
+        f"{config_file.name} asks for {kind}, which needs GPUs: on this CPU machine accelerate runs its "
+        "processes as plain DDP (gloo), with parameters, gradients and optimizer state replicated, not sharded"
+    )
+
+
 def accelerate_command(
     config_file: Path, num_processes: int | None, module: str, args: list[str]
 ) -> list[str]:
@@ -174,9 +192,8 @@ def launch_training(recipe: Recipe, ctx: StageContext, module: str) -> dict[str,
 
     launch = recipe.launch
     spec_path = spec_for(recipe, ctx).write(ctx.work_dir / "spec.json")
-    command = accelerate_command(
-        resolve_accelerate_config(launch.accelerate_config), launch.num_processes, module, [str(spec_path)]
-    )
+    config_file = resolve_accelerate_config(launch.accelerate_config)
+    command = accelerate_command(config_file, launch.num_processes, module, [str(spec_path)])
     error_file = ctx.work_dir / TRAINING_ERROR
     error_file.unlink(missing_ok=True)
     env = {
@@ -186,6 +203,9 @@ def launch_training(recipe: Recipe, ctx: StageContext, module: str) -> dict[str,
     }
     if launch.cpu or not torch.cuda.is_available():
         env["ACCELERATE_USE_CPU"] = "true"
+        fallback = cpu_fallback(config_file)
+        if fallback:
+            log.warning("[%s] %s", ctx.name, fallback)
     log.info("[%s] launching: %s", ctx.name, " ".join(command))
     log_path = ctx.work_dir / f"{ctx.name}.log"
     with open(log_path, "ab") as log_file:
@@ -227,6 +247,11 @@ def run_training_process(spec: StageSpec, accelerator: Any, tracker: Tracker, tr
             (work_dir / TRAINING_ERROR).write_text(f"{type(err).__name__}: {err}\n", encoding="utf-8")
         tracker.finish(failed=True)
         raise
+    # what accelerate really ran (a GPU-only config falls back to DDP on a CPU: see `cpu_fallback`)
+    metrics |= {
+        "distributed_type": accelerator.distributed_type.value,
+        "num_processes": accelerator.num_processes,
+    }
     if accelerator.is_main_process:
         tmp = work_dir / (TRAINING_METRICS + ".tmp")
         tmp.write_text(json.dumps(metrics, indent=2), encoding="utf-8")

@@ -148,6 +148,7 @@ def test_calibrate_stage_for_the_head_and_a_finetuned_drafter(tmp_path, layered_
     upstream = {"distill": distill, "early_exit": head_stage, "finetune": finetune}
     ctx = context(tmp_path / "run", "calibrate", layered_dir, upstream)
     metrics = run(recipe, ctx).metrics  # a real launch: one process whatever recipe.launch says
+    assert (metrics.pop("distributed_type"), metrics.pop("num_processes")) == ("NO", 1)
 
     for name, width in (("early_exit", 64), ("de-en", 32)):
         report = json.loads((ctx.work_dir / name / REPORT_FILE).read_text())

@@ -153,3 +153,22 @@ def test_accelerate_configs_are_valid_yaml():
     for path in configs:
         config = yaml.safe_load(path.read_text())
         assert config["distributed_type"] in {"NO", "MULTI_GPU", "FSDP", "DEEPSPEED"}
+
+
+def test_gpu_only_accelerate_configs_are_flagged_on_a_cpu():
+    from pipelines.stage import cpu_fallback
+
+    flagged = {}
+    for path in sorted((ROOT / "recipes" / "accelerate").glob("*.yaml")):
+        message = cpu_fallback(path)
+        flagged[path.stem] = message is not None
+        if message:
+            assert "plain DDP (gloo)" in message and "not sharded" in message
+    assert flagged == {
+        "single": False,
+        "ddp": False,
+        "multinode": False,
+        "fsdp": True,
+        "deepspeed_zero2": True,
+        "deepspeed_zero3": True,
+    }

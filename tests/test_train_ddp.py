@@ -44,6 +44,8 @@ def test_two_ddp_ranks_match_one_rank_with_the_same_global_batch(tmp_path, tiny_
         "random_states_0.pkl",
         "random_states_1.pkl",
     ]
+    assert (one["distributed_type"], one["num_processes"]) == ("NO", 1)
+    assert (two["distributed_type"], two["num_processes"]) == ("MULTI_CPU", 2)
     one_log = read_log(one_dir / "de-en.train_log.jsonl")
     two_log = read_log(two_dir / "de-en.train_log.jsonl")
     assert len(one_log) == len(two_log) == 4

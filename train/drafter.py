@@ -86,11 +86,13 @@ def run_finetune(recipe: Recipe, ctx: StageContext) -> StageResult:
     """
     recipe = finetune_defaults(recipe)
     pending = [pair for pair in recipe.data.pairs if not pair_metrics_path(ctx.work_dir, pair).is_file()]
+    metrics: dict[str, Any] = {}
     if pending:
         if "pretrain" not in ctx.upstream:
             _preflight(recipe.finetune.drafter.init, recipe.finetune.drafter.revision, ctx)
-        _launch(recipe.model_copy(update={"data": recipe.data.model_copy(update={"pairs": pending})}), ctx)
-    metrics: dict[str, Any] = {}
+        update = {"data": recipe.data.model_copy(update={"pairs": pending})}
+        launched = _launch(recipe.model_copy(update=update), ctx).metrics
+        metrics |= {k: launched[k] for k in ("distributed_type", "num_processes")}
     for pair in recipe.data.pairs:
         metrics.update(json.loads(pair_metrics_path(ctx.work_dir, pair).read_text(encoding="utf-8")))
     return StageResult(metrics=metrics)
