@@ -1,12 +1,14 @@
 # Two commands on a fresh clone (each creates its own virtual environment in .venv):
 #   make demo   install, then run the offline demo recipe (CPU, about 10 minutes on 2 cores)
 #   make test   install with the dev extra, then run the test suite
-# On a CPU machine torch is pinned to the local CPU build first, so pip never pulls CUDA wheels.
-# On a GPU machine: make demo TORCH=torch (or follow the README's GPU install).
+# torch is installed first and pinned, so nothing later pulls another build. Here pip finds torch 2.13.0
+# as a local CPU wheel; elsewhere on a CPU: make demo TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+# (with TORCH=torch==<a version that index has>). On a GPU machine: make demo TORCH=torch.
 
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
 BIN := $(VENV)/bin
 export DS_BUILD_OPS := 0
 
@@ -17,7 +19,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install -q --upgrade pip
 
 $(VENV)/torch.txt: | $(BIN)/python
-	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH)"
 	$(BIN)/python -m pip freeze | grep -i '^torch==' > $@
 
 $(VENV)/installed-%: pyproject.toml $(VENV)/torch.txt
