@@ -153,7 +153,7 @@ def cpu_fallback(config_file: Path) -> str | None:
     """Why a GPU-only accelerate config does not do what it says on a CPU machine, or None.
 
     With ACCELERATE_USE_CPU, accelerate runs an FSDP or DeepSpeed config's processes as plain gloo DDP
-    (checked with accelerate 1.x: `distributed_type` MULTI_CPU, the model wrapped in
+    (checked with accelerate 1.15: `distributed_type` MULTI_CPU, the model wrapped in
     DistributedDataParallel), so nothing is sharded.
     """
     kind = (yaml.safe_load(config_file.read_text(encoding="utf-8")) or {}).get("distributed_type")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.cli import main
-from tests.test_tracking import wait_for_record
+from tests.wandb_log import wait_for_record
 
 RECIPE = """
 # polydraft run tiny.yaml (a test recipe)

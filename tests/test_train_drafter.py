@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from distill.prompts import task_prefix, vicuna_prompt
 from pipelines.schema import TrackingConfig
 from tests.drafter_setup import context, tiny_recipe, write_tiny_mix
-from tests.test_tracking import read_wandb_records
+from tests.wandb_log import read_wandb_records
 from train.drafter import run_finetune, run_pretrain, step_loss
 from train.losses import topk_kl_sum
 from train.steplog import read_log
