@@ -35,7 +35,7 @@ sys.path.insert(0, str(PROJECT_ROOT))
 
 from distill.openai_backend import ServerSettings, generate_openai  # noqa: E402
 from distill.plan import PromptItem, Request  # noqa: E402
-from distill.prompts import build_prompt, translation_messages  # noqa: E402
+from distill.prompts import VICUNA_CHAT_TEMPLATE, build_prompt, translation_messages  # noqa: E402
 from distill.store import RecordStore, RecordWriter  # noqa: E402
 
 OWN_CODE = (str(PROJECT_ROOT / "distill"), str(PROJECT_ROOT / "pipelines"))
@@ -46,7 +46,7 @@ def build_tiny_model(folder: Path) -> None:
     from distill.offline import offline_texts
     from models.tiny import build_llama, train_tokenizer
 
-    tokenizer = train_tokenizer([r["text"] for r in offline_texts(["de", "fr"], 400, seed=0)], vocab_size=512)
+    tokenizer = train_tokenizer([r["text"] for r in offline_texts(["de", "fr"], 400, seed=0)], vocab_size=512, chat_template=VICUNA_CHAT_TEMPLATE)
     model = build_llama(len(tokenizer), 64, 4, 4, 128, bos_token_id=tokenizer.bos_token_id,
                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
     model.save_pretrained(folder)

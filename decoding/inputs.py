@@ -12,7 +12,7 @@ measures what it has:
 Eval sets come from `data.eval`; prompts are built exactly as the distill stage builds them
 (`distill.prompt_format`: Vicuna v1.1, the tokenizer's chat template or the raw text; translation rows
 get seed 003's task prefix; a `text` row's first `distill.text_prompt_tokens` tokens), so drafters are
-measured on the prompt format they were trained on.
+measured on the prompt format they were trained on. Problems are ValueErrors naming the source.
 """
 
 from __future__ import annotations
@@ -24,14 +24,17 @@ from typing import Any
 
 import torch
 
-from distill.prompts import build_prompt, chat_turns, encode_prompt, text_prefix, translation_messages
+from distill.prompts import (
+    PAIRS,
+    build_prompt,
+    chat_turns,
+    encode_prompt,
+    text_prefix,
+    translation_messages,
+)
 from distill.sources import read_source
-from pipelines.schema import Recipe, SourceConfig
-from pipelines.stage import StageFailed
 
 log = logging.getLogger(__name__)
-
-PAIRS = ("de-en", "fr-en", "ru-en", "ja-en", "zh-en")
 
 
 @dataclass(frozen=True)
@@ -69,9 +72,7 @@ def discover_drafters(
     names = [d.name for d in found]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
-        raise StageFailed(
-            f"measure: drafter names {duplicates} are used twice; rename measure.extra_drafters keys"
-        )
+        raise ValueError(f"drafter names {duplicates} are used twice; rename measure.extra_drafters keys")
     if "calibrate" in upstream:
         root = Path(upstream["calibrate"])
         found = [
@@ -108,61 +109,60 @@ def prompt_messages(
     if format == "chat":
         turns = chat_turns(row["conversations"])
         if not turns:
-            raise StageFailed(f"measure: chat row {row['id']} has no user turn")
+            raise ValueError(f"chat row {row['id']} has no user turn")
         return turns[0][1]
     raise ValueError(f"`{format}` rows are not prompts (use translation, chat, prompts or text sources)")
 
 
 def prompt_ids(messages: list[dict[str, str]], prompt_format: str, tokenizer: Any) -> list[int]:
     """Token ids of the prompt, with distill's `build_prompt` and `encode_prompt`."""
-    try:
-        return encode_prompt(tokenizer, build_prompt(messages, prompt_format, tokenizer))
-    except ValueError as err:
-        raise StageFailed(f"measure: {err}") from err
+    return encode_prompt(tokenizer, build_prompt(messages, prompt_format, tokenizer))
 
 
-def _set_name(source: SourceConfig, taken: set[str]) -> str:
-    base = (
-        source.pair
-        if source.format == "translation"
-        else (source.name or Path(source.path or source.kind).stem)
-    )
+def set_name(
+    pair: str | None, format: str, name: str | None, path: str | None, kind: str, taken: set[str]
+) -> str:
+    """A translation set is named after its pair, any other after its dataset config or file; a number is
+    appended when the name is taken."""
+    base = pair if format == "translation" and pair else (name or Path(path or kind).stem)
     name, index = base, 2
     while name in taken:
         name, index = f"{base}-{index}", index + 1
     return name
 
 
-def load_eval_sets(recipe: Recipe, num_prompts: int, max_prompt_tokens: int, tokenizer: Any) -> list[EvalSet]:
-    """`num_prompts` prompts of each `data.eval` source (shuffled with `data.seed`), tokenized."""
-    if not recipe.data.eval:
-        raise StageFailed(
-            "measure: data.eval is empty; add evaluation sets, e.g. "
-            "`data.eval: [{kind: offline, split: test, pair: de-en}]` (one per pair)"
+def load_eval_sets(
+    sources: list[dict[str, Any]],
+    prompt_format: str,
+    text_prompt_tokens: int,
+    num_prompts: int,
+    max_prompt_tokens: int,
+    tokenizer: Any,
+) -> list[EvalSet]:
+    """`num_prompts` prompts of each source (`read_source` keyword arguments, shuffled with their seed),
+    tokenized; prompts longer than `max_prompt_tokens` are skipped and counted."""
+    if not sources:
+        raise ValueError(
+            "data.eval is empty; add evaluation sets, e.g. "
+            "`data.eval: [{kind: offline, format: translation, split: test, pair: de-en}]` (one per pair)"
         )
     sets: list[EvalSet] = []
-    for source in recipe.data.eval:
-        offline = recipe.data.offline
-        rows = read_source(
-            kind=source.kind,
-            format=source.format,
-            path=source.path,
-            name=source.name,
-            split=source.split,
-            revision=source.revision,
-            streaming=source.streaming,
-            fields=source.fields,
-            pair=source.pair,
-            # read extra rows: prompts longer than max_prompt_tokens are skipped
-            limit=source.limit if source.limit is not None else 2 * num_prompts,
-            skip_invalid=source.skip_invalid,
-            seed=recipe.data.seed,
-            **offline.source_options(),
-        ).rows
-        eval_set = EvalSet(_set_name(source, {s.name for s in sets}), source.pair, [])
+    for source in sources:
+        # read extra rows: prompts longer than max_prompt_tokens are skipped
+        limit = source["limit"] if source["limit"] is not None else 2 * num_prompts
+        rows = read_source(**{**source, "limit": limit}).rows
+        name = set_name(
+            source["pair"],
+            source["format"],
+            source["name"],
+            source["path"],
+            source["kind"],
+            {s.name for s in sets},
+        )
+        eval_set = EvalSet(name, source["pair"], [])
         for row in rows:
-            messages = prompt_messages(row, source.format, tokenizer, recipe.distill.text_prompt_tokens)
-            ids = prompt_ids(messages, recipe.distill.prompt_format, tokenizer)
+            messages = prompt_messages(row, source["format"], tokenizer, text_prompt_tokens)
+            ids = prompt_ids(messages, prompt_format, tokenizer)
             if len(ids) > max_prompt_tokens:
                 eval_set.skipped_long += 1
                 continue
@@ -170,9 +170,7 @@ def load_eval_sets(recipe: Recipe, num_prompts: int, max_prompt_tokens: int, tok
             if len(eval_set.prompts) == num_prompts:
                 break
         if not eval_set.prompts:
-            raise StageFailed(
-                f"measure: eval set {eval_set.name} has no prompt of at most {max_prompt_tokens} tokens"
-            )
+            raise ValueError(f"eval set {eval_set.name} has no prompt of at most {max_prompt_tokens} tokens")
         if eval_set.skipped_long:
             log.warning(
                 "measure: %s: skipped %d prompts longer than %d tokens",

@@ -1,4 +1,4 @@
-"""summary.md and PNG plots from the rows of results.jsonl (decoding.measure documents the row schema).
+"""summary.md and PNG plots from the rows of results.jsonl (`decoding.results.ResultRow`).
 
 Tables are shaped like the seeds' (seed 000 Tables A-D, seed 003 Table 1): one row per method, one
 column per dataset x temperature, each cell the mean +- sample std over seeds. Plots: block
@@ -11,21 +11,21 @@ from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
 
 from decoding.metrics import mean_std
+from decoding.results import ResultRow
 
-Row = dict[str, Any]
+Row = ResultRow
 
 
 def _columns(rows: list[Row]) -> list[tuple[str, float]]:
-    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
-    temperatures = sorted({r["temperature"] for r in rows})
+    datasets = list(dict.fromkeys(r.dataset for r in rows))
+    temperatures = sorted({r.temperature for r in rows})
     return [(d, t) for d in datasets for t in temperatures]
 
 
 def _methods(rows: list[Row]) -> list[str]:
-    return list(dict.fromkeys(r["method"] for r in rows))
+    return list(dict.fromkeys(r.method for r in rows))
 
 
 def _cells(
@@ -34,7 +34,7 @@ def _cells(
     """(method, dataset, temperature) -> (mean, std, number of seeds) of a metric."""
     values: dict[tuple[str, str, float], list[float | None]] = defaultdict(list)
     for row in rows:
-        values[(row["method"], row["dataset"], row["temperature"])].append(row.get(metric))
+        values[(row.method, row.dataset, row.temperature)].append(getattr(row, metric))
     return {key: (*mean_std(v), len(v)) for key, v in values.items()}
 
 
@@ -63,8 +63,8 @@ def domain_table(rows: list[Row]) -> str:
     """Speedup of each language-specific drafter's methods on its own pair vs the other pairs (seed 003 Fig. 5)."""
     values: dict[tuple[str, float], dict[bool, list[float]]] = defaultdict(lambda: {True: [], False: []})
     for row in rows:
-        if row["in_domain"] is not None and row["speedup"] is not None:
-            values[(row["method"], row["temperature"])][row["in_domain"]].append(row["speedup"])
+        if row.in_domain is not None and row.speedup is not None:
+            values[(row.method, row.temperature)][row.in_domain].append(row.speedup)
     if not values:
         return "No language-specific drafter was measured on pair-specific eval sets."
     lines = ["| method | T | in-domain speedup | out-of-domain speedup |", "| --- | --- | --- | --- |"]
@@ -76,15 +76,15 @@ def domain_table(rows: list[Row]) -> str:
 
 def markdown(rows: list[Row]) -> str:
     first = rows[0]
-    seeds = sorted({r["seed"] for r in rows})
+    seeds = sorted({r.seed for r in rows})
     chain = [m for m in _methods(rows) if m != "ar" and not m.startswith("assisted")]
-    mismatched = sorted({(r["method"], r["dataset"]) for r in rows if r["matches_ar"] is False})
+    mismatched = sorted({(r.method, r.dataset) for r in rows if r.matches_ar is False})
     parts = [
         "# Measured speedups",
         "",
-        f"Target `{first['target']}` on {first['hardware']} ({first['device']}), torch {first['torch']}, "
-        f"transformers {first['transformers']}; {first['prompts']} prompts per set, up to "
-        f"{first['max_new_tokens']} new tokens, seeds {seeds}; cells are mean ± std over seeds. "
+        f"Target `{first.target}` on {first.hardware} ({first.device}), torch {first.torch}, "
+        f"transformers {first.transformers}; {first.prompts} prompts per set, up to "
+        f"{first.max_new_tokens} new tokens, seeds {seeds}; cells are mean ± std over seeds. "
         "Speedup is the token rate over `ar`'s, measured in the same process on the same prompts with "
         "the methods alternating.",
         "",
@@ -122,7 +122,7 @@ def markdown(rows: list[Row]) -> str:
             else "Outputs that differ from `ar`'s (numerical ties in low precision can cause this): "
             + ", ".join(f"{m} on {d}" for m, d in mismatched)
         )
-        if any(r["temperature"] == 0 for r in rows)
+        if any(r.temperature == 0 for r in rows)
         else "No greedy (temperature 0) measurement in this run.",
         "",
     ]
@@ -134,8 +134,8 @@ def _bars(rows: list[Row], metric: str, title: str, path: Path) -> None:
     from matplotlib.figure import Figure
 
     palette = colormaps["tab20"]
-    temperatures = sorted({r["temperature"] for r in rows})
-    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+    temperatures = sorted({r.temperature for r in rows})
+    datasets = list(dict.fromkeys(r.dataset for r in rows))
     methods = _methods(rows)
     cells = _cells(rows, metric)
     figure = Figure(figsize=(max(6.0, 1.2 * len(datasets) * len(temperatures) + 3), 4.5))
@@ -164,22 +164,18 @@ def _speedup_vs_k(rows: list[Row], path: Path) -> bool:
     from matplotlib.ticker import MaxNLocator
 
     fixed = [
-        r
-        for r in rows
-        if r["control"] == "fixed" and r["decoder"] in ("sd", "eesd") and r["in_domain"] is not False
+        r for r in rows if r.control == "fixed" and r.decoder in ("sd", "eesd") and r.in_domain is not False
     ]
     if not fixed:
         return False
-    temperatures = sorted({r["temperature"] for r in fixed})
+    temperatures = sorted({r.temperature for r in fixed})
     figure = Figure(figsize=(5.0 * len(temperatures) + 2, 4.0))
     axes = figure.subplots(1, len(temperatures), squeeze=False)[0]
     lines: dict[tuple[str, float], dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     for row in fixed:
-        family = row["method"].rsplit(" K=", 1)[0]
-        if row["speedup"] is not None:
-            lines[(f"{family} on {row['dataset']}", row["temperature"])][row["draft_length"]].append(
-                row["speedup"]
-            )
+        family = row.method.rsplit(" K=", 1)[0]
+        if row.speedup is not None:
+            lines[(f"{family} on {row.dataset}", row.temperature)][row.draft_length].append(row.speedup)
     for ax, temperature in zip(axes, temperatures, strict=True):
         for (label, t), points in sorted(lines.items()):
             if t != temperature:

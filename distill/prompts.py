@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+PAIRS = ("de-en", "fr-en", "ru-en", "ja-en", "zh-en")
+"""The supported translation directions, source language first: seed 003's drafters translate into English."""
+
 LANGUAGE_NAMES = {
     "de": "German",
     "fr": "French",

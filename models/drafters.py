@@ -153,17 +153,41 @@ def build_drafter(
         return model_cls(config)
 
 
-def load_drafter(
-    path: str, revision: str | None = None, attn_implementation: str = "sdpa", trust_remote_code: bool = False
-) -> PreTrainedModel:
-    """A drafter checkpoint (local folder or hub id) in fp32 for training."""
-    return AutoModelForCausalLM.from_pretrained(
-        path,
-        revision=revision,
-        dtype=torch.float32,
-        attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code,
+def check_drafter(
+    path: str,
+    revision: str | None,
+    target_vocab_size: int,
+    target_tokenizer: Any,
+    target_name: str = "the target",
+) -> None:
+    """DrafterMismatch unless checkpoint `path` has the target's vocabulary size and (when it ships one) the
+    target's tokenizer. Reads its config and tokenizer only, never its weights."""
+    config = AutoConfig.from_pretrained(path, revision=revision)
+    check_drafter_compatible(
+        int(config.get_text_config().vocab_size),
+        target_vocab_size,
+        target_tokenizer,
+        drafter_tokenizer(path, revision),
+        drafter_name=f"drafter {path}",
+        target_name=target_name,
     )
+
+
+def load_drafter(
+    path: str,
+    revision: str | None,
+    *,
+    target_vocab_size: int,
+    target_tokenizer: Any,
+    target_name: str = "the target",
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str | None = None,
+) -> PreTrainedModel:
+    """A drafter checkpoint (local folder or hub id), checked with `check_drafter` before any weight is
+    read: the one way every stage loads a drafter (training starts, measurement, calibration, export)."""
+    check_drafter(path, revision, target_vocab_size, target_tokenizer, target_name)
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    return AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=dtype, **extra)
 
 
 def _has_tokenizer(path: str) -> bool:

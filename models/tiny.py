@@ -7,15 +7,14 @@ from collections.abc import Iterable
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from distill.prompts import VICUNA_CHAT_TEMPLATE
-
 SPECIAL_TOKENS = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
 
 
 def train_tokenizer(
-    texts: Iterable[str], vocab_size: int, chat_template: str = VICUNA_CHAT_TEMPLATE
+    texts: Iterable[str], vocab_size: int, chat_template: str | None = None
 ) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer that, like Llama's, prepends `<s>` and knows the Vicuna chat template."""
+    """A byte-level BPE tokenizer that, like Llama's, prepends `<s>`, with `chat_template` (e.g.
+    `distill.prompts.VICUNA_CHAT_TEMPLATE`) when given."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -33,7 +32,8 @@ def train_tokenizer(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
     )
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, **SPECIAL_TOKENS)
-    wrapped.chat_template = chat_template
+    if chat_template is not None:
+        wrapped.chat_template = chat_template
     return wrapped
 
 

@@ -1,7 +1,7 @@
 """Model cards (`README.md` with Hub metadata) rendered from an exported folder's `results.json`.
 
-`render_card(info, repo_id)` is a pure function of the dict `pipelines.export` writes as `results.json`
-(built by `pipelines.export_info` from the run's files): every number in a card comes from there. The
+`render_card(info, repo_id)` is a pure function of the record the export stage writes as `results.json`
+(`pipelines.export_records.ExportResults`, built by `pipelines.export_info` from the run's files): every number in a card comes from there. The
 measured tables are the measure stage's own (`decoding.report.table`: methods x dataset x temperature,
 mean ± std over seeds) restricted to this drafter and the `ar` baseline of the same groups.
 `polydraft publish` renders the card again with the repo id it pushes to.
@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from decoding.report import domain_table, table
+from pipelines.export_records import ExportResults
 
 PLOT_TITLES = {
     "block_efficiency.png": "Block efficiency per dataset and temperature",
@@ -28,63 +29,63 @@ def _num(value: Any, digits: int = 4) -> str:
     return f"{value:.{digits}g}"
 
 
-def front_matter(info: dict[str, Any]) -> str:
+def front_matter(info: ExportResults) -> str:
     """The YAML metadata block the Hub reads (base model, languages, datasets, license, tags)."""
     from huggingface_hub import ModelCardData
 
-    drafter = info["kind"] == "drafter"
+    drafter = info.kind == "drafter"
     tags = ["speculative-decoding", "polydraft"]
     tags += ["draft-model"] if drafter else ["early-exit", "self-speculative-decoding", "eesd"]
-    if info["pair"]:
+    if info.pair:
         tags.append("translation")
     data = ModelCardData(
-        base_model=info["target"]["id"],
-        language=info["languages"],
-        datasets=info["datasets"] or None,
+        base_model=info.target.id,
+        language=info.languages,
+        datasets=info.datasets or None,
         library_name="transformers" if drafter else None,
         pipeline_tag="text-generation",
-        license=info["license"],
+        license=info.license,
         tags=tags,
     )
     return f"---\n{data.to_yaml()}\n---\n"
 
 
-def title(info: dict[str, Any]) -> str:
-    label = info["target"]["label"]
+def title(info: ExportResults) -> str:
+    label = info.target.label
     of = f" of {label}" if label else ""
-    if info["kind"] == "early_exit":
+    if info.kind == "early_exit":
         return f"# Early-exit head (EESD){of}"
-    if info["pair"]:
-        return f"# {info['pair']} drafter{of}"
+    if info.pair:
+        return f"# {info.pair} drafter{of}"
     return f"# Generic drafter{of} (pretrained only)"
 
 
-def target_name(info: dict[str, Any]) -> str:
-    target = info["target"]
-    if target["id"] is None:
+def target_name(info: ExportResults) -> str:
+    target = info.target
+    if target.id is None:
         return "a local target model (not on the Hugging Face Hub)"
-    return f"`{target['id']}`" + (f" (revision `{target['revision']}`)" if target["revision"] else "")
+    return f"`{target.id}`" + (f" (revision `{target.revision}`)" if target.revision else "")
 
 
-def intro(info: dict[str, Any]) -> str:
-    what = info["kind"]
+def intro(info: ExportResults) -> str:
+    what = info.kind
     if what == "early_exit":
-        head = info["head"]
+        head = info.head
         text = (
             f"An early-exit drafter for self-speculative decoding of {target_name(info)} (EESD, seed 001): "
-            f"the target's own first {head['num_shared_layers']} of {head['num_hidden_layers']} layers "
-            f"(frozen, shared with the target at decoding time), then {head['num_exit_layers']} trainable "
+            f"the target's own first {head.num_shared_layers} of {head.num_hidden_layers} layers "
+            f"(frozen, shared with the target at decoding time), then {head.num_exit_layers} trainable "
             "transformer layer(s), a norm and an lm head, trained by self-distillation."
         )
     else:
-        arch = info["architecture"]
+        arch = info.architecture
         purpose = (
-            f"for {info['pair']} translation prompts (seed 003's language-specific drafters)"
-            if info["pair"]
+            f"for {info.pair} translation prompts (seed 003's language-specific drafters)"
+            if info.pair
             else "on generic text only (the pretraining stage of seed 003's pretrain-then-finetune)"
         )
         text = (
-            f"A {_num(arch['parameters'])}-parameter `{arch['class']}` draft model for speculative decoding of "
+            f"A {_num(arch.parameters)}-parameter `{arch.class_name}` draft model for speculative decoding of "
             f"{target_name(info)}, trained {purpose}. It uses the target's tokenizer and vocabulary."
         )
     return (
@@ -93,32 +94,33 @@ def intro(info: dict[str, Any]) -> str:
     )
 
 
-def measured_section(info: dict[str, Any]) -> list[str]:
-    m = info["measurement"]
-    if not m["measured"]:
+def measured_section(info: ExportResults) -> list[str]:
+    m = info.measurement
+    if not m.measured:
         return [
             "## Measured speedups",
             "",
             "**No measurements.** The measure stage of this run did not measure this "
-            f"{'head' if info['kind'] == 'early_exit' else 'drafter'}, so the speedup it gives is unknown.",
+            f"{'head' if info.kind == 'early_exit' else 'drafter'}, so the speedup it gives is unknown.",
             "",
         ]
-    ctx, rows = m["context"], m["rows"]
-    methods = list(dict.fromkeys(r["method"] for r in rows))
+    ctx, rows = m.context, m.rows
+    assert ctx is not None, "a measured drafter has a measurement context"
+    methods = list(dict.fromkeys(r.method for r in rows))
     lines = ["## Measured speedups", ""]
-    best = m["headline"]
+    best = m.headline
     if best is not None:
         lines += [
-            f"At temperature {best['temperature']:g}, `{best['method']}` on `{best['dataset']}` reached a block "
-            f"efficiency of {best['block_efficiency']['mean']:.2f} and a wall-clock speedup of "
-            f"{best['speedup']['mean']:.2f}x over autoregressive decoding (`ar`).",
+            f"At temperature {best.temperature:g}, `{best.method}` on `{best.dataset}` reached a block "
+            f"efficiency of {best.block_efficiency.mean:.2f} and a wall-clock speedup of "
+            f"{best.speedup.mean:.2f}x over autoregressive decoding (`ar`).",
             "",
         ]
     lines += [
-        f"Measured on {', '.join(ctx['hardware'])} ({', '.join(ctx['device'])}) between {ctx['dates'][0]} and "
-        f"{ctx['dates'][-1]} (UTC) with torch {', '.join(ctx['torch'])} and transformers "
-        f"{', '.join(ctx['transformers'])}: batch size 1, {', '.join(map(str, ctx['prompts']))} prompts per set, "
-        f"up to {', '.join(map(str, ctx['max_new_tokens']))} new tokens, seeds {ctx['seeds']}. Cells are mean ± "
+        f"Measured on {', '.join(ctx.hardware)} ({', '.join(ctx.device)}) between {ctx.dates[0]} and "
+        f"{ctx.dates[-1]} (UTC) with torch {', '.join(ctx.torch)} and transformers "
+        f"{', '.join(ctx.transformers)}: batch size 1, {', '.join(map(str, ctx.prompts))} prompts per set, "
+        f"up to {', '.join(map(str, ctx.max_new_tokens))} new tokens, seeds {ctx.seeds}. Cells are mean ± "
         "std over seeds; the speedup is the token rate over `ar`'s in the same process on the same prompts.",
         "",
         "### Block efficiency (tokens per target call)",
@@ -135,14 +137,14 @@ def measured_section(info: dict[str, Any]) -> list[str]:
         "| --- | --- | --- | --- | --- |",
     ]
     for method in methods:
-        row = next(r for r in rows if r["method"] == method)
-        cells = [row["decoder"], row["control"] or "-", row["draft_length"] or "-", row["tree"] or "-"]
+        row = next(r for r in rows if r.method == method)
+        cells = [row.decoder, row.control or "-", row.draft_length or "-", row.tree or "-"]
         lines.append(f"| {method} | " + " | ".join(str(c) for c in cells) + " |")
-    if any(r["in_domain"] is not None for r in rows):
+    if any(r.in_domain is not None for r in rows):
         lines += ["", "### In-domain vs out-of-domain (seed 003 Fig. 5)", "", domain_table(rows)]
-    greedy = [s for s in m["summary"] if s["temperature"] == 0]
+    greedy = [s for s in m.summary if s.temperature == 0]
     if greedy:
-        differ = sorted({(s["method"], s["dataset"]) for s in greedy if s["matches_ar"] is False})
+        differ = sorted({(s.method, s.dataset) for s in greedy if s.matches_ar is False})
         lines += [
             "",
             "At temperature 0 every method produced exactly `ar`'s tokens on every prompt."
@@ -151,7 +153,7 @@ def measured_section(info: dict[str, Any]) -> list[str]:
             "cause this): " + ", ".join(f"{a} on {b}" for a, b in differ),
         ]
     lines.append("")
-    for plot in info["plots"]:
+    for plot in info.plots:
         lines += [f"![{PLOT_TITLES.get(plot, plot)}]({plot})", ""]
     lines += [
         "All metrics (MBSU, token rate, acceptance rate, HM, engine overhead): [summary.md](summary.md); "
@@ -161,52 +163,48 @@ def measured_section(info: dict[str, Any]) -> list[str]:
     return lines
 
 
-def training_section(info: dict[str, Any]) -> list[str]:
-    training = info["training"]
+def training_section(info: ExportResults) -> list[str]:
+    training = info.training
     lines = ["## Training", ""]
-    if info["kind"] == "early_exit":
-        head, cal = info["head"], info["calibration"]
+    if info.kind == "early_exit":
+        head, cal = info.head, info.calibration
         lines += [
-            f"- Exit after layer {head['num_shared_layers']} of {head['num_hidden_layers']}; "
-            f"{head['num_exit_layers']} exit layer(s) initialised from the target's last layer(s), the norm "
+            f"- Exit after layer {head.num_shared_layers} of {head.num_hidden_layers}; "
+            f"{head.num_exit_layers} exit layer(s) initialised from the target's last layer(s), the norm "
             "and head from the target's (seed 001 eq. 1).",
-            f"- {_num(head['steps'])} optimizer steps, final train loss {_num(head['train_loss'])}; held-out "
-            f"top-1 agreement with the full target {_num(head['top1_target'])} (at initialisation "
-            f"{_num(head['initial_top1_target'])}).",
+            f"- {_num(head.steps)} optimizer steps, final train loss {_num(head.train_loss)}; held-out "
+            f"top-1 agreement with the full target {_num(head.top1_target)} (at initialisation "
+            f"{_num(head.initial_top1_target)}).",
         ]
         if cal is not None:
-            h = cal["heldout"]
+            h = cal.heldout
             lines.append(
-                f"- Calibration model for Cali-TS (seed 001 eq. 5) over {cal['draft_length']} draft steps, on "
-                f"{_num(h['count'])} held-out steps: accuracy {_num(h['accuracy'])} (base rate "
-                f"{_num(h['base_rate_accuracy'])}), Brier score {_num(h['brier'])} (base rate "
-                f"{_num(h['base_rate_brier'])}), ECE {_num(h['ece'])}."
+                f"- Calibration model for Cali-TS (seed 001 eq. 5) over {cal.draft_length} draft steps, on "
+                f"{_num(h.count)} held-out steps: accuracy {_num(h.accuracy)} (base rate "
+                f"{_num(h.base_rate_accuracy)}), Brier score {_num(h.brier)} (base rate "
+                f"{_num(h.base_rate_brier)}), ECE {_num(h.ece)}."
             )
         return [*lines, ""]
-    pretrain, finetune = training["pretrain"], training["finetune"]
+    pretrain, finetune = training.pretrain, training.finetune
     if pretrain is not None:
         lines.append(
-            f"- **Pretrain (P)**: `{pretrain['arch']}` on {'; '.join(pretrain['sources']) or 'no corpus'}; "
-            f"{_num(pretrain['tokens'])} tokens seen (budget {_num(pretrain['token_budget'])}), "
-            f"{_num(pretrain['steps'])} steps, final train loss {_num(pretrain['train_loss'])}."
+            f"- **Pretrain (P)**: `{pretrain.arch}` on {'; '.join(pretrain.sources) or 'no corpus'}; "
+            f"{_num(pretrain.tokens)} tokens seen (budget {_num(pretrain.token_budget)}), "
+            f"{_num(pretrain.steps)} steps, final train loss {_num(pretrain.train_loss)}."
         )
     if finetune is not None:
-        temps = ", ".join(f"{t:g}" for t in finetune["temperatures"])
+        temps = ", ".join(f"{t:g}" for t in finetune.temperatures)
         lines.append(
-            f"- **Finetune (F)** from {finetune['start']}: the target's own answers (self-distillation, "
-            f"`{finetune['prompt_format']}` prompt format)"
-            + (
-                f" to prompts from {'; '.join(finetune['distill_sources'])}"
-                if finetune["distill_sources"]
-                else ""
-            )
-            + (f", mixed with {'; '.join(finetune['open_sources'])}" if finetune["open_sources"] else "")
-            + f", distilled at temperatures {temps}; loss `{finetune['loss']}` on the answer tokens; "
-            f"{_num(finetune['tokens'])} tokens seen, {_num(finetune['steps'])} steps, final train loss "
-            f"{_num(finetune['train_loss'])}; held-out top-1 agreement with the target's greedy tokens "
-            f"{_num(finetune['top1_agreement'])}."
+            f"- **Finetune (F)** from {finetune.start}: the target's own answers (self-distillation, "
+            f"`{finetune.prompt_format}` prompt format)"
+            + (f" to prompts from {'; '.join(finetune.distill_sources)}" if finetune.distill_sources else "")
+            + (f", mixed with {'; '.join(finetune.open_sources)}" if finetune.open_sources else "")
+            + f", distilled at temperatures {temps}; loss `{finetune.loss}` on the answer tokens; "
+            f"{_num(finetune.tokens)} tokens seen, {_num(finetune.steps)} steps, final train loss "
+            f"{_num(finetune.train_loss)}; held-out top-1 agreement with the target's greedy tokens "
+            f"{_num(finetune.top1_agreement)}."
         )
-    if info["calibration"] is not None:
+    if info.calibration is not None:
         lines.append(
             "- A calibration model for Cali-TS ships in `calibration/` "
             "(`models.calibration.CalibrationModel.load`)."
@@ -214,9 +212,9 @@ def training_section(info: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
-def smoke_section(info: dict[str, Any]) -> list[str]:
-    smoke = info["smoke"]
-    verdict = "passed" if smoke["passed"] else "**FAILED** (do not use this export)"
+def smoke_section(info: ExportResults) -> list[str]:
+    smoke = info.smoke
+    verdict = "passed" if smoke.passed else "**FAILED** (do not use this export)"
     lines = [
         "## Smoke check",
         "",
@@ -225,26 +223,26 @@ def smoke_section(info: dict[str, Any]) -> list[str]:
         "| check | result | detail |",
         "| --- | --- | --- |",
     ]
-    for check in smoke["checks"]:
-        detail = check["detail"].replace("|", "\\|")
-        lines.append(f"| {check['name']} | {check['status']} | {detail} |")
+    for check in smoke.checks:
+        detail = check.detail.replace("|", "\\|")
+        lines.append(f"| {check.name} | {check.status} | {detail} |")
     return [*lines, ""]
 
 
-def draft_length(info: dict[str, Any]) -> tuple[int, str]:
-    m = info["measurement"]
-    if m["best_draft_length"] is not None:
-        return m["best_draft_length"], "the K that measured best"
-    if m["measured"]:
-        return info["draft_length_default"], "no fixed K was measured: the recipe's `measure.draft_length`"
-    return info["draft_length_default"], "not measured: the recipe's `measure.draft_length`"
+def draft_length(info: ExportResults) -> tuple[int, str]:
+    m = info.measurement
+    if m.best_draft_length is not None:
+        return m.best_draft_length, "the K that measured best"
+    if m.measured:
+        return info.draft_length_default, "no fixed K was measured: the recipe's `measure.draft_length`"
+    return info.draft_length_default, "not measured: the recipe's `measure.draft_length`"
 
 
-def usage_section(info: dict[str, Any], repo_id: str) -> list[str]:
-    target = info["target"]["id"] or "path/to/the/target"
+def usage_section(info: ExportResults, repo_id: str) -> list[str]:
+    target = info.target.id or "path/to/the/target"
     k, why = draft_length(info)
-    prompt = info["prompt"]
-    if info["kind"] == "early_exit":
+    prompt = info.prompt
+    if info.kind == "early_exit":
         return [
             "## Usage",
             "",
@@ -266,8 +264,8 @@ def usage_section(info: dict[str, Any], repo_id: str) -> list[str]:
             f'folder = snapshot_download("{repo_id}")',
             "head = attach_exit_head(target, folder)",
             "model = SelfSpeculative(target, head)",
-            f"prompt = {prompt['example']!r}",
-            f"ids = torch.tensor(tokenizer(prompt, add_special_tokens={prompt['add_special_tokens']})['input_ids'])",
+            f"prompt = {prompt.example!r}",
+            f"ids = torch.tensor(tokenizer(prompt, add_special_tokens={prompt.add_special_tokens})['input_ids'])",
             "out = self_speculative(",
             f"    model, ids, 256, Sampling(0.0), FixedK({k}), torch.Generator(target.device), {{tokenizer.eos_token_id}}",
             ")",
@@ -282,7 +280,7 @@ def usage_section(info: dict[str, Any], repo_id: str) -> list[str]:
     return [
         "## Usage",
         "",
-        f"Use the prompt format it was trained on (`{prompt['format']}`). K={k} is {why}; the folder's "
+        f"Use the prompt format it was trained on (`{prompt.format}`). K={k} is {why}; the folder's "
         "`generation_config.json` makes transformers draft that many tokens per round.",
         "",
         "transformers (assisted generation):",
@@ -293,8 +291,8 @@ def usage_section(info: dict[str, Any], repo_id: str) -> list[str]:
         f'target = AutoModelForCausalLM.from_pretrained("{target}", dtype="auto", device_map="auto")',
         f'drafter = AutoModelForCausalLM.from_pretrained("{repo_id}", dtype="auto", device_map="auto")',
         f'tokenizer = AutoTokenizer.from_pretrained("{target}")',
-        f"prompt = {prompt['example']!r}",
-        f'inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens={prompt["add_special_tokens"]}).to(target.device)',
+        f"prompt = {prompt.example!r}",
+        f'inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens={prompt.add_special_tokens}).to(target.device)',
         "output = target.generate(**inputs, assistant_model=drafter, max_new_tokens=256, do_sample=False)",
         'print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))',
         "```",
@@ -304,7 +302,7 @@ def usage_section(info: dict[str, Any], repo_id: str) -> list[str]:
         "```python",
         "from vllm import LLM, SamplingParams",
         "",
-        f"prompt = {prompt['example']!r}",
+        f"prompt = {prompt.example!r}",
         "llm = LLM(",
         f'    model="{target}",',
         f'    speculative_config={{"method": "draft_model", "model": "{repo_id}", "num_speculative_tokens": {k}}},',
@@ -318,10 +316,10 @@ def usage_section(info: dict[str, Any], repo_id: str) -> list[str]:
     ]
 
 
-def provenance(info: dict[str, Any]) -> list[str]:
-    git = info["polydraft"]
-    commit = git.get("commit") or "unknown"
-    dirty = " (with uncommitted changes)" if git.get("dirty") else ""
+def provenance(info: ExportResults) -> list[str]:
+    git = info.polydraft
+    commit = git.commit or "unknown"
+    dirty = " (with uncommitted changes)" if git.dirty else ""
     return [
         "## Provenance",
         "",
@@ -331,7 +329,7 @@ def provenance(info: dict[str, Any]) -> list[str]:
     ]
 
 
-def render_card(info: dict[str, Any], repo_id: str) -> str:
+def render_card(info: ExportResults, repo_id: str) -> str:
     """The README.md of an exported folder; `repo_id` is where the usage snippets load it from."""
     parts = [
         front_matter(info),

@@ -1,9 +1,10 @@
 """What an exported folder says about itself: the facts its card and `results.json` are made of.
 
-Everything here is read from the run's files: the measure stage's `results.jsonl` (rows documented in
-`decoding.measure`), the upstream stages' manifests and metrics files, and the recipe the run used. The
-model card (`pipelines.cards`) is rendered from the dict built here and nothing else, so no number in a
-card is typed by hand and `polydraft publish` can re-render a card for its final repo id.
+Everything here is read from the run's files: the measure stage's `results.jsonl` (typed rows,
+`decoding.results`), the upstream stages' manifests (typed metrics, `train.results`), and the export
+stage's inputs. The model card (`pipelines.cards`) is rendered from the records built here
+(`pipelines.export_records`) and nothing else, so no number in a card is typed by hand and
+`polydraft publish` can re-render a card for its final repo id.
 """
 
 from __future__ import annotations
@@ -14,13 +15,25 @@ from pathlib import Path
 from typing import Any
 
 from decoding.metrics import mean_std
+from decoding.results import ResultRow
+from pipelines.export_records import (
+    CalibrationCard,
+    FinetuneCard,
+    HeadCard,
+    MeanStd,
+    Measurement,
+    MeasurementContext,
+    PretrainCard,
+    PublicTarget,
+    SummaryEntry,
+)
 from pipelines.manifest import read_manifest
-from pipelines.schema import Recipe, SourceConfig
-from pipelines.stage import ResolvedTarget
+from pipelines.schema import ResolvedTarget, SourceConfig
+from pipelines.schema.inputs import FinetuneFacts, PretrainFacts
+from train.results import CalibrationReport, EarlyExitMetrics, FinetuneMetrics, PretrainMetrics
 
-Row = dict[str, Any]
+Row = ResultRow
 
-RESULTS_FORMAT = "polydraft-export-results/1"
 SUMMARY_METRICS = ("block_efficiency", "speedup", "acceptance_rate", "mean_accepted_length", "token_rate")
 """Per (method, dataset, temperature): mean and std over seeds of these row metrics."""
 
@@ -28,20 +41,14 @@ SUMMARY_METRICS = ("block_efficiency", "speedup", "acceptance_rate", "mean_accep
 # ----------------------------------------------------------------------------- the target
 
 
-def public_target(
-    base_model: str | None, target_path: str | None, resolved: ResolvedTarget
-) -> dict[str, Any]:
+def public_target(base_model: str | None, target_path: str | None, resolved: ResolvedTarget) -> PublicTarget:
     """The target as a card may name it: a hub id (from `export.base_model` or `target.path` when that is
     not a local folder) or, for a local or bootstrap target, no id at all, so no local path leaks."""
     hub_id = base_model
     if hub_id is None and target_path is not None and not Path(target_path).expanduser().exists():
         hub_id = target_path
     revision = resolved.revision if hub_id is not None and hub_id == target_path else None
-    return {
-        "id": hub_id,
-        "revision": revision,
-        "label": hub_id.rsplit("/", 1)[-1] if hub_id else None,
-    }
+    return PublicTarget(id=hub_id, revision=revision, label=hub_id.rsplit("/", 1)[-1] if hub_id else None)
 
 
 # ----------------------------------------------------------------------------- measurements
@@ -49,38 +56,38 @@ def public_target(
 
 def rows_for(rows: list[Row], name: str) -> list[Row]:
     """A drafter's rows plus the `ar` rows of the groups (dataset, temperature, seed) it was measured in."""
-    mine = [r for r in rows if r["drafter"] == name]
-    groups = {(r["dataset"], r["temperature"], r["seed"]) for r in mine}
-    baseline = [
-        r for r in rows if r["decoder"] == "ar" and (r["dataset"], r["temperature"], r["seed"]) in groups
-    ]
-    return baseline + mine
+    mine = [r for r in rows if r.drafter == name]
+    groups = {r.group for r in mine}
+    return [r for r in rows if r.decoder == "ar" and r.group in groups] + mine
 
 
-def summarize_rows(rows: list[Row]) -> list[dict[str, Any]]:
+def summarize_rows(rows: list[Row]) -> list[SummaryEntry]:
     """One entry per (method, dataset, temperature): settings and mean/std over seeds of the main metrics."""
     groups: dict[tuple[str, str, float], list[Row]] = defaultdict(list)
     for row in rows:
-        groups[(row["method"], row["dataset"], row["temperature"])].append(row)
+        groups[(row.method, row.dataset, row.temperature)].append(row)
     out = []
     for (method, dataset, temperature), members in groups.items():
         first = members[0]
-        entry: dict[str, Any] = {
-            "method": method,
-            "decoder": first["decoder"],
-            "control": first["control"],
-            "draft_length": first["draft_length"],
-            "tree": first["tree"],
-            "dataset": dataset,
-            "temperature": temperature,
-            "in_domain": first["in_domain"],
-            "seeds": sorted(r["seed"] for r in members),
-            "matches_ar": None if temperature != 0 else all(r["matches_ar"] is not False for r in members),
-        }
+        metrics = {}
         for metric in SUMMARY_METRICS:
-            mean, std = mean_std([r.get(metric) for r in members])
-            entry[metric] = {"mean": mean, "std": std}
-        out.append(entry)
+            mean, std = mean_std([getattr(r, metric) for r in members])
+            metrics[metric] = MeanStd(mean=mean, std=std)
+        out.append(
+            SummaryEntry(
+                method=method,
+                decoder=first.decoder,
+                control=first.control,
+                draft_length=first.draft_length,
+                tree=first.tree,
+                dataset=dataset,
+                temperature=temperature,
+                in_domain=first.in_domain,
+                seeds=sorted(r.seed for r in members),
+                matches_ar=None if temperature != 0 else all(r.matches_ar is not False for r in members),
+                **metrics,
+            )
+        )
     return out
 
 
@@ -90,63 +97,64 @@ def best_draft_length(rows: list[Row], decoder: str) -> int | None:
     by_k: dict[int, list[float]] = defaultdict(list)
     for row in rows:
         if (
-            row["decoder"] == decoder
-            and row["control"] == "fixed"
-            and row["in_domain"] is not False
-            and row["speedup"] is not None
+            row.decoder == decoder
+            and row.control == "fixed"
+            and row.in_domain is not False
+            and row.speedup is not None
+            and row.draft_length is not None
         ):
-            by_k[row["draft_length"]].append(row["speedup"])
+            by_k[row.draft_length].append(row.speedup)
     if not by_k:
         return None
     return max(sorted(by_k), key=lambda k: sum(by_k[k]) / len(by_k[k]))
 
 
-def headline(summary: list[dict[str, Any]], decoder: str, k: int | None) -> dict[str, Any] | None:
+def headline(summary: list[SummaryEntry], decoder: str, k: int | None) -> SummaryEntry | None:
     """The entry of `decoder` at K=k on the lowest temperature measured, best speedup among the
     datasets that are not out of domain: the one-line result shown in commit messages and the demo."""
     candidates = [
         s
         for s in summary
-        if s["decoder"] == decoder
-        and s["control"] == "fixed"
-        and s["draft_length"] == k
-        and s["in_domain"] is not False
-        and s["speedup"]["mean"] is not None
+        if s.decoder == decoder
+        and s.control == "fixed"
+        and s.draft_length == k
+        and s.in_domain is not False
+        and s.speedup.mean is not None
     ]
     if not candidates:
         return None
-    coldest = min(s["temperature"] for s in candidates)
-    return max((s for s in candidates if s["temperature"] == coldest), key=lambda s: s["speedup"]["mean"])
+    coldest = min(s.temperature for s in candidates)
+    return max((s for s in candidates if s.temperature == coldest), key=lambda s: s.speedup.mean or 0.0)
 
 
-def measurement_context(rows: list[Row]) -> dict[str, Any]:
+def measurement_context(rows: list[Row]) -> MeasurementContext:
     """Where and when the rows were measured (every distinct value, so mixed runs show as such)."""
 
     def distinct(key: str) -> list[Any]:
-        return sorted({r[key] for r in rows if r.get(key) is not None})
+        return sorted({getattr(r, key) for r in rows if getattr(r, key) is not None})
 
     dates = distinct("date")
-    return {
-        "hardware": distinct("hardware"),
-        "device": distinct("device"),
-        "dates": [dates[0], dates[-1]] if dates else [],
-        "torch": distinct("torch"),
-        "transformers": distinct("transformers"),
-        "seeds": distinct("seed"),
-        "prompts": distinct("prompts"),
-        "max_new_tokens": distinct("max_new_tokens"),
-        "top_p": distinct("top_p"),
-    }
+    return MeasurementContext(
+        hardware=distinct("hardware"),
+        device=distinct("device"),
+        dates=[dates[0], dates[-1]] if dates else [],
+        torch=distinct("torch"),
+        transformers=distinct("transformers"),
+        seeds=distinct("seed"),
+        prompts=distinct("prompts"),
+        max_new_tokens=distinct("max_new_tokens"),
+        top_p=distinct("top_p"),
+    )
 
 
-def measurements(rows: list[Row], name: str, decoder: str, target_id: str | None) -> dict[str, Any]:
+def measurements(rows: list[Row], name: str, decoder: str, target_id: str | None) -> Measurement:
     """The measured part of `results.json` for one drafter (`decoder`: `sd`, or `eesd` for the head).
 
     The rows' `target` (the path the measure stage loaded, a local folder for a bootstrap target) is
     replaced by the target's hub id, or `local`, so that no local path is published.
     """
-    mine = [{**row, "target": target_id or "local"} for row in rows_for(rows, name)]
-    measured = any(r["drafter"] == name for r in mine)
+    mine = [row.model_copy(update={"target": target_id or "local"}) for row in rows_for(rows, name)]
+    measured = any(r.drafter == name for r in mine)
     summary = summarize_rows(mine) if measured else []
     k, best = None, None
     # the chain decoder's fixed K; else the K transformers' assisted generation was measured with
@@ -155,15 +163,15 @@ def measurements(rows: list[Row], name: str, decoder: str, target_id: str | None
         if k is not None:
             best = headline(summary, candidate, k)
             break
-    return {
-        "measured": measured,
-        "decoder": decoder,
-        "best_draft_length": k,
-        "headline": best,
-        "context": measurement_context(mine) if measured else {},
-        "summary": summary,
-        "rows": mine,
-    }
+    return Measurement(
+        measured=measured,
+        decoder=decoder,
+        best_draft_length=k,
+        headline=best,
+        context=measurement_context(mine) if measured else None,
+        summary=summary,
+        rows=mine,
+    )
 
 
 # ----------------------------------------------------------------------------- training facts
@@ -197,81 +205,83 @@ def pair_sources(sources: list[SourceConfig], pair: str | None) -> list[SourceCo
     return [s for s in sources if s.format != "translation" or pair is None or s.pair == pair]
 
 
-def _metrics(stage_dir: Path | None) -> dict[str, Any]:
-    manifest = read_manifest(stage_dir) if stage_dir is not None else None
-    return (manifest or {}).get("metrics", {})
+def _finite(value: float | None) -> float | None:
+    return value if value is None or math.isfinite(value) else None
 
 
-def _finite(value: Any) -> Any:
-    return value if not isinstance(value, float) or math.isfinite(value) else None
+def _stage_metrics(stage_dir: Path) -> dict[str, Any]:
+    """The `metrics` of an upstream stage's manifest (the runner only hands complete stages to export)."""
+    manifest = read_manifest(stage_dir)
+    if manifest is None:
+        raise ValueError(f"{stage_dir}: no readable manifest.json")
+    return manifest["metrics"]
 
 
-def pretrain_facts(recipe: Recipe, upstream: dict[str, Path]) -> dict[str, Any] | None:
+def pretrain_facts(facts: PretrainFacts | None, upstream: dict[str, Path]) -> PretrainCard | None:
     """P: the generic corpora and what the pretrain stage's manifest reports (tokens, steps, loss)."""
-    if "pretrain" not in upstream:
+    if facts is None or "pretrain" not in upstream:
         return None
-    metrics = _metrics(upstream["pretrain"])
-    return {
-        "arch": recipe.pretrain.drafter.arch,
-        "sources": [describe_source(s) for s in recipe.data.pretrain],
-        "token_budget": recipe.pretrain.token_budget,
-        "tokens": metrics.get("tokens"),
-        "steps": metrics.get("steps"),
-        "train_loss": _finite(metrics.get("train_loss")),
-    }
+    drafter = PretrainMetrics.model_validate(_stage_metrics(upstream["pretrain"])).drafter
+    return PretrainCard(
+        arch=facts.arch,
+        sources=[describe_source(s) for s in facts.corpora],
+        token_budget=facts.token_budget,
+        tokens=drafter.tokens,
+        steps=drafter.steps,
+        train_loss=_finite(drafter.train_loss),
+    )
 
 
-def finetune_facts(recipe: Recipe, upstream: dict[str, Path], pair: str) -> dict[str, Any] | None:
+def finetune_facts(
+    facts: FinetuneFacts | None, upstream: dict[str, Path], pair: str | None, prompt_format: str
+) -> FinetuneCard | None:
     """F: the pair's distilled data (temperatures kept) and what the finetune manifest reports for it."""
-    if "finetune" not in upstream:
+    if facts is None or "finetune" not in upstream or pair is None:
         return None
-    metrics = _metrics(upstream["finetune"])
+    metrics = FinetuneMetrics.model_validate(_stage_metrics(upstream["finetune"])).pairs.get(pair)
     if "pretrain" in upstream:
         start = "the pretrained drafter (P-F)"
-    elif recipe.finetune.drafter.init:
-        start = f"`{recipe.finetune.drafter.init}` (F only, no pretraining)"
+    elif facts.init:
+        start = f"`{facts.init}` (F only, no pretraining)"
     else:
         start = "random initialisation (F only, no pretraining)"
-    return {
-        "pair": pair,
-        "start": start,
-        "distill_sources": [describe_source(s) for s in pair_sources(recipe.data.distill, pair)],
-        "open_sources": [describe_source(s) for s in pair_sources(recipe.data.open, pair)],
-        "prompt_format": recipe.distill.prompt_format,
-        "distilled_temperatures": list(recipe.distill.temperatures),
-        "temperatures": list(recipe.finetune.temperatures or recipe.distill.temperatures),
-        "loss": recipe.finetune.loss,
-        "tokens": metrics.get(f"{pair}/tokens"),
-        "steps": metrics.get(f"{pair}/steps"),
-        "train_loss": _finite(metrics.get(f"{pair}/train_loss")),
-        "eval_loss": _finite(metrics.get(f"{pair}/eval_loss")),
-        "top1_agreement": _finite(metrics.get(f"{pair}/top1_agreement")),
-    }
+    held_out = metrics.eval.get(pair) if metrics is not None else None
+    return FinetuneCard(
+        pair=pair,
+        start=start,
+        distill_sources=[describe_source(s) for s in pair_sources(facts.distill_sources, pair)],
+        open_sources=[describe_source(s) for s in pair_sources(facts.open_sources, pair)],
+        prompt_format=prompt_format,
+        distilled_temperatures=facts.distilled_temperatures,
+        temperatures=facts.temperatures,
+        loss=facts.loss,
+        tokens=metrics.tokens if metrics else None,
+        steps=metrics.steps if metrics else None,
+        train_loss=_finite(metrics.train_loss) if metrics else None,
+        eval_loss=_finite(held_out.eval_loss) if held_out else None,
+        top1_agreement=_finite(held_out.top1_agreement) if held_out else None,
+    )
 
 
-def early_exit_facts(head_config: dict[str, Any], upstream: dict[str, Path]) -> dict[str, Any]:
+def early_exit_facts(head_config: dict[str, Any], upstream: dict[str, Path]) -> HeadCard:
     """The head's shape (N, exit layers) and the early_exit stage's training metrics."""
-    training = head_config.get("training") or _metrics(upstream.get("early_exit"))
-    return {
-        "num_hidden_layers": head_config["num_hidden_layers"],
-        "num_shared_layers": head_config["num_shared_layers"],
-        "num_exit_layers": head_config["num_exit_layers"],
-        "steps": training.get("steps"),
-        "train_loss": _finite(training.get("train_loss")),
-        "initial_top1_target": _finite(training.get("initial_top1_target")),
-        "top1_target": _finite(training.get("top1_target")),
-    }
+    training = EarlyExitMetrics.model_validate(_stage_metrics(upstream["early_exit"]))
+    return HeadCard(
+        num_hidden_layers=head_config["num_hidden_layers"],
+        num_shared_layers=head_config["num_shared_layers"],
+        num_exit_layers=head_config["num_exit_layers"],
+        steps=training.steps,
+        train_loss=_finite(training.train_loss),
+        initial_top1_target=_finite(training.initial.top1_target) if training.initial else None,
+        top1_target=_finite(training.final.top1_target) if training.final else None,
+    )
 
 
-def calibration_facts(report: dict[str, Any] | None) -> dict[str, Any] | None:
+def calibration_facts(report: CalibrationReport | None) -> CalibrationCard | None:
     """The calibrate stage's held-out report (accuracy, Brier score, ECE against the base rate)."""
     if report is None:
         return None
-    keys = ("accuracy", "base_rate_accuracy", "brier", "base_rate_brier", "ece", "base_rate", "count")
-    return {
-        "draft_length": report.get("draft_length"),
-        "heldout": {k: report["heldout"].get(k) for k in keys},
-    }
+    return CalibrationCard(draft_length=report.draft_length, heldout=report.heldout)
 
 
 def languages_of(pair: str | None, pairs: list[str]) -> list[str]:

@@ -21,8 +21,16 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.cards import render_card
-from pipelines.export import CARD_FILE, INDEX_FILE, RESULTS_FILE
+from pipelines.export_records import (
+    CARD_FILE,
+    INDEX_FILE,
+    RESULTS_FILE,
+    ExportIndex,
+    ExportRecord,
+    ExportResults,
+)
 from pipelines.manifest import MANIFEST, read_manifest, write_json_atomic
+from pipelines.schema.inputs import ExportInputs
 
 LOG_FILE = "publish.json"
 
@@ -46,8 +54,8 @@ class RepoPlan:
     commit_url: str | None = None
 
 
-def read_export(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The export stage's index and manifest; a clear error when the stage did not complete."""
+def read_export(run_dir: Path) -> tuple[ExportIndex, ExportInputs]:
+    """The export stage's index and inputs; a clear error when the stage did not complete."""
     export_dir = Path(run_dir) / "export"
     manifest = read_manifest(export_dir)
     if manifest is None or not (export_dir / INDEX_FILE).is_file():
@@ -57,10 +65,11 @@ def read_export(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
             + ("; an interrupted one left export.partial/" if partial else "")
             + "); run `polydraft run RECIPE` (or `--only export`) first"
         )
-    return json.loads((export_dir / INDEX_FILE).read_text(encoding="utf-8")), manifest
+    index = ExportIndex.model_validate_json((export_dir / INDEX_FILE).read_text(encoding="utf-8"))
+    return index, ExportInputs.model_validate(manifest["config"])
 
 
-def repo_ids(items: list[dict[str, Any]], repo_id: str | None, repo_prefix: str | None) -> dict[str, str]:
+def repo_ids(items: list[ExportRecord], repo_id: str | None, repo_prefix: str | None) -> dict[str, str]:
     """Item name -> repo id: `repo_id` for a single item, else `<repo_prefix><repo_name>`."""
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
@@ -69,14 +78,14 @@ def repo_ids(items: list[dict[str, Any]], repo_id: str | None, repo_prefix: str 
         raise PublishError("give either --repo-id or --repo-prefix, not both")
     if repo_id is not None:
         if len(items) != 1:
-            names = ", ".join(i["name"] for i in items)
+            names = ", ".join(i.name for i in items)
             raise PublishError(
                 f"--repo-id names one repo but {len(items)} folders are selected ({names}); "
                 "use --repo-prefix ORG/, or select one with --only NAME"
             )
-        ids = {items[0]["name"]: repo_id}
+        ids = {items[0].name: repo_id}
     elif repo_prefix is not None:
-        ids = {i["name"]: f"{repo_prefix}{i['repo_name']}" for i in items}
+        ids = {i.name: f"{repo_prefix}{i.repo_name}" for i in items}
     else:
         raise PublishError("give --repo-id ORG/NAME or --repo-prefix ORG/ (or set export.repo_prefix)")
     for name, value in ids.items():
@@ -89,27 +98,27 @@ def repo_ids(items: list[dict[str, Any]], repo_id: str | None, repo_prefix: str 
     return ids
 
 
-def commit_message(info: dict[str, Any]) -> tuple[str, str]:
+def commit_message(info: ExportResults) -> tuple[str, str]:
     """A message that says what the repo holds and what it measured, and a longer description."""
-    target = info["target"]["label"] or "a local target"
+    target = info.target.label or "a local target"
     what = (
         f"early-exit head for {target}"
-        if info["kind"] == "early_exit"
-        else f"{info['pair'] or 'generic'} drafter for {target}"
+        if info.kind == "early_exit"
+        else f"{info.pair or 'generic'} drafter for {target}"
     )
-    best = info["measurement"]["headline"]
+    best = info.measurement.headline
     if best is not None:
         measured = (
-            f"{best['method']}: {best['block_efficiency']['mean']:.2f} tokens/call, "
-            f"{best['speedup']['mean']:.2f}x at T={best['temperature']:g} on {best['dataset']}"
+            f"{best.method}: {best.block_efficiency.mean:.2f} tokens/call, "
+            f"{best.speedup.mean:.2f}x at T={best.temperature:g} on {best.dataset}"
         )
     else:
         measured = "not measured"
-    smoke = "passed" if info["smoke"]["passed"] else "FAILED"
-    git = info["polydraft"]
+    smoke = "passed" if info.smoke.passed else "FAILED"
+    git = info.polydraft
     description = (
-        f"Exported by polydraft (commit {git.get('commit') or 'unknown'}). Smoke check {smoke}: "
-        + ", ".join(f"{c['name']} {c['status']}" for c in info["smoke"]["checks"])
+        f"Exported by polydraft (commit {git.commit or 'unknown'}). Smoke check {smoke}: "
+        + ", ".join(f"{c.name} {c.status}" for c in info.smoke.checks)
         + "."
     )
     return f"polydraft: {what} ({measured})", description
@@ -124,49 +133,45 @@ def plan(
 ) -> list[RepoPlan]:
     """What would be pushed; raises PublishError for a failed smoke check or no measurements
     (unless `force`), so that nothing is pushed at all."""
-    index, manifest = read_export(run_dir)
-    items = index["items"]
+    index, inputs = read_export(run_dir)
+    items = index.items
     if only:
-        unknown = sorted(set(only) - {i["name"] for i in items})
+        unknown = sorted(set(only) - {i.name for i in items})
         if unknown:
-            names = ", ".join(i["name"] for i in items)
+            names = ", ".join(i.name for i in items)
             raise PublishError(f"--only {', '.join(unknown)}: not exported (exported: {names})")
-        items = [i for i in items if i["name"] in only]
+        items = [i for i in items if i.name in only]
     if not items:
         raise PublishError(f"{run_dir}: the export stage exported nothing")
-    default_prefix = manifest["config"]["export"]["repo_prefix"]
+    default_prefix = inputs.export.repo_prefix
     if repo_id is None and repo_prefix is None:
         repo_prefix = default_prefix
     ids = repo_ids(items, repo_id, repo_prefix)
     plans, refusals = [], []
     for item in items:
-        folder = Path(run_dir) / "export" / item["folder"]
-        info = json.loads((folder / RESULTS_FILE).read_text(encoding="utf-8"))
+        folder = Path(run_dir) / "export" / item.folder
+        info = ExportResults.model_validate_json((folder / RESULTS_FILE).read_text(encoding="utf-8"))
         problems = []
-        if not info["smoke"]["passed"]:
-            failed = [f"{c['name']}: {c['detail']}" for c in info["smoke"]["checks"] if c["status"] == "fail"]
+        if not info.smoke.passed:
+            failed = [f"{c.name}: {c.detail}" for c in info.smoke.checks if c.status == "fail"]
             problems.append(f"its smoke check failed ({'; '.join(failed)})")
-        if not info["measurement"]["measured"]:
+        if not info.measurement.measured:
             problems.append("it has no measurements (the measure stage did not measure it)")
         if problems and not force:
-            refusals.append(f"{item['name']}: {' and '.join(problems)}")
+            refusals.append(f"{item.name}: {' and '.join(problems)}")
         message, description = commit_message(info)
         files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
         plans.append(
             RepoPlan(
-                name=item["name"],
-                repo_id=ids[item["name"]],
+                name=item.name,
+                repo_id=ids[item.name],
                 folder=folder,
                 files=files,
-                card=render_card(info, ids[item["name"]]),
+                card=render_card(info, ids[item.name]),
                 commit_message=message,
                 commit_description=description,
                 warnings=[f"published although {p}" for p in problems]
-                + (
-                    []
-                    if info["target"]["id"]
-                    else ["the target is a local model: the card names no base_model"]
-                ),
+                + ([] if info.target.id else ["the target is a local model: the card names no base_model"]),
             )
         )
     if refusals:

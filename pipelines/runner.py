@@ -1,9 +1,9 @@
 """The pipeline runner: stage order, manifests, skip-if-unchanged, atomic stage folders, resume.
 
-A stage's *key* is the hash of the recipe blocks it reads plus the hashes of the upstream manifests it
-consumes. A stage whose folder holds a manifest with the same key is up to date and skipped; changing
-one stage's block changes its key, so it reruns, its new manifest changes the keys of everything
-downstream, and nothing upstream moves.
+A stage's *key* is the hash of its inputs object (`pipelines.schema.inputs`: exactly the recipe values it
+reads) plus the hashes of the upstream manifests it consumes. A stage whose folder holds a manifest with
+the same key is up to date and skipped; changing a value a stage reads changes its key, so it reruns, its
+new manifest changes the keys of everything downstream, and nothing upstream moves.
 
 While it runs, a stage writes into `<run_dir>/<stage>.partial/`. Only after the stage function returned
 and its manifest was written there is that folder renamed to `<run_dir>/<stage>/`, so a folder without
@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
 from pipelines.manifest import (
     MANIFEST,
     canonical_hash,
@@ -34,8 +36,8 @@ from pipelines.manifest import (
     write_json_atomic,
 )
 from pipelines.recipe import dump_recipe
-from pipelines.schema import Recipe
-from pipelines.stage import PROJECT_ROOT, ResolvedTarget, StageContext, StageFailed, StageResult
+from pipelines.schema import Recipe, ResolvedTarget
+from pipelines.stage import PROJECT_ROOT, StageContext, StageFailed, StageResult
 from pipelines.tracking import start_tracking
 
 log = logging.getLogger(__name__)
@@ -46,9 +48,10 @@ KEY_FILE = ".key"
 @dataclass(frozen=True)
 class Stage:
     name: str
-    run: Callable[[Recipe, StageContext], StageResult]
-    blocks: tuple[str, ...]
-    """Recipe blocks the stage reads; their content is part of its key (target and data always are)."""
+    run: Callable[[Any, StageContext], StageResult]
+    """`run(inputs, ctx)`, `inputs` being what `inputs` builds."""
+    inputs: Callable[[Recipe, ResolvedTarget], BaseModel]
+    """Builds the stage's frozen inputs object from the recipe; its content is the stage's key."""
     upstream: tuple[str, ...] = ()
     """Stages whose outputs it consumes, when they are enabled."""
 
@@ -63,14 +66,6 @@ class StageOutcome:
 
 def _enabled(recipe: Recipe, name: str) -> bool:
     return bool(getattr(getattr(recipe, name), "enabled", True))
-
-
-def stage_config(recipe: Recipe, stage: Stage, target: ResolvedTarget) -> dict[str, Any]:
-    blocks = {
-        block: getattr(recipe, block).model_dump(mode="json") for block in ("target", "data", *stage.blocks)
-    }
-    blocks["resolved_target"] = target.__dict__
-    return blocks
 
 
 def _select(stages: list[Stage], only: str | None, start: str | None) -> set[str]:
@@ -136,7 +131,8 @@ def run_pipeline(
         upstream = [u for u in stage.upstream if u in enabled_names]
         missing = [u for u in upstream if not fresh.get(u)]
         manifest = read_manifest(final_dir)
-        config = stage_config(recipe, stage, target)
+        inputs = stage.inputs(recipe, target)
+        config = inputs.model_dump(mode="json")
         upstream_hashes = {u: file_hash(run_dir / u / MANIFEST) for u in upstream if fresh.get(u)}
         key = canonical_hash({"config": canonical_hash(config), "upstream": upstream_hashes})
         keys[stage.name] = key
@@ -167,14 +163,15 @@ def run_pipeline(
             entity=tracking.entity,
             tags=tracking.tags,
             mode=tracking.mode,
+            model_artifacts=tracking.model_artifacts,
         )
         ctx = StageContext(
             name=stage.name,
             run_dir=run_dir,
             work_dir=work_dir,
             upstream={u: run_dir / u for u in upstream},
-            target=target,
             tracker=tracker,
+            tracking=tracking,
             quiet=quiet,
             verbose=verbose,
         )
@@ -182,7 +179,7 @@ def run_pipeline(
         clock = time.perf_counter()
         log.info("%-10s running (work dir %s)", stage.name, work_dir)
         try:
-            result = stage.run(recipe, ctx)
+            result = stage.run(inputs, ctx)
         except BaseException as err:
             tracker.finish(failed=True)
             write_json_atomic(

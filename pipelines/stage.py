@@ -1,6 +1,7 @@
-"""What a stage sees: its context (folders, target, tracker, launcher) and what it returns.
+"""What a stage sees: its context (folders, tracker, launcher) and what it returns.
 
-A stage is a function `run(recipe, ctx) -> StageResult`. It writes everything into `ctx.work_dir`
+A stage is a function `run(inputs, ctx) -> StageResult`, where `inputs` is its frozen, typed inputs
+object (`pipelines.schema.inputs`): exactly the recipe values it reads. It writes everything into `ctx.work_dir`
 (`<run_dir>/<stage>.partial/`); the runner renames that folder to `<run_dir>/<stage>/` only after the
 stage returned and its manifest was written, so a folder without `.partial` is always complete. The
 partial folder survives a crash or a kill, so a rerun of the same config can resume from what it holds.
@@ -13,14 +14,18 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
 
-from pipelines.schema import Recipe
+from pipelines.schema import LaunchConfig, LoopConfig, OptimConfig, TrackingConfig
 from pipelines.tracking import Tracker, start_tracking
+from train.drafter import LoopSettings
+from train.step import OptimSettings
 
 log = logging.getLogger(__name__)
 
@@ -29,16 +34,6 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 class StageFailed(RuntimeError):
     """A stage that cannot complete; the message says why and what to do about it."""
-
-
-@dataclass(frozen=True)
-class ResolvedTarget:
-    """The target as stages load it: a local folder or hub id, after any bootstrap build."""
-
-    path: str
-    revision: str | None
-    dtype: str
-    trust_remote_code: bool
 
 
 @dataclass
@@ -56,8 +51,9 @@ class StageContext:
     """Write outputs here. Kept across a crash so that a rerun can resume; renamed on success."""
     upstream: dict[str, Path]
     """Completed folders of the upstream stages this stage consumes, by stage name (enabled ones only)."""
-    target: ResolvedTarget
     tracker: Tracker
+    tracking: TrackingConfig
+    """The recipe's tracking block, for the wandb runs of training subprocesses."""
     quiet: bool = False
     verbose: bool = False
 
@@ -88,8 +84,9 @@ class StageSpec:
     run_dir: str
     work_dir: str
     upstream: dict[str, str]
-    target: dict[str, Any]
-    recipe: dict[str, Any]
+    inputs: dict[str, Any]
+    """The stage's inputs object (`pipelines.schema.inputs`), as JSON."""
+    tracking: dict[str, Any]
     quiet: bool = False
     verbose: bool = False
 
@@ -101,23 +98,15 @@ class StageSpec:
     def read(cls, path: str | Path) -> StageSpec:
         return cls(**json.loads(Path(path).read_text(encoding="utf-8")))
 
-    @property
-    def parsed_recipe(self) -> Recipe:
-        return Recipe.model_validate(self.recipe)
 
-    @property
-    def resolved_target(self) -> ResolvedTarget:
-        return ResolvedTarget(**self.target)
-
-
-def spec_for(recipe: Recipe, ctx: StageContext) -> StageSpec:
+def spec_for(inputs: BaseModel, ctx: StageContext) -> StageSpec:
     return StageSpec(
         stage=ctx.name,
         run_dir=str(ctx.run_dir),
         work_dir=str(ctx.work_dir),
         upstream={k: str(v) for k, v in ctx.upstream.items()},
-        target=ctx.target.__dict__,
-        recipe=recipe.model_dump(mode="json"),
+        inputs=inputs.model_dump(mode="json"),
+        tracking=ctx.tracking.model_dump(mode="json"),
         quiet=ctx.quiet,
         verbose=ctx.verbose,
     )
@@ -125,19 +114,17 @@ def spec_for(recipe: Recipe, ctx: StageContext) -> StageSpec:
 
 def tracker_for_spec(spec: StageSpec, is_main_process: bool) -> Tracker:
     """The wandb run of a training subprocess (main process only; other ranks log nothing)."""
-    recipe = spec.parsed_recipe
-    tracking = recipe.tracking
-    mode = tracking.mode if is_main_process else "disabled"
+    tracking = TrackingConfig.model_validate(spec.tracking)
     run_dir = Path(spec.run_dir)
     return start_tracking(
         stage=spec.stage,
         group=tracking.run_name or run_dir.name,
         wandb_dir=run_dir,
-        config=spec.recipe,
+        config=spec.inputs,
         project=tracking.project,
         entity=tracking.entity,
         tags=tracking.tags,
-        mode=mode,
+        mode=tracking.mode if is_main_process else "disabled",
     )
 
 
@@ -180,7 +167,9 @@ TRAINING_ERROR = "error.txt"
 """The subprocess's own one-line reason for failing (NaN at step N, vocabulary mismatch, ...)."""
 
 
-def launch_training(recipe: Recipe, ctx: StageContext, module: str) -> dict[str, Any]:
+def launch_training(
+    inputs: BaseModel, launch: LaunchConfig, ctx: StageContext, module: str
+) -> dict[str, Any]:
     """Run `module` as `accelerate launch ... -m module SPEC`, wait, and return its headline metrics.
 
     On a machine without a GPU (or with `launch.cpu`), ACCELERATE_USE_CPU=true turns a multi-process
@@ -190,8 +179,7 @@ def launch_training(recipe: Recipe, ctx: StageContext, module: str) -> dict[str,
     """
     import torch
 
-    launch = recipe.launch
-    spec_path = spec_for(recipe, ctx).write(ctx.work_dir / "spec.json")
+    spec_path = spec_for(inputs, ctx).write(ctx.work_dir / "spec.json")
     config_file = resolve_accelerate_config(launch.accelerate_config)
     command = accelerate_command(config_file, launch.num_processes, module, [str(spec_path)])
     error_file = ctx.work_dir / TRAINING_ERROR
@@ -224,7 +212,54 @@ def launch_training(recipe: Recipe, ctx: StageContext, module: str) -> dict[str,
                 f"{ctx.name}: {error_file.read_text(encoding='utf-8').strip()} (log: {log_path})"
             )
         raise StageFailed(f"{ctx.name}: training exited with status {code}; see {log_path}")
-    return json.loads((ctx.work_dir / TRAINING_METRICS).read_text(encoding="utf-8"))
+    metrics = ctx.work_dir / TRAINING_METRICS
+    if not metrics.is_file():
+        raise StageFailed(f"{ctx.name}: training ended without writing {metrics.name}; see {log_path}")
+    return json.loads(metrics.read_text(encoding="utf-8"))
+
+
+def optim_settings(optim: OptimConfig) -> OptimSettings:
+    """A recipe's optimizer block as the trainers' plain settings (a resolved recipe has every value)."""
+    assert optim.lr is not None, "the recipe loader fills every learning rate"
+    betas = (optim.betas[0], optim.betas[1])
+    return OptimSettings(**{**optim.model_dump(), "betas": betas})
+
+
+def loop_settings(loop: LoopConfig, total_steps: int) -> LoopSettings:
+    return LoopSettings(
+        total_steps=total_steps,
+        per_device_batch_size=loop.per_device_batch_size,
+        max_length=loop.max_length,
+        log_every=loop.log_every,
+        eval_every=loop.eval_every,
+        eval_batches=loop.eval_batches,
+        checkpoint_every=loop.checkpoint_every,
+        keep_checkpoints=loop.keep_checkpoints,
+        compile=loop.compile,
+    )
+
+
+def training_main(
+    argv: list[str] | None,
+    inputs_type: type[Any],
+    loop_of: Callable[[Any], LoopConfig],
+    job: Callable[[StageSpec, Any, Any, Tracker], dict[str, Any]],
+) -> None:
+    """The `main()` of a training stage module, started by `accelerate launch` on every process: read the
+    spec, build the Accelerator for the stage's loop settings and the wandb run, and run `job(spec, inputs,
+    accelerator, tracker)`, which returns the stage's metrics (see `run_training_process`)."""
+    import torch
+
+    from train.runtime import make_accelerator, resolve_mixed_precision
+
+    spec = StageSpec.read((argv or sys.argv[1:])[0])
+    setup_process_logging(spec)
+    inputs = inputs_type.model_validate(spec.inputs)
+    loop = loop_of(inputs)
+    cuda = torch.cuda.is_available() and not inputs.launch.cpu
+    accelerator = make_accelerator(loop.grad_accum_steps, resolve_mixed_precision(loop.mixed_precision, cuda))
+    tracker = tracker_for_spec(spec, accelerator.is_main_process)
+    run_training_process(spec, accelerator, tracker, lambda: job(spec, inputs, accelerator, tracker))
 
 
 def setup_process_logging(spec: StageSpec) -> None:

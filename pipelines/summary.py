@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from decoding.measure import RESULTS_FILE, read_rows
 from decoding.report import domain_table, table
+from decoding.results import RESULTS_FILE, read_rows
+from pipelines.export_records import INDEX_FILE, ExportIndex
 
 
 def results_summary(run_dir: Path) -> str | None:
@@ -25,13 +25,11 @@ def results_summary(run_dir: Path) -> str | None:
         "In-domain vs out-of-domain (each language-specific drafter on its own pair and on the others):",
         domain_table(rows),
     ]
-    index = run_dir / "export" / "export.json"
+    index = run_dir / "export" / INDEX_FILE
     if index.is_file():
-        items = json.loads(index.read_text(encoding="utf-8"))["items"]
+        items = ExportIndex.model_validate_json(index.read_text(encoding="utf-8")).items
         parts += ["", "Exported (run_dir/export/<name>/, model card README.md inside):"]
         for item in items:
-            smoke = "smoke check passed" if item["smoke_passed"] else "SMOKE CHECK FAILED"
-            parts.append(
-                f"  {item['name']:<12} {item['kind']:<10} {smoke}, best K {item['best_draft_length']}"
-            )
+            smoke = "smoke check passed" if item.smoke_passed else "SMOKE CHECK FAILED"
+            parts.append(f"  {item.name:<12} {item.kind:<10} {smoke}, best K {item.best_draft_length}")
     return "\n".join(parts)

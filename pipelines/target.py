@@ -7,8 +7,7 @@ import os
 from pathlib import Path
 
 from pipelines.manifest import canonical_hash
-from pipelines.schema import DataConfig, TargetConfig
-from pipelines.stage import ResolvedTarget
+from pipelines.schema import DataConfig, ResolvedTarget, TargetConfig
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +32,12 @@ def bootstrap_key(target: TargetConfig, data: DataConfig) -> str:
 def resolve_target(target: TargetConfig, data: DataConfig, show_progress: bool = True) -> ResolvedTarget:
     """The target as stages load it; a bootstrap target is built once per settings hash, then reused."""
     if target.path is not None:
-        return ResolvedTarget(target.path, target.revision, target.dtype, target.trust_remote_code)
+        return ResolvedTarget(
+            path=target.path,
+            revision=target.revision,
+            dtype=target.dtype,
+            trust_remote_code=target.trust_remote_code,
+        )
     from train.bootstrap import DONE, build_bootstrap_target
 
     boot = target.bootstrap
@@ -64,4 +68,6 @@ def resolve_target(target: TargetConfig, data: DataConfig, show_progress: bool =
             kind_weights=dict(data.offline.kind_weights),
             show_progress=show_progress,
         )
-    return ResolvedTarget(str(folder.resolve()), None, target.dtype, False)
+    return ResolvedTarget(
+        path=str(folder.resolve()), revision=None, dtype=target.dtype, trust_remote_code=False
+    )

@@ -16,10 +16,11 @@ class Tracker:
     in a training subprocess (which opens its own run) leaves no empty run behind.
     """
 
-    def __init__(self, run: Any | None, stage: str, start: Any | None = None):
+    def __init__(self, run: Any | None, stage: str, start: Any | None = None, model_artifacts: bool = False):
         self._run = run
         self._start = start
         self.stage = stage
+        self.model_artifacts = model_artifacts
 
     def _ensure(self) -> Any | None:
         if self._run is None and self._start is not None:
@@ -49,8 +50,9 @@ class Tracker:
         )
 
     def log_artifact(self, name: str, folder: Path, metadata: dict[str, Any]) -> None:
-        """A folder as a wandb `model` artifact (its files are copied to wandb's staging area now)."""
-        if self._ensure() is None:
+        """A folder as a wandb `model` artifact (its files are copied to wandb's staging area now); only
+        with `tracking.model_artifacts`."""
+        if not self.model_artifacts or self._ensure() is None:
             return
         import wandb
 
@@ -78,10 +80,11 @@ def start_tracking(
     entity: str | None,
     tags: list[str],
     mode: str,
+    model_artifacts: bool = False,
 ) -> Tracker:
     """A wandb run named `<group>/<stage>` in group `group`; mode `disabled` logs to the console only."""
     if mode == "disabled":
-        return Tracker(None, stage)
+        return Tracker(None, stage, model_artifacts=model_artifacts)
 
     def start() -> Any:
         import wandb
@@ -101,4 +104,4 @@ def start_tracking(
             settings=wandb.Settings(silent=True, console="off"),
         )
 
-    return Tracker(None, stage, start)
+    return Tracker(None, stage, start, model_artifacts)

@@ -17,10 +17,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def tiny_tokenizer():
     """A 512-token byte-level BPE trained on the offline corpus, with the Vicuna chat template."""
     from distill.offline import offline_texts
+    from distill.prompts import VICUNA_CHAT_TEMPLATE
     from models.tiny import train_tokenizer
 
     texts = [row["text"] for row in offline_texts(["de", "fr"], 400, seed=0)]
-    return train_tokenizer(texts, vocab_size=512)
+    return train_tokenizer(texts, vocab_size=512, chat_template=VICUNA_CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="session")

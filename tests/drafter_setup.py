@@ -9,8 +9,8 @@ from typing import Any
 from distill.mix import mix_path, write_mix
 from distill.offline import offline_pairs
 from distill.prompts import task_prefix, vicuna_prompt
-from pipelines.schema import Recipe
-from pipelines.stage import ResolvedTarget, StageContext
+from pipelines.schema import Recipe, ResolvedTarget, TrackingConfig
+from pipelines.stage import StageContext, StageResult
 from pipelines.tracking import Tracker
 
 TINY_DRAFTER = {"arch": "custom", "hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
@@ -34,7 +34,8 @@ def _merge(base: dict, extra: dict) -> dict:
 
 
 def tiny_recipe(target_dir: Path, **blocks: Any) -> Recipe:
-    """A recipe for a 1-layer hidden-32 drafter on the tiny target; `blocks` deep-merge over it."""
+    """A recipe for a 1-layer hidden-32 drafter on the tiny target; `blocks` deep-merge over it (without
+    pretraining, `finetune.drafter` starts as that tiny drafter)."""
     data = {
         "target": {"path": str(target_dir)},
         "data": {
@@ -49,13 +50,15 @@ def tiny_recipe(target_dir: Path, **blocks: Any) -> Recipe:
             "loop": TINY_LOOP,
         },
         "finetune": {
-            "drafter": TINY_DRAFTER,
             "optim": {"lr": 3e-3},
             "loop": {**TINY_LOOP, "max_length": 160, "max_steps": 6},
         },
         "tracking": {"mode": "disabled"},
     }
-    return Recipe.model_validate(_merge(data, blocks))
+    merged = _merge(data, blocks)
+    if merged["pretrain"].get("enabled") is False:  # F only: finetune starts from its own drafter
+        merged["finetune"]["drafter"] = _merge(TINY_DRAFTER, merged["finetune"].get("drafter", {}))
+    return Recipe.model_validate(merged)
 
 
 def write_tiny_mix(distill_dir: Path, pairs: list[str], train_rows: int = 24, eval_rows: int = 8) -> Path:
@@ -84,9 +87,14 @@ def write_tiny_mix(distill_dir: Path, pairs: list[str], train_rows: int = 24, ev
     return distill_dir
 
 
+def target_of(target_dir: Path | str) -> ResolvedTarget:
+    return ResolvedTarget(path=str(target_dir), revision=None, dtype="float32", trust_remote_code=False)
+
+
 def context(
-    run_dir: Path, name: str, target_dir: Path, upstream: dict[str, Path] | None = None
+    run_dir: Path, name: str, upstream: dict[str, Path] | None = None, mode: str = "disabled"
 ) -> StageContext:
+    """The context the runner gives stage `name` (work dir `<run_dir>/<name>.partial`)."""
     work_dir = run_dir / f"{name}.partial"
     work_dir.mkdir(parents=True, exist_ok=True)
     return StageContext(
@@ -94,7 +102,23 @@ def context(
         run_dir=run_dir,
         work_dir=work_dir,
         upstream=upstream or {},
-        target=ResolvedTarget(path=str(target_dir), revision=None, dtype="float32", trust_remote_code=False),
         tracker=Tracker(None, name),
+        tracking=TrackingConfig(mode=mode),
         quiet=True,
     )
+
+
+def stage_inputs(name: str, recipe: Recipe, target_dir: Path | str) -> Any:
+    """Stage `name`'s inputs object, built as the runner builds it."""
+    from pipelines.stages import default_stages
+
+    stage = next(s for s in default_stages() if s.name == name)
+    return stage.inputs(recipe, target_of(target_dir))
+
+
+def run_stage(name: str, recipe: Recipe, ctx: StageContext, target_dir: Path | str) -> StageResult:
+    """Run stage `name` of `recipe` as the runner would, in `ctx`."""
+    from pipelines.stages import default_stages
+
+    stage = next(s for s in default_stages() if s.name == name)
+    return stage.run(stage.inputs(recipe, target_of(target_dir)), ctx)

@@ -1,7 +1,7 @@
 """A run whose upstream stages left real artifacts, for the export and publish tests.
 
 Tiny drafters (`models.drafters`), an early-exit head and a calibration model on the tiny target, and a
-hand-written `results.jsonl` that follows the row schema documented in `decoding.measure`. The upstream
+hand-written `results.jsonl` of typed rows (`decoding.results.ResultRow`). The upstream
 stages are stand-ins that copy these prepared folders; the export stage itself is the real one, run by
 the real runner (`run_pipeline`), so manifests are written exactly as in a pipeline run.
 """
@@ -16,26 +16,33 @@ from typing import Any
 
 import torch
 
+from decoding.results import ResultRow
 from pipelines.runner import Stage, run_pipeline
-from pipelines.stage import ResolvedTarget, StageResult
+from pipelines.schema import ResolvedTarget
+from pipelines.stage import StageResult
 
 TINY = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
 DATASETS = ("de-en", "fr-en")
 TEMPERATURES = (0.0, 1.0)
 SEEDS = (0, 1)
-TRAINING = {  # what the trainers' manifests report (metrics of the finetune and pretrain stages)
-    "pretrain": {"steps": 6, "tokens": 1536, "train_loss": 5.125},
+LAUNCHED = {"distributed_type": "NO", "num_processes": 1}
+HEAD_EVAL = {"eval_loss": 4.0, "top1_labels": 0.5, "target_top1_labels": 0.75}
+TRAINING = {  # what the trainers' manifests report (typed metrics, `train.results`)
+    "pretrain": {"drafter": {"steps": 6, "tokens": 1536, "train_loss": 5.125}, **LAUNCHED},
     "finetune": {
-        "de-en/steps": 6,
-        "de-en/tokens": 4321,
-        "de-en/train_loss": 3.5,
-        "de-en/top1_agreement": 0.25,
-        "fr-en/steps": 6,
-        "fr-en/tokens": 4567,
-        "fr-en/train_loss": 3.75,
-        "fr-en/top1_agreement": 0.125,
+        "pairs": {
+            "de-en": {"steps": 6, "tokens": 4321, "train_loss": 3.5,
+                      "eval": {"de-en": {"eval_loss": 3.25, "top1_agreement": 0.25}}},
+            "fr-en": {"steps": 6, "tokens": 4567, "train_loss": 3.75,
+                      "eval": {"fr-en": {"eval_loss": 3.5, "top1_agreement": 0.125}}},
+        },
+        **LAUNCHED,
     },
-}
+    "early_exit": {
+        "steps": 4, "train_loss": 4.5, "initial": {**HEAD_EVAL, "top1_target": 0.5},
+        "final": {**HEAD_EVAL, "top1_target": 0.625}, **LAUNCHED,
+    },
+}  # fmt: skip
 
 
 def save_drafter(folder: Path, tokenizer: Any, vocab_size: int | None = None, seed: int = 0) -> Path:
@@ -56,8 +63,7 @@ def save_head(folder: Path, target_dir: Path) -> Path:
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     head = from_target(target, 2, 1)
     head.target_path = str(target_dir)
-    training = {"steps": 4, "train_loss": 4.5, "initial_top1_target": 0.5, "top1_target": 0.625}
-    return save_exit_head(head, folder, extra={"training": training})
+    return save_exit_head(head, folder, extra={"training": TRAINING["early_exit"]})
 
 
 def save_calibration(folder: Path, drafter: Path, draft_hidden: int) -> Path:
@@ -76,7 +82,15 @@ def save_calibration(folder: Path, drafter: Path, draft_hidden: int) -> Path:
         "base_rate": 0.375,
         "count": 80,
     }
-    report = {"drafter": folder.name, "drafter_path": head, "draft_length": 4, "heldout": heldout}
+    report = {
+        "drafter": folder.name,
+        "drafter_path": head,
+        "draft_length": 4,
+        "positions": {"train": 800, "heldout": 80},
+        "heldout": heldout,
+        "train": heldout,
+        "heldout_base_rate_by_step": [0.5, 0.375, 0.25, 0.125],
+    }
     (folder / "report.json").write_text(json.dumps(report), encoding="utf-8")
     return folder
 
@@ -146,10 +160,16 @@ METHODS = [
 """Measured methods; the pretrain stage's generic drafter is left unmeasured on purpose."""
 
 
-def measure_rows(seed: int = 0) -> list[dict[str, Any]]:
+def result_row(**fields: Any) -> ResultRow:
+    """A complete result row (an `sd` row of the de-en drafter) with `fields` replacing its values."""
+    method = {"decoder": "sd", "method": "sd[de-en] K=4", "drafter": "de-en", "kind": "finetune", "pair": "de-en", "k": 4, "control": "fixed"}  # fmt: skip
+    return ResultRow.model_validate({**_row(random.Random(0), method, "de-en", 0.0, 0, 1), **fields})
+
+
+def measure_rows(seed: int = 0) -> list[ResultRow]:
     rng = random.Random(seed)
     return [
-        _row(rng, method, dataset, temperature, s, len(METHODS))
+        ResultRow.model_validate(_row(rng, method, dataset, temperature, s, len(METHODS)))
         for dataset in DATASETS
         for temperature in TEMPERATURES
         for s in SEEDS
@@ -168,13 +188,13 @@ def build_templates(root: Path, tokenizer: Any, target_dir: Path, fr_vocab: int 
     (root / "measure").mkdir(parents=True)
     rows = measure_rows()
     (root / "measure" / "results.jsonl").write_text(
-        "".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8"
+        "".join(r.model_dump_json() + "\n" for r in rows), encoding="utf-8"
     )
     return root
 
 
 def _provider(template: Path, metrics: dict[str, Any]):
-    def run(recipe, ctx):
+    def run(inputs, ctx):
         shutil.copytree(template, ctx.work_dir, dirs_exist_ok=True)
         return StageResult(metrics=metrics)
 
@@ -185,29 +205,26 @@ def export_stages(templates: Path, real_measure: bool = False) -> list[Stage]:
     """Stand-ins for the upstream stages (copying the templates) and the real export stage; with
     `real_measure`, the real measure stage measures the stand-ins' drafters instead of the
     hand-written rows."""
-    from decoding.measure import run as measure
-    from pipelines.export import run as export
+    from pipelines.stages import default_stages
 
-    def provide(name: str, metrics: dict[str, Any]):
-        return _provider(templates / name, metrics)
+    real = {s.name: s for s in default_stages()}
 
+    def provide(name: str, metrics: dict[str, Any]) -> Stage:
+        return Stage(name, _provider(templates / name, metrics), real[name].inputs, real[name].upstream)
+
+    measure = real["measure"] if real_measure else provide("measure", {})
     return [
-        Stage("pretrain", provide("pretrain", TRAINING["pretrain"]), ("pretrain",)),
-        Stage("finetune", provide("finetune", TRAINING["finetune"]), ("finetune",), ("pretrain",)),
-        Stage("early_exit", provide("early_exit", {}), ("early_exit",)),
-        Stage("calibrate", provide("calibrate", {}), ("calibrate",), ("early_exit",)),
+        provide("pretrain", TRAINING["pretrain"]),
         Stage(
-            "measure",
-            measure if real_measure else provide("measure", {}),
-            ("measure",),
-            ("pretrain", "finetune", "early_exit", "calibrate"),
+            "finetune",
+            _provider(templates / "finetune", TRAINING["finetune"]),
+            real["finetune"].inputs,
+            ("pretrain",),
         ),
-        Stage(
-            "export",
-            export,
-            ("export", "distill", "measure"),
-            ("pretrain", "finetune", "early_exit", "calibrate", "measure"),
-        ),
+        provide("early_exit", TRAINING["early_exit"]),
+        Stage("calibrate", _provider(templates / "calibrate", {}), real["calibrate"].inputs, ("early_exit",)),
+        measure,
+        real["export"],
     ]
 
 

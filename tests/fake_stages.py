@@ -13,7 +13,7 @@ from pipelines.stages import default_stages
 
 
 def _make(name: str):
-    def run(recipe, ctx):
+    def run(inputs, ctx):
         log = Path(os.environ["FAKE_STAGE_LOG"])
         with open(log, "a") as handle:
             handle.write(name + "\n")
@@ -33,8 +33,8 @@ def _make(name: str):
 
 
 def fake_stages() -> list[Stage]:
-    """The real pipeline's stages (names, blocks, upstream edges) with stand-in functions."""
-    return [Stage(s.name, _make(s.name), s.blocks, s.upstream) for s in default_stages()]
+    """The real pipeline's stages (names, inputs, upstream edges) with stand-in functions."""
+    return [Stage(s.name, _make(s.name), s.inputs, s.upstream) for s in default_stages()]
 
 
 TOPOLOGY = [s.name for s in fake_stages()]

@@ -9,19 +9,18 @@ import torch
 
 from models.calibration import CalibrationModel
 from models.early_exit import build_early_exit, save_exit_head
-from pipelines.stage import StageFailed, spec_for
+from pipelines.stage import StageFailed, optim_settings, spec_for
+from pipelines.stages.calibrate import calibrate
 from pipelines.tracking import Tracker
-from tests.drafter_setup import context, tiny_recipe, write_tiny_mix
+from tests.drafter_setup import context, run_stage, stage_inputs, tiny_recipe, write_tiny_mix
 from tests.eesd_setup import save_layered_target
 from train.calibrate import (
     REPORT_FILE,
     build_labels,
-    calibrate,
     fit,
     flatten,
     hf_forward,
     label_position,
-    run,
     sample_positions,
 )
 from train.losses import IGNORE_INDEX
@@ -67,7 +66,7 @@ def test_positions_fall_inside_responses():
     prefixes = sample_positions(examples, 200, seed=3)
     assert {len(p) for p in prefixes} == {6, 7, 8, 9}  # from the prompt's end to the token before the last
     assert prefixes == sample_positions(examples, 200, seed=3)
-    with pytest.raises(StageFailed, match="no mix row has a response"):
+    with pytest.raises(ValueError, match="no mix row has a response"):
         sample_positions(examples[1:], 1, seed=0)
 
 
@@ -84,14 +83,22 @@ def test_fit_learns_a_separable_rule(tmp_path):
     recipe = tiny_recipe(
         tmp_path, calibrate={"optim": {"lr": 0.1}, "loop": {"per_device_batch_size": 64, "epochs": 10.0}}
     )
+    loop = recipe.calibrate.loop
     model = fit(
         make_accelerator(1, "no"),
         CalibrationModel(d, d),
         rows,
-        recipe.calibrate,
-        tmp_path / "m",
-        Tracker(None, "c"),
-        "t",
+        optim_settings(recipe.calibrate.optim),
+        per_device=loop.per_device_batch_size,
+        epochs=loop.epochs,
+        max_steps=loop.max_steps,
+        seed=loop.seed,
+        log_every=loop.log_every,
+        checkpoint_every=loop.checkpoint_every,
+        keep_checkpoints=loop.keep_checkpoints,
+        folder=tmp_path / "m",
+        tracker=Tracker(None, "c"),
+        name="t",
     )
     with torch.no_grad():
         probs = model(rows["steps"], rows["target_hidden"][rows["position"]], rows["draft_hidden"]).softmax(
@@ -146,36 +153,35 @@ def test_calibrate_stage_for_the_head_and_a_finetuned_drafter(tmp_path, layered_
     )  # fmt: skip
     recipe = recipe.model_copy(update={"launch": recipe.launch.model_copy(update={"num_processes": 2})})
     upstream = {"distill": distill, "early_exit": head_stage, "finetune": finetune}
-    ctx = context(tmp_path / "run", "calibrate", layered_dir, upstream)
-    metrics = run(recipe, ctx).metrics  # a real launch: one process whatever recipe.launch says
-    assert (metrics.pop("distributed_type"), metrics.pop("num_processes")) == ("NO", 1)
+    ctx = context(tmp_path / "run", "calibrate", upstream)
+    metrics = run_stage("calibrate", recipe, ctx, layered_dir).metrics  # one process whatever launch says
+    assert (metrics["distributed_type"], metrics["num_processes"]) == ("NO", 1)
 
     for name, width in (("early_exit", 64), ("de-en", 32)):
         report = json.loads((ctx.work_dir / name / REPORT_FILE).read_text())
         assert report["positions"] == {"train": 8, "heldout": 4}
         heldout = report["heldout"]
         assert heldout["count"] == 12 and 0.0 <= heldout["brier"] <= 1.0
-        assert metrics[f"{name}/base_rate"] == heldout["base_rate"]
+        assert metrics["heldout"][name]["base_rate"] == heldout["base_rate"]
         model = CalibrationModel.load(ctx.work_dir / name)
         assert model.step_proj.shape == (10, width, 64)  # W^i maps the target's 64 to the drafter's width
         assert not (ctx.work_dir / name / "labels").exists()
         assert not (ctx.work_dir / name / "checkpoints").exists()
     # a rerun finds every report and does no work
-    again = calibrate(spec_for(recipe, ctx), make_accelerator(1, "no"), Tracker(None, "calibrate"))
-    assert again == metrics
+    inputs = stage_inputs("calibrate", recipe, layered_dir)
+    again = calibrate(spec_for(inputs, ctx), inputs, make_accelerator(1, "no"), Tracker(None, "calibrate"))
+    assert again == {"heldout": metrics["heldout"]}
 
 
 def test_calibrate_needs_its_upstream_stages(tmp_path, tiny_target_dir):
     recipe = tiny_recipe(tiny_target_dir, calibrate={"drafters": "all"})
     with pytest.raises(StageFailed, match="enable the early_exit stage"):
-        run(recipe, context(tmp_path / "r", "calibrate", tiny_target_dir, {"distill": tmp_path}))
-    with pytest.raises(StageFailed, match="needs the finetune stage"):
-        run(
-            recipe,
-            context(
-                tmp_path / "r", "calibrate", tiny_target_dir, {"distill": tmp_path, "early_exit": tmp_path}
-            ),
+        run_stage(
+            "calibrate", recipe, context(tmp_path / "r", "calibrate", {"distill": tmp_path}), tiny_target_dir
         )
+    with pytest.raises(StageFailed, match="needs the finetune stage"):
+        ctx = context(tmp_path / "r", "calibrate", {"distill": tmp_path, "early_exit": tmp_path})
+        run_stage("calibrate", recipe, ctx, tiny_target_dir)
 
 
 def test_label_chunks_are_reused_by_a_rerun(tmp_path):

@@ -118,10 +118,10 @@ def test_sampled_outputs_follow_the_target():
 def test_measure_runs_eesd_and_cali_ts_from_upstream_folders(tmp_path, tiny_target_dir, tiny_target):
     """The measure stage finds the early-exit head and the calibration models the upstream stages
     wrote, measures `eesd` with fixed K and Cali-TS, and leaves Cali-TS out for a drafter without one."""
-    from decoding.measure import RESULTS_FILE, read_rows, run
+    from decoding.results import RESULTS_FILE, read_rows
     from models.calibration import CalibrationModel
     from models.early_exit import save_exit_head
-    from tests.test_decoding_measure import context, recipe
+    from tests.measure_setup import measure_context, measure_recipe, run_measure
 
     hidden = tiny_target.config.hidden_size
     early_exit = tmp_path / "early_exit"
@@ -131,17 +131,17 @@ def test_measure_runs_eesd_and_cali_ts_from_upstream_folders(tmp_path, tiny_targ
     finetune = tmp_path / "finetune"
     tiny_target.save_pretrained(finetune / "de-en")  # a drafter without a calibration model
     upstream = {"early_exit": early_exit, "calibrate": calibrate, "finetune": finetune}
-    ctx = context(tmp_path, tiny_target_dir, upstream)
+    ctx = measure_context(tmp_path, upstream)
     settings = {
         "decoders": ["ar", "sd", "eesd"],
         "controls": ["fixed", "cali_ts"],
         "k_sweep": [],
         "seeds": [0],
     }
-    run(recipe(tiny_target_dir, **settings), ctx)
+    run_measure(measure_recipe(tiny_target_dir, **settings), ctx, tiny_target_dir)
     rows = read_rows(ctx.work_dir / RESULTS_FILE)
-    methods = {r["method"] for r in rows}
+    methods = {r.method for r in rows}
     assert methods == {"ar", "sd[de-en] K=3", "eesd K=3", "eesd cali_ts"}
-    eesd = [r for r in rows if r["decoder"] == "eesd"]
-    assert {r["drafter_kind"] for r in eesd} == {"early_exit"} and all(0 < r["size_ratio"] < 1 for r in eesd)
-    assert all(r["matches_ar"] for r in rows if r["temperature"] == 0)
+    eesd = [r for r in rows if r.decoder == "eesd"]
+    assert {r.drafter_kind for r in eesd} == {"early_exit"} and all(0 < (r.size_ratio or 0) < 1 for r in eesd)
+    assert all(r.matches_ar for r in rows if r.temperature == 0)

@@ -6,15 +6,14 @@ import json
 
 import pytest
 
-from decoding.measure import RESULTS_FILE, read_rows, run
+from decoding.results import RESULTS_FILE, read_rows
 from models.tiny import build_llama
-from pipelines.schema import DataConfig, MeasureConfig, Recipe, SourceConfig, TargetConfig
-from pipelines.stage import ResolvedTarget, StageContext, StageFailed
-from pipelines.tracking import Tracker
+from pipelines.schema import DataConfig, MeasureConfig, SourceConfig
+from pipelines.stage import StageFailed
 from tests.decoding_helpers import single_thread_fixture
+from tests.measure_setup import PAIRS, measure_context, measure_recipe, run_measure
 
 single_thread = single_thread_fixture()
-PAIRS = ["de-en", "fr-en"]
 
 
 @pytest.fixture(scope="module")
@@ -36,40 +35,9 @@ def finetune_dir(tmp_path_factory, tiny_tokenizer, tiny_target):
     return folder
 
 
-def recipe(target_dir, **measure) -> Recipe:
-    settings = {
-        "num_prompts": 2,
-        "max_new_tokens": 6,
-        "temperatures": [0.0, 1.0],
-        "seeds": [0, 1],
-        "decoders": ["ar", "sd", "rsd_c", "rsd_s", "assisted"],
-        "controls": ["fixed", "beta_ts"],
-        "k_sweep": [2],
-        "draft_length": 3,
-        "branching": [2, 1],
-        "beam_width": 2,
-        "beam_depth": 2,
-        **measure,
-    }
-    return Recipe(
-        target=TargetConfig(path=str(target_dir)),
-        data=DataConfig(
-            pairs=PAIRS, eval=[SourceConfig(kind="offline", split="test", pair=pair) for pair in PAIRS]
-        ),
-        measure=MeasureConfig(**settings),
-    )
-
-
-def context(tmp_path, target_dir, upstream) -> StageContext:
-    work = tmp_path / "measure.partial"
-    work.mkdir(exist_ok=True)
-    target = ResolvedTarget(str(target_dir), None, "float32", False)
-    return StageContext("measure", tmp_path, work, upstream, target, Tracker(None, "measure"), quiet=True)
-
-
 def test_measure_writes_rows_summary_and_plots_and_resumes(tmp_path, tiny_target_dir, finetune_dir):
-    ctx = context(tmp_path, tiny_target_dir, {"finetune": finetune_dir})
-    result = run(recipe(tiny_target_dir), ctx)
+    ctx = measure_context(tmp_path, {"finetune": finetune_dir})
+    result = run_measure(measure_recipe(tiny_target_dir), ctx, tiny_target_dir)
     rows = [json.loads(line) for line in (ctx.work_dir / RESULTS_FILE).read_text().splitlines()]
     # 2 sets x 2 temperatures x 2 seeds; per group: ar + 2 drafters x (sd K=3, sd K=2, sd beta_ts, rsd_c, rsd_s, assisted)
     assert len(rows) == 8 * 13
@@ -114,7 +82,7 @@ def test_measure_writes_rows_summary_and_plots_and_resumes(tmp_path, tiny_target
     lines = text.splitlines(keepends=True)
     (ctx.work_dir / RESULTS_FILE).write_text("".join(lines[:-5]) + lines[-5][:20])
     assert len(read_rows(ctx.work_dir / RESULTS_FILE)) == 7 * 13
-    run(recipe(tiny_target_dir), ctx)
+    run_measure(measure_recipe(tiny_target_dir), ctx, tiny_target_dir)
     again = [json.loads(line) for line in (ctx.work_dir / RESULTS_FILE).read_text().splitlines()]
     assert len(again) == 8 * 13
     assert again[: 7 * 13] == rows[: 7 * 13]  # finished groups were not measured again
@@ -122,25 +90,25 @@ def test_measure_writes_rows_summary_and_plots_and_resumes(tmp_path, tiny_target
 
 
 def test_measure_without_drafters_runs_ar_only(tmp_path, tiny_target_dir):
-    ctx = context(tmp_path, tiny_target_dir, {})
-    run(recipe(tiny_target_dir, temperatures=[0.0], seeds=[0]), ctx)
+    ctx = measure_context(tmp_path, {})
+    run_measure(measure_recipe(tiny_target_dir, temperatures=[0.0], seeds=[0]), ctx, tiny_target_dir)
     rows = read_rows(ctx.work_dir / RESULTS_FILE)
-    assert [r["method"] for r in rows] == ["ar", "ar"]
+    assert [r.method for r in rows] == ["ar", "ar"]
 
 
 def test_measure_refuses_a_drafter_with_another_vocabulary(tmp_path, tiny_target_dir, tiny_tokenizer):
     folder = tmp_path / "finetune" / "de-en"
     build_llama(len(tiny_tokenizer) + 7, 32, 1, 2, 64).save_pretrained(folder)
-    ctx = context(tmp_path, tiny_target_dir, {"finetune": folder.parent})
-    with pytest.raises(StageFailed, match="must share the target's vocabulary"):
-        run(recipe(tiny_target_dir), ctx)
+    ctx = measure_context(tmp_path, {"finetune": folder.parent})
+    with pytest.raises(StageFailed, match="must use the target's vocabulary"):
+        run_measure(measure_recipe(tiny_target_dir), ctx, tiny_target_dir)
 
 
 def test_measure_needs_eval_sets(tmp_path, tiny_target_dir):
-    bad = recipe(tiny_target_dir)
+    bad = measure_recipe(tiny_target_dir)
     bad = bad.model_copy(update={"data": DataConfig(pairs=PAIRS)})
     with pytest.raises(StageFailed, match="data.eval is empty"):
-        run(bad, context(tmp_path, tiny_target_dir, {}))
+        run_measure(bad, measure_context(tmp_path, {}), tiny_target_dir)
 
 
 def test_measure_config_errors():
@@ -154,8 +122,9 @@ def test_measure_config_errors():
 
 def test_eval_prompts_are_built_like_distill_prompts(tmp_path, tiny_tokenizer):
     """Chat rows give their first user turn in the Vicuna format; over-long prompts are skipped, counted."""
-    from decoding.inputs import load_eval_sets
     from distill.prompts import build_prompt, encode_prompt
+    from pipelines.schema.inputs import EvalPrompts
+    from pipelines.stages.measure import eval_sets_of
 
     rows = [
         {"conversations": [{"from": "human", "value": "Hello there"}, {"from": "gpt", "value": "Hi"}]},
@@ -165,10 +134,9 @@ def test_eval_prompts_are_built_like_distill_prompts(tmp_path, tiny_tokenizer):
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     source = SourceConfig(kind="local", format="chat", path=str(path), name="chat")
-    base = recipe(tmp_path)
-    sets = load_eval_sets(
-        base.model_copy(update={"data": DataConfig(pairs=PAIRS, eval=[source])}), 5, 200, tiny_tokenizer
-    )
+    base = measure_recipe(tmp_path)
+    recipe = base.model_copy(update={"data": DataConfig(pairs=PAIRS, eval=[source])})
+    sets = eval_sets_of(EvalPrompts.of(recipe), 5, 200, tiny_tokenizer)
     (chat,) = sets
     assert chat.name == "chat" and chat.pair is None and chat.skipped_long == 1
     expected = [
@@ -190,6 +158,10 @@ def test_measure_names_the_decoder_a_target_cannot_run(tmp_path, tiny_tokenizer)
     for folder in (target_dir, finetune / "de-en"):
         MistralForCausalLM(config).save_pretrained(folder)
         tok.save_pretrained(folder)
-    ctx = context(tmp_path, target_dir, {"finetune": finetune})
+    ctx = measure_context(tmp_path, {"finetune": finetune})
     with pytest.raises(StageFailed, match="remove `rsd_s` from measure.decoders"):
-        run(recipe(target_dir, decoders=["ar", "rsd_s"], temperatures=[0.0], seeds=[0]), ctx)
+        run_measure(
+            measure_recipe(target_dir, decoders=["ar", "rsd_s"], temperatures=[0.0], seeds=[0]),
+            ctx,
+            target_dir,
+        )

@@ -10,13 +10,12 @@ import pytest
 from distill.merge import MergeError, merge_shards
 from distill.mix import read_mix
 from distill.store import RecordStore, StoreError, iter_records, record_files, record_key
-from tests.test_distill_stage import local_source, make_ctx, make_recipe, translation_file
+from tests.distill_setup import local_source, make_recipe, run_distill, translation_file
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory, tiny_target_dir):
     """Two shards of one distillation (6 prompts, greedy + 1 sample at T=1), with an open source."""
-    from distill.stage import run
 
     root = tmp_path_factory.mktemp("shards")
     data = translation_file(root, 6)
@@ -33,7 +32,7 @@ def shards(tmp_path_factory, tiny_target_dir):
             data={"open": [local_source(data)]},
         )
         work = root / f"shard{index}" / "distill"
-        run(recipe, make_ctx(tiny_target_dir, work))
+        run_distill(recipe, tiny_target_dir, work)
         folders.append(work)
     return data, folders
 

@@ -21,7 +21,7 @@ from distill.openai_backend import backoff_delay, parse_response, request_kwargs
 from distill.plan import PromptItem, Request
 from distill.store import iter_records, record_key
 from pipelines.stage import StageFailed
-from tests.test_distill_stage import local_source, make_ctx, make_recipe, translation_file
+from tests.distill_setup import local_source, make_recipe, run_distill, translation_file
 
 SECRET = "sk-polydraft-test-secret-0123456789"
 
@@ -96,7 +96,6 @@ def test_transformers_serve_two_temperatures_two_samples(tmp_path, served_model,
     from transformers import AutoTokenizer
 
     from distill.prompts import encode_prompt
-    from distill.stage import run
 
     model, base_url = served_model
     monkeypatch.setenv("POLYDRAFT_TEST_KEY", SECRET)
@@ -104,7 +103,7 @@ def test_transformers_serve_two_temperatures_two_samples(tmp_path, served_model,
     recipe = openai_recipe(model, data, base_urls=[base_url], api_key_env="POLYDRAFT_TEST_KEY")
     work = tmp_path / "run" / "distill"
     with caplog.at_level(logging.DEBUG):
-        result = run(recipe, make_ctx(model, work))
+        result = run_distill(recipe, model, work)
 
     records = list(iter_records(work))
     keys = [record_key(r) for r in records]
@@ -132,7 +131,6 @@ def test_chat_endpoint_records_the_template_the_server_applies(tmp_path, served_
     from transformers import AutoTokenizer
 
     from distill.prompts import encode_prompt
-    from distill.stage import run
 
     model, base_url = served_model
     data = translation_file(tmp_path, 2)
@@ -146,7 +144,7 @@ def test_chat_endpoint_records_the_template_the_server_applies(tmp_path, served_
         openai={"base_urls": [base_url], "endpoint": "chat"},
     )
     work = tmp_path / "run" / "distill"
-    run(recipe, make_ctx(model, work))
+    run_distill(recipe, model, work)
     tokenizer = AutoTokenizer.from_pretrained(model)
     for record in iter_records(work):
         assert record["prompt"] == tokenizer.apply_chat_template(
@@ -161,7 +159,6 @@ def test_chat_endpoint_records_the_template_the_server_applies(tmp_path, served_
 
 
 def test_unreachable_server_fails_clearly_after_the_retries(tmp_path, tiny_target_dir):
-    from distill.stage import run
 
     data = translation_file(tmp_path, 3)
     dead = f"http://127.0.0.1:{free_port()}/v1"
@@ -170,7 +167,7 @@ def test_unreachable_server_fails_clearly_after_the_retries(tmp_path, tiny_targe
     )
     work = tmp_path / "run" / "distill"
     with pytest.raises(StageFailed) as err:
-        run(recipe, make_ctx(tiny_target_dir, work))
+        run_distill(recipe, tiny_target_dir, work)
     message = str(err.value)
     assert "12 of 12 records failed" in message and "--only distill" in message
     assert "APIConnectionError" in message and "3 attempt(s)" in message
@@ -179,7 +176,6 @@ def test_unreachable_server_fails_clearly_after_the_retries(tmp_path, tiny_targe
 
 
 def test_one_dead_server_of_two_then_rerun_retries_only_the_failed(tmp_path, served_model):
-    from distill.stage import run
 
     model, base_url = served_model
     data = translation_file(tmp_path, 4)
@@ -187,14 +183,14 @@ def test_one_dead_server_of_two_then_rerun_retries_only_the_failed(tmp_path, ser
     work = tmp_path / "run" / "distill"
     both = openai_recipe(model, data, (1.0,), base_urls=[base_url, dead], max_in_flight=2, max_retries=0)
     with pytest.raises(StageFailed, match="rerun `polydraft run RECIPE --only distill`"):
-        run(both, make_ctx(model, work))
+        run_distill(both, model, work)
     kept = {record_key(r) for r in iter_records(work)}
     failed = [json.loads(line) for line in (work / "failures.jsonl").read_text().splitlines()]
     assert kept and failed and len(kept) + len(failed) == 4 * 2
     assert not kept & {(f["prompt_id"], f["temperature"], f["sample_index"]) for f in failed}
 
     # the dead server is dropped from the recipe (an operational change): the rerun resumes
-    result = run(openai_recipe(model, data, (1.0,), base_urls=[base_url]), make_ctx(model, work))
+    result = run_distill(openai_recipe(model, data, (1.0,), base_urls=[base_url]), model, work)
     keys = [record_key(r) for r in iter_records(work)]
     assert len(keys) == len(set(keys)) == 8
     assert result.metrics["generated_this_run"] == len(failed)

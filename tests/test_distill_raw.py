@@ -14,7 +14,7 @@ from distill.sources import SourceRows
 from distill.store import iter_records
 from pipelines.recipe import RecipeError, load_recipe
 from pipelines.stage import PROJECT_ROOT
-from tests.test_distill_stage import make_ctx, make_recipe, write_jsonl
+from tests.distill_setup import make_recipe, run_distill, write_jsonl
 from train.data import encode_example, encode_rows
 from train.losses import IGNORE_INDEX
 
@@ -82,7 +82,6 @@ def test_open_text_rows_have_an_empty_prompt_and_train_on_every_token(tiny_token
 
 
 def test_hf_backend_end_to_end_with_raw_prompts(tmp_path, tiny_target_dir, tiny_tokenizer):
-    from distill.stage import run
 
     tok = tiny_tokenizer
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"q": "Der Zug nach Berlin"}, {"q": "La maison"}])
@@ -103,7 +102,7 @@ def test_hf_backend_end_to_end_with_raw_prompts(tmp_path, tiny_target_dir, tiny_
         data={"open": [{"kind": "local", "format": "text", "path": str(opened), "fields": {"text": "body"}}]},
     )
     work = tmp_path / "run" / "distill"
-    result = run(recipe, make_ctx(tiny_target_dir, work))
+    result = run_distill(recipe, tiny_target_dir, work)
     assert result.metrics["records"] == 5 and result.metrics["failures"] == 0
 
     records = {r["prompt_id"]: r for r in iter_records(work)}
@@ -155,8 +154,9 @@ def test_raw_with_translation_or_chat_sources_is_a_clear_error(tmp_path):
 
 
 def test_measure_builds_raw_prompts_from_text_and_prompt_sources(tmp_path, tiny_tokenizer):
-    from decoding.inputs import load_eval_sets
     from pipelines.schema import Recipe
+    from pipelines.schema.inputs import EvalPrompts
+    from pipelines.stages.measure import eval_sets_of
 
     texts = write_jsonl(tmp_path / "eval_texts.jsonl", [{"text": DOCUMENTS[0]}])
     questions = write_jsonl(tmp_path / "eval_q.jsonl", [{"question": "How many trains leave?"}])
@@ -178,7 +178,7 @@ def test_measure_builds_raw_prompts_from_text_and_prompt_sources(tmp_path, tiny_
             "distill": {"prompt_format": "raw", "text_prompt_tokens": 5},
         }
     )
-    text_set, question_set = load_eval_sets(recipe, 1, 64, tiny_tokenizer)
+    text_set, question_set = eval_sets_of(EvalPrompts.of(recipe), 1, 64, tiny_tokenizer)
     expected = encode_prompt(tiny_tokenizer, text_prefix(tiny_tokenizer, DOCUMENTS[0], 5))
     assert text_set.prompts[0].tolist() == expected and len(expected) == 6  # BOS + 5 tokens
     assert question_set.prompts[0].tolist() == encode_prompt(tiny_tokenizer, "How many trains leave?")

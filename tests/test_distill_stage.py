@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -18,63 +17,15 @@ from distill.mix import read_mix
 from distill.plan import record_id
 from distill.prompts import vicuna_prompt
 from distill.store import iter_records, record_files, record_key
-from pipelines.schema import Recipe
-from pipelines.stage import ResolvedTarget, StageContext, StageFailed
-from pipelines.tracking import Tracker
-
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-GERMAN = [
-    "Guten Morgen",
-    "Das Haus ist alt",
-    "Ich trinke Kaffee",
-    "Der Zug ist spät",
-    "Wo ist der Bahnhof",
-    "Heute regnet es",
-]
-
-
-def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    return path
-
-
-def translation_file(tmp_path: Path, n: int = 4) -> Path:
-    rows = [{"de": GERMAN[i % len(GERMAN)] + f" {i}", "en": f"english {i}"} for i in range(n)]
-    return write_jsonl(tmp_path / "data" / "de_en.jsonl", rows)
-
-
-def make_recipe(target_dir: Path, sources: list[dict], **distill: Any) -> Recipe:
-    defaults = {"temperatures": [0.0, 1.0], "samples_per_prompt": 2, "max_new_tokens": 6, "batch_size": 4}
-    return Recipe.model_validate(
-        {
-            "target": {"path": str(target_dir)},
-            "data": {"pairs": ["de-en"], "distill": sources, **distill.pop("data", {})},
-            "distill": {**defaults, **distill},
-        }
-    )
-
-
-def make_ctx(target_dir: Path, work_dir: Path) -> StageContext:
-    return StageContext(
-        name="distill",
-        run_dir=work_dir.parent,
-        work_dir=work_dir,
-        upstream={},
-        target=ResolvedTarget(str(target_dir), None, "auto", False),
-        tracker=Tracker(None, "distill"),
-        quiet=True,
-    )
-
-
-def local_source(path: Path, **extra: Any) -> dict[str, Any]:
-    return {
-        "kind": "local",
-        "path": str(path),
-        "pair": "de-en",
-        "fields": {"source": "de", "target": "en"},
-        **extra,
-    }
+from pipelines.stage import StageFailed
+from tests.distill_setup import (
+    PROJECT_ROOT,
+    local_source,
+    make_recipe,
+    run_distill,
+    translation_file,
+    write_jsonl,
+)
 
 
 def keys_of(work_dir: Path) -> list[tuple]:
@@ -85,12 +36,10 @@ def test_hf_backend_end_to_end(tmp_path, tiny_target_dir):
     """Every (prompt, temperature, sample) once, with the exact prompt, token ids, metrics and the mix."""
     import datasets
 
-    from distill.stage import run
-
     data = translation_file(tmp_path, 4)
     recipe = make_recipe(tiny_target_dir, [local_source(data)], eval_fraction=0.25, stop=["xyz"])
     work = tmp_path / "run" / "distill"
-    result = run(recipe, make_ctx(tiny_target_dir, work))
+    result = run_distill(recipe, tiny_target_dir, work)
 
     keys = keys_of(work)
     assert len(keys) == len(set(keys)) == 4 * 3  # greedy once + 2 samples at T=1
@@ -124,7 +73,6 @@ def test_hf_backend_end_to_end(tmp_path, tiny_target_dir):
 
 
 def test_rerun_skips_done_records_and_open_rows_join_the_mix(tmp_path, tiny_target_dir):
-    from distill.stage import run
 
     data = translation_file(tmp_path, 3)
     open_data = write_jsonl(
@@ -138,8 +86,8 @@ def test_rerun_skips_done_records_and_open_rows_join_the_mix(tmp_path, tiny_targ
         data={"open": [local_source(open_data)]},
     )
     work = tmp_path / "run" / "distill"
-    run(recipe, make_ctx(tiny_target_dir, work))
-    again = run(recipe, make_ctx(tiny_target_dir, work))
+    run_distill(recipe, tiny_target_dir, work)
+    again = run_distill(recipe, tiny_target_dir, work)
     assert again.metrics["generated_this_run"] == 0
     assert len(keys_of(work)) == 3
     rows = read_mix(work, "de-en", "train") + read_mix(work, "de-en", "eval")
@@ -150,47 +98,46 @@ def test_rerun_skips_done_records_and_open_rows_join_the_mix(tmp_path, tiny_targ
 
 
 def test_changed_config_in_same_work_dir_is_refused(tmp_path, tiny_target_dir):
-    from distill.stage import run
 
     data = translation_file(tmp_path, 2)
     work = tmp_path / "run" / "distill"
-    run(
+    run_distill(
         make_recipe(tiny_target_dir, [local_source(data)], temperatures=[0.0]),
-        make_ctx(tiny_target_dir, work),
+        tiny_target_dir,
+        work,
     )
     changed = make_recipe(tiny_target_dir, [local_source(data)], temperatures=[0.0], max_new_tokens=3)
     with pytest.raises(StageFailed, match="another distill configuration"):
-        run(changed, make_ctx(tiny_target_dir, work))
+        run_distill(changed, tiny_target_dir, work)
     # operational fields (batch size, mix fractions) may change and still resume
     resumed = make_recipe(
         tiny_target_dir, [local_source(data)], temperatures=[0.0], batch_size=1, eval_fraction=0.5
     )
-    assert run(resumed, make_ctx(tiny_target_dir, work)).metrics["generated_this_run"] == 0
+    assert run_distill(resumed, tiny_target_dir, work).metrics["generated_this_run"] == 0
 
 
 def test_invalid_row_error_names_source_row_and_field(tmp_path, tiny_target_dir):
-    from distill.stage import run
 
     rows = [{"de": "Hallo", "en": "hello"}, {"de": "", "en": "empty"}, {"en": "no source"}]
     data = write_jsonl(tmp_path / "bad.jsonl", rows)
     work = tmp_path / "run" / "distill"
     with pytest.raises(StageFailed) as err:
-        run(make_recipe(tiny_target_dir, [local_source(data)]), make_ctx(tiny_target_dir, work))
+        run_distill(make_recipe(tiny_target_dir, [local_source(data)]), tiny_target_dir, work)
     message = str(err.value)
     assert f"local:{data}" in message and "field 'de'" in message
     assert "row 1" in message or "row 2" in message
     assert "skip_invalid" in message
 
-    result = run(
+    result = run_distill(
         make_recipe(tiny_target_dir, [local_source(data, skip_invalid=True)], temperatures=[0.0]),
-        make_ctx(tiny_target_dir, tmp_path / "run2" / "distill"),
+        tiny_target_dir,
+        tmp_path / "run2" / "distill",
     )
     assert result.metrics["invalid_rows"] == 2
     assert result.metrics["prompts"] == 1 and result.metrics["records"] == 1
 
 
 def test_chat_and_prompt_sources_go_to_the_chat_mix(tmp_path, tiny_target_dir):
-    from distill.stage import run
 
     conversations = [
         {
@@ -210,9 +157,10 @@ def test_chat_and_prompt_sources_go_to_the_chat_mix(tmp_path, tiny_target_dir):
         {"kind": "local", "format": "prompts", "path": str(prompts), "fields": {"prompt": "text"}},
     ]
     work = tmp_path / "run" / "distill"
-    run(
+    run_distill(
         make_recipe(tiny_target_dir, sources, temperatures=[0.0], eval_fraction=0.0),
-        make_ctx(tiny_target_dir, work),
+        tiny_target_dir,
+        work,
     )
     records = {r["prompt_id"]: r for r in iter_records(work)}
     assert set(records) == {"0:c1#0", "0:c1#2", "1:local:" + str(prompts) + "/train/0"}
@@ -229,17 +177,7 @@ def test_chat_and_prompt_sources_go_to_the_chat_mix(tmp_path, tiny_target_dir):
 # ----------------------------------------------------------------------------- kill -9 and resume
 
 
-def run_stage_from_json(spec_path: str) -> None:
-    """Entry point of the subprocess the kill test starts (and kills)."""
-    spec = json.loads(Path(spec_path).read_text())
-    from distill.stage import run
-
-    recipe = Recipe.model_validate(spec["recipe"])
-    run(recipe, make_ctx(Path(spec["target"]), Path(spec["work"])))
-
-
 def test_kill_mid_run_then_rerun_writes_every_record_exactly_once(tmp_path, tiny_target_dir):
-    from distill.stage import run
 
     data = translation_file(tmp_path, 16)
     recipe = make_recipe(
@@ -252,7 +190,7 @@ def test_kill_mid_run_then_rerun_writes_every_record_exactly_once(tmp_path, tiny
             {"recipe": recipe.model_dump(mode="json"), "target": str(tiny_target_dir), "work": str(work)}
         )
     )
-    code = "import sys; from tests.test_distill_stage import run_stage_from_json; run_stage_from_json(sys.argv[1])"
+    code = "import sys; from tests.distill_setup import run_stage_from_json; run_stage_from_json(sys.argv[1])"
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
     process = subprocess.Popen([sys.executable, "-c", code, str(spec)], env=env, cwd=PROJECT_ROOT)
     try:
@@ -273,9 +211,10 @@ def test_kill_mid_run_then_rerun_writes_every_record_exactly_once(tmp_path, tiny
         handle.write('{"id": "0:torn|T=1|s=0", "prompt_id": "0:to')
 
     # the batch size is operational: the rerun may use bigger batches and still resume
-    result = run(
+    result = run_distill(
         recipe.model_copy(update={"distill": recipe.distill.model_copy(update={"batch_size": 16})}),
-        make_ctx(tiny_target_dir, work),
+        tiny_target_dir,
+        work,
     )
     keys = keys_of(work)
     expected = {(f"0:local:{data}/train/{i}", t, 0) for i in range(16) for t in (0.0, 1.0)}
@@ -292,13 +231,12 @@ def test_long_prompts_are_counted_and_answers_fit_the_context(
     from distill.hf_backend import generate_hf
     from distill.plan import PromptItem, Request
     from distill.prompts import encode_prompt
-    from distill.stage import run
 
     data = write_jsonl(
         tmp_path / "mixed.jsonl", [{"de": "kurz", "en": "short"}, {"de": "lang " * 100, "en": "long"}]
     )
     recipe = make_recipe(tiny_target_dir, [local_source(data)], temperatures=[0.0], max_prompt_tokens=200)
-    result = run(recipe, make_ctx(tiny_target_dir, tmp_path / "run" / "distill"))
+    result = run_distill(recipe, tiny_target_dir, tmp_path / "run" / "distill")
     assert result.metrics["long_prompts"] == 1 and result.metrics["prompts"] == 1
 
     # the engine's context caps prompt + answer: the answer ends with `length` where the context ends

@@ -11,7 +11,7 @@ import pytest
 from distill.plan import PromptItem, Request, request_seed
 from distill.vllm_backend import INSTALL_HINT, engine_inputs, engine_kwargs, generate_vllm, parse_output
 from pipelines.stage import StageFailed
-from tests.test_distill_stage import local_source, make_ctx, make_recipe, translation_file
+from tests.distill_setup import local_source, make_recipe, run_distill, translation_file
 
 
 def _item(name: str, ids: list[int] | None) -> PromptItem:
@@ -102,10 +102,9 @@ def test_submission_groups_one_temperature_per_call(monkeypatch):
 
 
 def test_missing_vllm_is_a_clear_error(tmp_path, tiny_target_dir, monkeypatch):
-    from distill.stage import run
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises ImportError, installed or not
     recipe = make_recipe(tiny_target_dir, [local_source(translation_file(tmp_path, 1))], backend="vllm")
     with pytest.raises(StageFailed) as err:
-        run(recipe, make_ctx(tiny_target_dir, tmp_path / "run" / "distill"))
+        run_distill(recipe, tiny_target_dir, tmp_path / "run" / "distill")
     assert str(err.value) == INSTALL_HINT and "pip install -e .[vllm]" in str(err.value)

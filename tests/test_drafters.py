@@ -13,10 +13,10 @@ from models.drafters import (
     drafter_shape,
     export_drafter,
 )
+from pipelines.recipe import RecipeError, load_recipe
 from pipelines.schema import Recipe
 from pipelines.stage import StageFailed
-from tests.drafter_setup import context, tiny_recipe
-from train.drafter import finetune_defaults, run_finetune, run_pretrain
+from tests.drafter_setup import context, run_stage, tiny_recipe
 
 IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}
 
@@ -89,13 +89,13 @@ def test_a_drafter_checkpoint_with_another_vocabulary_stops_before_training(tmp_
     recipe = tiny_recipe(
         tiny_target_dir, pretrain={"enabled": False}, finetune={"drafter": {"init": str(folder)}}
     )
-    ctx = context(tmp_path / "run", "finetune", tiny_target_dir, upstream={"distill": tmp_path / "distill"})
+    ctx = context(tmp_path / "run", "finetune", upstream={"distill": tmp_path / "distill"})
     with pytest.raises(StageFailed, match=r"vocabulary of 1000 tokens but target .* has 5\d\d"):
-        run_finetune(recipe, ctx)
+        run_stage("finetune", recipe, ctx, tiny_target_dir)
     assert list(ctx.work_dir.iterdir()) == []  # nothing launched, nothing written
     recipe = tiny_recipe(tiny_target_dir, pretrain={"drafter": {"init": str(folder)}})
     with pytest.raises(StageFailed, match="vocabulary of 1000 tokens"):
-        run_pretrain(recipe, context(tmp_path / "run", "pretrain", tiny_target_dir))
+        run_stage("pretrain", recipe, context(tmp_path / "run", "pretrain"), tiny_target_dir)
 
 
 def _drafter_tokenizer_stub():
@@ -118,16 +118,23 @@ def _recipe(**blocks):
     return Recipe.model_validate({"target": {"path": "t"}, "data": {"pairs": ["de-en"]}, **blocks})
 
 
-def test_finetune_defaults_follow_seed_003():
-    pf = finetune_defaults(_recipe(pretrain={"drafter": {"arch": "vicuna-68m"}}))
+def test_finetune_defaults_follow_seed_003_and_are_filled_when_the_recipe_loads():
+    pf = _recipe(pretrain={"drafter": {"arch": "vicuna-68m"}})
     assert pf.finetune.optim.lr == 2e-5 and pf.finetune.loop.epochs == 3.0
     assert (pf.finetune.loop.per_device_batch_size, pf.finetune.loop.max_length) == (2, 2048)
     assert pf.finetune.optim.warmup_ratio == 0.03 and pf.finetune.optim.schedule == "cosine"
-    f_only = finetune_defaults(
-        _recipe(pretrain={"enabled": False}, finetune={"drafter": {"arch": "llama-68m"}})
-    )
-    assert f_only.finetune.optim.lr == 3e-5 and f_only.finetune.loop.epochs == 5.0
-    explicit = finetune_defaults(
-        _recipe(pretrain={"enabled": False}, finetune={"optim": {"lr": 1e-4}, "loop": {"epochs": 2}})
-    )
+    f_only = _recipe(pretrain={"enabled": False}, finetune={"drafter": {"arch": "vicuna-68m"}})
+    assert f_only.finetune.optim.lr == 2e-5 and f_only.finetune.loop.epochs == 5.0
+    llama = _recipe(pretrain={"enabled": False}, finetune={"drafter": {"arch": "llama-68m"}})
+    assert llama.finetune.optim.lr == 3e-5
+    explicit = _recipe(pretrain={"enabled": False}, finetune={"optim": {"lr": 1e-4}, "loop": {"epochs": 2.0}})
     assert explicit.finetune.optim.lr == 1e-4 and explicit.finetune.loop.epochs == 2.0
+    # the resolved recipe reloads to itself (what `polydraft show` prints is what runs)
+    assert Recipe.model_validate(pf.model_dump(mode="json")) == pf
+
+
+def test_a_finetune_drafter_beside_pretraining_is_refused(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("target: {path: t}\ndata: {pairs: [de-en]}\nfinetune: {drafter: {arch: vicuna-68m}}\n")
+    with pytest.raises(RecipeError, match="finetune.drafter is only used without pretraining"):
+        load_recipe(path)

@@ -13,8 +13,8 @@ import time
 import pytest
 
 from pipelines.stage import PROJECT_ROOT, accelerate_command, resolve_accelerate_config, spec_for
-from tests.drafter_setup import context, tiny_recipe, write_tiny_mix
-from train.early_exit import HEAD_DIR, LOG_FILE, run
+from tests.drafter_setup import context, run_stage, stage_inputs, tiny_recipe, write_tiny_mix
+from train.early_exit import HEAD_DIR, LOG_FILE
 
 LOOP = {"max_length": 96, "per_device_batch_size": 2, "grad_accum_steps": 2, "max_steps": 24, "log_every": 4, "eval_every": 0,
         "eval_batches": 1, "checkpoint_every": 4, "keep_checkpoints": 2}  # fmt: skip
@@ -36,15 +36,20 @@ def test_killed_run_resumes_with_the_same_losses(tmp_path, tiny_target_dir):
         early_exit={"num_shared_layers": 2, "optim": {"lr": 1e-2}, "loop": {**LOOP, "grad_accum_steps": 1}},
         launch=ddp,
     )
-    whole = context(tmp_path / "whole", "early_exit", tiny_target_dir, {"distill": distill})
-    run(two_ranks, whole)
+    whole = context(tmp_path / "whole", "early_exit", {"distill": distill})
+    run_stage("early_exit", two_ranks, whole, tiny_target_dir)
     expected = losses(whole.work_dir)
     assert len(expected) == 24
 
-    killed = context(tmp_path / "killed", "early_exit", tiny_target_dir, {"distill": distill})
-    spec = spec_for(recipe, killed).write(killed.work_dir / "spec.json")
+    killed = context(tmp_path / "killed", "early_exit", {"distill": distill})
+    spec = spec_for(stage_inputs("early_exit", recipe, tiny_target_dir), killed).write(
+        killed.work_dir / "spec.json"
+    )
     command = accelerate_command(
-        resolve_accelerate_config(recipe.launch.accelerate_config), None, "train.early_exit", [str(spec)]
+        resolve_accelerate_config(recipe.launch.accelerate_config),
+        None,
+        "pipelines.stages.early_exit",
+        [str(spec)],
     )
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "ACCELERATE_USE_CPU": "true"}
     process = subprocess.Popen(
@@ -60,7 +65,7 @@ def test_killed_run_resumes_with_the_same_losses(tmp_path, tiny_target_dir):
     assert not (killed.work_dir / HEAD_DIR).exists(), "the run finished before it was killed"
     assert len(losses(killed.work_dir)) < 24
 
-    run(recipe, killed)
+    run_stage("early_exit", recipe, killed, tiny_target_dir)
     # same data order, RNG and optimizer state: the same numbers (up to float summation order)
     assert losses(killed.work_dir) == pytest.approx(expected, rel=1e-5)
     assert (killed.work_dir / HEAD_DIR / "early_exit.safetensors").is_file()

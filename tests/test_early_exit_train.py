@@ -10,10 +10,11 @@ import torch
 from models.early_exit import attach_exit_head, build_early_exit, from_target, read_head_config
 from pipelines.stage import TRAINING_METRICS as METRICS_FILE
 from pipelines.stage import StageFailed, spec_for
+from pipelines.stages.early_exit import train_early_exit
 from pipelines.tracking import Tracker
-from tests.drafter_setup import context, tiny_recipe, write_tiny_mix
+from tests.drafter_setup import context, run_stage, stage_inputs, tiny_recipe, write_tiny_mix
 from tests.eesd_setup import save_layered_target
-from train.early_exit import HEAD_DIR, LOG_FILE, run, teacher_logits, train_early_exit
+from train.early_exit import HEAD_DIR, LOG_FILE, teacher_logits
 from train.runtime import make_accelerator
 
 LOOP = {"max_length": 96, "per_device_batch_size": 4, "grad_accum_steps": 1, "max_steps": 4, "log_every": 1,
@@ -28,10 +29,13 @@ def layered_dir(tmp_path_factory, tiny_tokenizer):
 def train_in_process(tmp_path, target_dir, precision="no", **early_exit):
     distill = write_tiny_mix(tmp_path / "distill", ["de-en", "fr-en"], train_rows=12, eval_rows=4)
     recipe = tiny_recipe(target_dir, early_exit={"optim": {"lr": 1e-2}, "loop": LOOP, **early_exit})
-    ctx = context(tmp_path / "run", "early_exit", target_dir, {"distill": distill})
+    ctx = context(tmp_path / "run", "early_exit", {"distill": distill})
+    inputs = stage_inputs("early_exit", recipe, target_dir)
     accelerator = make_accelerator(1, precision)
-    drafter, metrics = train_early_exit(spec_for(recipe, ctx), accelerator, Tracker(None, "early_exit"))
-    return ctx, drafter, metrics
+    drafter, metrics = train_early_exit(
+        spec_for(inputs, ctx), inputs, accelerator, Tracker(None, "early_exit")
+    )
+    return ctx, drafter, metrics.model_dump()
 
 
 def test_training_moves_the_head_and_never_the_frozen_layers(tmp_path, layered_dir):
@@ -50,8 +54,8 @@ def test_training_moves_the_head_and_never_the_frozen_layers(tmp_path, layered_d
     assert not torch.equal(drafter.lm_head.weight, target["lm_head.weight"])
 
     # N = L-1 and the exit layer copied from layer L-1: before training the drafter IS the target
-    assert metrics["initial_top1_target"] == 1.0
-    assert metrics["steps"] == 4 and 0.0 <= metrics["top1_target"] <= 1.0
+    assert metrics["initial"]["top1_target"] == 1.0
+    assert metrics["steps"] == 4 and 0.0 <= metrics["final"]["top1_target"] <= 1.0
     log = [json.loads(line) for line in (ctx.work_dir / LOG_FILE).read_text().splitlines()]
     assert [e["step"] for e in log] == [1, 2, 3, 4]
 
@@ -71,7 +75,7 @@ def test_head_only_ablation_trains_norm_and_head(tmp_path, layered_dir):
     fresh = build_early_exit(str(layered_dir), 2, num_exit_layers=0)
     assert len(drafter.exit_layers) == 0
     assert not torch.equal(drafter.lm_head.weight, fresh.lm_head.weight)
-    assert metrics["initial_top1_target"] < 1.0  # layer 2 of 4 is not the target
+    assert metrics["initial"]["top1_target"] < 1.0  # layer 2 of 4 is not the target
 
 
 def test_kl_loss_trains_and_its_teacher_is_the_full_target(tmp_path, layered_dir):
@@ -93,11 +97,14 @@ def test_kl_loss_trains_and_its_teacher_is_the_full_target(tmp_path, layered_dir
 def test_missing_distill_and_too_little_data_fail_clearly(tmp_path, tiny_target_dir):
     recipe = tiny_recipe(tiny_target_dir, early_exit={"loop": LOOP})
     with pytest.raises(StageFailed, match="enable the distill stage"):
-        run(recipe, context(tmp_path / "run", "early_exit", tiny_target_dir))
+        run_stage("early_exit", recipe, context(tmp_path / "run", "early_exit"), tiny_target_dir)
     distill = write_tiny_mix(tmp_path / "distill", ["de-en"], train_rows=3, eval_rows=1)
-    ctx = context(tmp_path / "run2", "early_exit", tiny_target_dir, {"distill": distill})
+    ctx = context(tmp_path / "run2", "early_exit", {"distill": distill})
+    inputs = stage_inputs("early_exit", recipe, tiny_target_dir)
     with pytest.raises(StageFailed, match="training examples are fewer than one global batch of 4"):
-        train_early_exit(spec_for(recipe, ctx), make_accelerator(1, "no"), Tracker(None, "early_exit"))
+        train_early_exit(
+            spec_for(inputs, ctx), inputs, make_accelerator(1, "no"), Tracker(None, "early_exit")
+        )
     assert not (ctx.work_dir / METRICS_FILE).exists()
 
 

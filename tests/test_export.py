@@ -149,7 +149,7 @@ def test_every_number_in_the_card_tables_matches_results_jsonl(exported, name):
 def test_card_headline_best_k_and_training_counts_come_from_the_run_files(exported):
     run_dir, templates, _ = exported
     card = (run_dir / "export" / "de-en" / "README.md").read_text(encoding="utf-8")
-    rows = [r for r in measure_rows() if r["drafter"] == "de-en"]
+    rows = [r.model_dump() for r in measure_rows() if r.drafter == "de-en"]
     by_k: dict[int, list[float]] = {}
     for row in rows:
         if row["decoder"] == "sd" and row["in_domain"]:
@@ -164,8 +164,9 @@ def test_card_headline_best_k_and_training_counts_come_from_the_run_files(export
     speedup = sum(r["speedup"] for r in greedy) / len(greedy)
     efficiency = sum(r["block_efficiency"] for r in greedy) / len(greedy)
     assert f"block efficiency of {efficiency:.2f} and a wall-clock speedup of {speedup:.2f}x" in card
-    assert f"{TRAINING['finetune']['de-en/tokens']:,} tokens seen" in card
-    assert f"{TRAINING['pretrain']['tokens']:,} tokens seen" in card
+    assert f"{TRAINING['finetune']['pairs']['de-en']['tokens']:,} tokens seen" in card
+    assert f"{TRAINING['pretrain']['drafter']['tokens']:,} tokens seen" in card
+    assert "held-out top-1 agreement with the target's greedy tokens 0.25" in card
     assert "Test CPU (2 cores)" in card and "2026-11-20T10:00:00+00:00" in card
     assert "At temperature 0 every method produced exactly `ar`'s tokens" in card
 
@@ -183,12 +184,15 @@ def test_card_metadata(exported):
 def test_a_hub_target_is_the_base_model(exported):
     from pipelines.cards import render_card
     from pipelines.export_info import public_target
-    from pipelines.stage import ResolvedTarget
+    from pipelines.export_records import ExportResults
+    from pipelines.schema import ResolvedTarget
 
     run_dir, _, _ = exported
-    info = results(run_dir, "de-en")
-    resolved = ResolvedTarget("lmsys/vicuna-7b-v1.3", "main", "auto", False)
-    info["target"] = public_target(None, "lmsys/vicuna-7b-v1.3", resolved)
+    info = ExportResults.model_validate(results(run_dir, "de-en"))
+    resolved = ResolvedTarget(
+        path="lmsys/vicuna-7b-v1.3", revision="main", dtype="auto", trust_remote_code=False
+    )
+    info = info.model_copy(update={"target": public_target(None, "lmsys/vicuna-7b-v1.3", resolved)})
     card = render_card(info, "org/vicuna-drafter")
     assert yaml.safe_load(card.split("---\n")[1])["base_model"] == "lmsys/vicuna-7b-v1.3"
     assert 'from_pretrained("lmsys/vicuna-7b-v1.3"' in card and 'model="lmsys/vicuna-7b-v1.3"' in card
@@ -236,7 +240,7 @@ def test_the_exported_head_attaches_to_the_target(exported, tiny_target_dir):
 
 def test_export_reads_what_the_real_measure_stage_writes(tmp_path, tiny_tokenizer, tiny_target_dir):
     """The measure stage itself (not hand-written rows) measures the drafters; the card shows its rows."""
-    from decoding.measure import read_rows
+    from decoding.results import read_rows
 
     templates = build_templates(tmp_path / "templates", tiny_tokenizer, tiny_target_dir)
     recipe = export_recipe(
@@ -258,7 +262,7 @@ def test_export_reads_what_the_real_measure_stage_writes(tmp_path, tiny_tokenize
         o.name: o for o in run_export(recipe, tmp_path / "run", templates, tiny_target_dir, real_measure=True)
     }
     assert outcomes["measure"].status == outcomes["export"].status == "ran"
-    rows = read_rows(tmp_path / "run" / "measure" / "results.jsonl")
+    rows = [r.model_dump() for r in read_rows(tmp_path / "run" / "measure" / "results.jsonl")]
     info = results(tmp_path / "run", "de-en")
     assert info["measurement"]["measured"] and info["measurement"]["best_draft_length"] == 2
     mine = [r for r in rows if r["drafter"] == "de-en" or r["decoder"] == "ar"]

@@ -10,8 +10,8 @@ import torch
 from pipelines.smoke import VLLM_ARCHITECTURES, drafter_checks, passed, vllm_rule_checks
 from pipelines.stage import StageFailed
 from tests.decoding_helpers import single_thread_fixture
-from tests.drafter_setup import context
-from tests.export_setup import export_recipe, save_drafter
+from tests.drafter_setup import context, run_stage
+from tests.export_setup import TRAINING, export_recipe, save_drafter
 
 single_thread = single_thread_fixture()
 
@@ -76,23 +76,22 @@ def test_vllm_rules(tiny_target):
 def test_strict_export_stops_on_a_broken_drafter_and_a_rerun_resumes(
     tmp_path, tiny_tokenizer, tiny_target_dir
 ):
-    from pipelines.export import run
-
     upstream = tmp_path / "finetune"
     save_drafter(upstream / "de-en", tiny_tokenizer, seed=2)
     save_drafter(upstream / "fr-en", tiny_tokenizer, vocab_size=len(tiny_tokenizer) + 8, seed=3)
-    ctx = context(tmp_path / "run", "export", tiny_target_dir, {"finetune": upstream})
+    (upstream / "manifest.json").write_text(json.dumps({"metrics": TRAINING["finetune"]}))
+    ctx = context(tmp_path / "run", "export", {"finetune": upstream})
     strict = export_recipe(tiny_target_dir, {"strict": True, "smoke_prompts": 1, "smoke_max_new_tokens": 4})
     with pytest.raises(
         StageFailed, match=r"fr-en failed its smoke check \(tokenizer: .*vocabulary of 520 tokens"
     ):
-        run(strict, ctx)
+        run_stage("export", strict, ctx, tiny_target_dir)
     assert (ctx.work_dir / "de-en" / "results.json").is_file()  # finished before the failure, kept
     assert (ctx.work_dir / "fr-en.tmp").is_dir() and not (ctx.work_dir / "fr-en").exists()
     finished = (ctx.work_dir / "de-en" / "results.json").stat().st_mtime_ns
 
     lenient = export_recipe(tiny_target_dir, {"smoke_prompts": 1, "smoke_max_new_tokens": 4})
-    result = run(lenient, ctx)
+    result = run_stage("export", lenient, ctx, tiny_target_dir)
     assert (ctx.work_dir / "de-en" / "results.json").stat().st_mtime_ns == finished  # not redone
     assert not (ctx.work_dir / "fr-en.tmp").exists()
     assert result.metrics["smoke_failed"] == ["fr-en"] and result.metrics["de-en/smoke_passed"] is True

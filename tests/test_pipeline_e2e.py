@@ -34,8 +34,9 @@ finetune:
   loop: {{max_steps: 2, per_device_batch_size: 2, max_length: 160, eval_every: 0, eval_batches: 1}}
 early_exit:
   num_shared_layers: 1
-  loop: {{max_steps: 2, per_device_batch_size: 2, max_length: 160, eval_every: 0, eval_batches: 1}}
-calibrate: {{num_positions: 12, draft_length: 3, max_steps: 3, loop: {{max_length: 160}}}}
+  loop: {{max_steps: 2, per_device_batch_size: 2, grad_accum_steps: 1, max_length: 160, eval_every: 0,
+         eval_batches: 1}}
+calibrate: {{num_positions: 12, draft_length: 3, max_steps: 3, loop: {{max_length: 160, per_device_batch_size: 6}}}}
 measure: {{temperatures: [0.0], seeds: [0], num_prompts: 2, max_new_tokens: 6, controls: [fixed, cali_ts],
           include_pretrained: false}}
 export: {{smoke_prompts: 1, smoke_max_new_tokens: 6}}

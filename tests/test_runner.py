@@ -14,7 +14,8 @@ import pytest
 
 from pipelines.recipe import load_recipe
 from pipelines.runner import run_pipeline
-from pipelines.stage import ResolvedTarget, StageFailed
+from pipelines.schema import ResolvedTarget
+from pipelines.stage import StageFailed
 from tests.fake_stages import TOPOLOGY, fake_stages
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,7 +27,7 @@ data:
 tracking:
   mode: disabled
 """
-TARGET = ResolvedTarget("org/target", None, "auto", False)
+TARGET = ResolvedTarget(path="org/target", revision=None, dtype="auto", trust_remote_code=False)
 
 
 @pytest.fixture
@@ -63,7 +64,9 @@ def test_first_run_produces_exactly_the_expected_files(setup):
     manifest = json.loads((run_dir / "finetune" / "manifest.json").read_text())
     assert manifest["status"] == "completed"
     assert set(manifest["upstream"]) == {"distill", "pretrain"}
-    assert set(manifest["config"]) == {"target", "data", "pretrain", "finetune", "launch", "resolved_target"}
+    # the finetune stage's inputs: exactly what it reads
+    assert set(manifest["config"]) == {"finetune", "pairs", "data_seed", "target", "launch"}
+    assert manifest["config"]["finetune"]["optim"]["lr"] == 3e-5  # resolved when the recipe loaded
     for key in (
         "config_hash",
         "key",
@@ -101,7 +104,63 @@ def test_config_change_reruns_that_stage_and_downstream_only(setup):
     run(recipe_path, run_dir, "finetune.loop.seed=7", "early_exit.num_shared_layers=2")
     assert ran(log) == ["early_exit", "calibrate", "measure", "export"]
     run(recipe_path, run_dir, "finetune.loop.seed=7", "early_exit.num_shared_layers=2", "data.seed=3")
-    assert ran(log) == list(TOPOLOGY)  # every stage reads the data block
+    assert ran(log) == list(TOPOLOGY)  # distill, pretrain and measure read it; the rest are downstream
+
+
+DOWNSTREAM = {
+    "distill": ["distill", "finetune", "early_exit", "calibrate", "measure", "export"],
+    "pretrain": ["pretrain", "finetune", "calibrate", "measure", "export"],
+    "finetune": ["finetune", "calibrate", "measure", "export"],
+    "early_exit": ["early_exit", "calibrate", "measure", "export"],
+    "calibrate": ["calibrate", "measure", "export"],
+    "measure": ["measure", "export"],
+    "export": ["export"],
+}
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        # a value each stage reads reruns it and everything downstream
+        ("distill.max_new_tokens=7", DOWNSTREAM["distill"]),
+        ("pretrain.token_budget=5", DOWNSTREAM["pretrain"]),
+        ("data.pretrain=[{kind: offline, format: text}]", DOWNSTREAM["pretrain"]),
+        ("finetune.kd_weight=0.5", DOWNSTREAM["finetune"]),
+        ("early_exit.kl_weight=0.5", DOWNSTREAM["early_exit"]),
+        ("calibrate.num_positions=7", DOWNSTREAM["calibrate"]),
+        ("measure.num_prompts=7", DOWNSTREAM["measure"]),
+        ("data.eval=[{kind: offline, format: translation, pair: de-en, split: test}]", DOWNSTREAM["measure"]),
+        ("distill.prompt_format=chat_template", DOWNSTREAM["distill"]),  # measure's prompts too
+        ("export.license=mit", DOWNSTREAM["export"]),
+        ("launch.num_processes=2", ["pretrain", "finetune", "early_exit", "calibrate", "measure", "export"]),
+        # values a stage does not read leave it alone (calibrate runs as one process whatever launch says)
+        ("tracking.project=elsewhere", []),
+        ("tracking.model_artifacts=true", []),
+        ("data.open=[{kind: offline, format: translation, pair: de-en}]", []),  # open_fraction is 0
+        ("data.offline.samples_per_pair=10", []),  # no source reads the offline corpus
+    ],
+)
+def test_a_stage_reruns_exactly_when_a_value_it_reads_changes(setup, override, expected):
+    recipe_path, run_dir, log = setup
+    run(recipe_path, run_dir)
+    ran(log)
+    run(recipe_path, run_dir, override)
+    assert ran(log) == expected
+
+
+def test_calibrate_ignores_the_launch_config_it_overrides(setup):
+    recipe_path, run_dir, log = setup
+    run(recipe_path, run_dir, "early_exit.enabled=false", "finetune.enabled=false", "pretrain.enabled=false")
+    ran(log)
+    run(
+        recipe_path,
+        run_dir,
+        "early_exit.enabled=false",
+        "finetune.enabled=false",
+        "pretrain.enabled=false",
+        "launch.accelerate_config=recipes/accelerate/ddp.yaml",
+    )
+    assert ran(log) == []
 
 
 def test_disabled_stage_is_skipped_and_downstream_no_longer_depends_on_it(setup):

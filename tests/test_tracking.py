@@ -8,7 +8,7 @@ from pipelines.tracking import Tracker, start_tracking
 from tests.wandb_log import wait_for_record
 
 
-def offline_tracker(tmp_path, stage: str, **config):
+def offline_tracker(tmp_path, stage: str, model_artifacts: bool = False, **config):
     return start_tracking(
         stage=stage,
         group="demo",
@@ -18,6 +18,7 @@ def offline_tracker(tmp_path, stage: str, **config):
         entity=None,
         tags=["test"],
         mode="offline",
+        model_artifacts=model_artifacts,
     )
 
 
@@ -75,7 +76,11 @@ def test_an_exported_folder_becomes_a_model_artifact_with_its_files(tmp_path, mo
     folder.mkdir(parents=True)
     (folder / "config.json").write_text('{"model_type": "llama"}')
     (folder / "README.md").write_text("# card")
-    tracker = offline_tracker(tmp_path, "export")
+    off = offline_tracker(tmp_path / "off", "export")  # tracking.model_artifacts false: nothing logged
+    off.log_artifact("demo-drafter-de-en", folder, {"pair": "de-en"})
+    off.finish()
+    assert not (tmp_path / "off").exists()
+    tracker = offline_tracker(tmp_path, "export", model_artifacts=True)
     tracker.log_artifact("demo-drafter-de-en", folder, {"pair": "de-en", "smoke_passed": True})
     tracker.finish()
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))

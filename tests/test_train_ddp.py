@@ -7,8 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.drafter_setup import context, tiny_recipe, write_tiny_mix
-from train.drafter import run_finetune
+from tests.drafter_setup import context, run_stage, tiny_recipe, write_tiny_mix
 from train.steplog import read_log
 
 
@@ -21,8 +20,8 @@ def _finetune(tmp_path, target_dir, distill, name, **loop_and_launch):
         finetune={"loop": {"max_steps": 4, "per_device_batch_size": 2, **loop_and_launch}},
         launch=launch,
     )
-    ctx = context(tmp_path / name, "finetune", target_dir, {"distill": distill})
-    metrics = run_finetune(recipe, ctx).metrics
+    ctx = context(tmp_path / name, "finetune", {"distill": distill})
+    metrics = run_stage("finetune", recipe, ctx, target_dir).metrics
     return ctx.work_dir, metrics
 
 
@@ -53,7 +52,8 @@ def test_two_ddp_ranks_match_one_rank_with_the_same_global_batch(tmp_path, tiny_
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
         assert b["tokens"] == a["tokens"]
-    assert two["de-en/eval_loss"] == pytest.approx(one["de-en/eval_loss"], rel=1e-5)
+    eval_loss = [m["pairs"]["de-en"]["eval"]["de-en"]["eval_loss"] for m in (one, two)]
+    assert eval_loss[1] == pytest.approx(eval_loss[0], rel=1e-5)
     one_weights = load_file(one_dir / "de-en" / "model.safetensors")
     two_weights = load_file(two_dir / "de-en" / "model.safetensors")
     for key, value in one_weights.items():

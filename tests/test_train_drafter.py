@@ -9,10 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from distill.prompts import task_prefix, vicuna_prompt
-from pipelines.schema import TrackingConfig
-from tests.drafter_setup import context, tiny_recipe, write_tiny_mix
+from tests.drafter_setup import context, run_stage, tiny_recipe, write_tiny_mix
 from tests.wandb_log import read_wandb_records
-from train.drafter import run_finetune, run_pretrain, step_loss
+from train.drafter import step_loss
 from train.losses import topk_kl_sum
 from train.steplog import read_log
 
@@ -24,15 +23,11 @@ def pf_run(tmp_path_factory, tiny_target_dir):
     root = tmp_path_factory.mktemp("pf")
     distill = write_tiny_mix(root / "distill", ["de-en", "fr-en"])
     recipe = tiny_recipe(tiny_target_dir, finetune={"loss": "kd", "kd_top_k": 8, "loop": {"eval_every": 3}})
-    pretrain_ctx = context(root, "pretrain", tiny_target_dir, {"distill": distill})
     # the pretrain subprocess logs to an offline wandb run (under the run dir)
-    pretrain = run_pretrain(
-        recipe.model_copy(update={"tracking": TrackingConfig(mode="offline")}), pretrain_ctx
-    )
-    finetune_ctx = context(
-        root, "finetune", tiny_target_dir, {"distill": distill, "pretrain": pretrain_ctx.work_dir}
-    )
-    finetune = run_finetune(recipe, finetune_ctx)
+    pretrain_ctx = context(root, "pretrain", mode="offline")
+    pretrain = run_stage("pretrain", recipe, pretrain_ctx, tiny_target_dir)
+    finetune_ctx = context(root, "finetune", {"distill": distill, "pretrain": pretrain_ctx.work_dir})
+    finetune = run_stage("finetune", recipe, finetune_ctx, tiny_target_dir)
     return {
         "pretrain": (pretrain_ctx.work_dir, pretrain.metrics),
         "finetune": (finetune_ctx.work_dir, finetune.metrics),
@@ -41,7 +36,9 @@ def pf_run(tmp_path_factory, tiny_target_dir):
 
 def test_pretrain_packs_the_corpus_and_exports_a_drafter(pf_run):
     work_dir, metrics = pf_run["pretrain"]
-    assert metrics["steps"] == 6 and metrics["tokens"] == 6 * 4 * 64  # token_budget / (batch x length)
+    drafter = metrics["drafter"]
+    assert drafter["steps"] == 6 and drafter["tokens"] == 6 * 4 * 64  # token_budget / (batch x length)
+    assert (metrics["distributed_type"], metrics["num_processes"]) == ("NO", 1)
     log = read_log(work_dir / "model.train_log.jsonl")
     assert [e["step"] for e in log] == list(range(1, 7))
     assert all(e["tokens"] == 256 * e["step"] for e in log)  # packed: no padding anywhere
@@ -70,20 +67,19 @@ def test_the_training_subprocess_logs_to_wandb(pf_run):
         if r.WhichOneof("record_type") == "summary"
         for i in r.summary.update
     }
-    assert float(summary["train_loss"]) == pytest.approx(metrics["train_loss"])
+    assert json.loads(summary["drafter"])["train_loss"] == pytest.approx(metrics["drafter"]["train_loss"])
 
 
 def test_finetune_trains_one_drafter_per_pair_from_the_pretrained_one(pf_run):
     work_dir, metrics = pf_run["finetune"]
     for pair in ("de-en", "fr-en"):
-        assert metrics[f"{pair}/steps"] == 6
-        assert metrics[f"{pair}/eval_loss"] > 0
-        assert 0.0 <= metrics[f"{pair}/top1_agreement"] <= 1.0
+        trained = metrics["pairs"][pair]
+        assert trained["steps"] == 6
+        assert trained["eval"][pair]["eval_loss"] > 0
+        assert 0.0 <= trained["eval"][pair]["top1_agreement"] <= 1.0
         log = read_log(work_dir / f"{pair}.train_log.jsonl")
         assert len(log) == 6 and all(torch.isfinite(torch.tensor(e["loss"])) for e in log)
-        assert json.loads((work_dir / f"{pair}.metrics.json").read_text()) == {
-            k: v for k, v in metrics.items() if k.startswith(pair)
-        }
+        assert json.loads((work_dir / f"{pair}.metrics.json").read_text()) == trained
     pretrained = AutoModelForCausalLM.from_pretrained(pf_run["pretrain"][0] / "model")
     finetuned = AutoModelForCausalLM.from_pretrained(work_dir / "de-en")
     assert finetuned.config.to_dict()["hidden_size"] == pretrained.config.hidden_size
@@ -111,11 +107,11 @@ def test_rerun_of_a_finished_finetune_trains_nothing_again(pf_run, tiny_target_d
     before = {p: (work_dir / p / "model.safetensors").stat().st_mtime_ns for p in ("de-en", "fr-en")}
     recipe = tiny_recipe(tiny_target_dir, finetune={"loss": "kd", "kd_top_k": 8, "loop": {"eval_every": 3}})
     upstream = {"distill": work_dir.parent / "distill", "pretrain": pf_run["pretrain"][0]}
-    ctx = context(work_dir.parent, "finetune", tiny_target_dir, upstream)
-    again = run_finetune(recipe, ctx)
+    ctx = context(work_dir.parent, "finetune", upstream)
+    again = run_stage("finetune", recipe, ctx, tiny_target_dir)
     # the same per-pair metrics, and no launch: nothing says how it ran, because nothing ran
-    assert again.metrics == {k: v for k, v in metrics.items() if "/" in k}
-    assert "num_processes" in metrics and "num_processes" not in again.metrics
+    assert again.metrics["pairs"] == metrics["pairs"]
+    assert metrics["num_processes"] == 1 and again.metrics["num_processes"] is None
     assert before == {p: (work_dir / p / "model.safetensors").stat().st_mtime_ns for p in ("de-en", "fr-en")}
 
 

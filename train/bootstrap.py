@@ -20,7 +20,7 @@ import torch
 from transformers import GenerationConfig
 
 from distill.offline import offline_pairs, offline_texts
-from distill.prompts import task_prefix, vicuna_prompt
+from distill.prompts import VICUNA_CHAT_TEMPLATE, task_prefix, vicuna_prompt
 from models.tiny import build_llama, train_tokenizer
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ def build_bootstrap_target(
     langs = [pair.split("-")[0] for pair in pairs]
     examples = conversations(pairs, samples_per_pair, entries_per_sample, test_fraction, seed, kind_weights)
     tokenizer_texts = [row["text"] for row in offline_texts(langs, 2000, seed)] + [p + a for p, a in examples]
-    tokenizer = train_tokenizer(tokenizer_texts, vocab_size)
+    tokenizer = train_tokenizer(tokenizer_texts, vocab_size, VICUNA_CHAT_TEMPLATE)
     encoded = _encode(tokenizer, examples, seq_len)
     model = build_llama(
         vocab_size=len(tokenizer),

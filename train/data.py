@@ -144,7 +144,7 @@ def document_text(row: dict[str, Any], format: str) -> str:
 
 
 def iter_source_rows(source: dict[str, Any], seed: int) -> Iterator[dict[str, Any] | None]:
-    """Normalised rows of a recipe source (a SourceConfig dump), shuffled with `seed`.
+    """Normalised rows of a source (`read_source` keyword arguments), shuffled with `seed`.
 
     Streaming `hf` sources are read lazily (C4 does not fit in memory) and yield None for a row skipped
     as invalid, so that positions count raw rows; other sources go through `read_source` whole.
@@ -152,7 +152,7 @@ def iter_source_rows(source: dict[str, Any], seed: int) -> Iterator[dict[str, An
     from distill.sources import describe, normalise, read_source
 
     if not (source["kind"] == "hf" and source["streaming"]):
-        yield from read_source(**source, seed=seed).rows
+        yield from read_source(**{**source, "seed": seed}).rows
         return
     import datasets
 

@@ -10,6 +10,7 @@ import torch
 
 from train.data import collate, encode_texts
 from train.losses import IGNORE_INDEX, ce_sum, top1_matches
+from train.results import EvalMetrics
 
 
 def eval_examples(tokenizer: Any, rows: list[dict[str, Any]], max_length: int) -> list[dict[str, list[int]]]:
@@ -62,14 +63,14 @@ def evaluate(
     per_device: int,
     max_batches: int,
     pad_id: int,
-) -> dict[str, float]:
-    """`<name>/eval_loss` and `<name>/top1_agreement` of each eval set, summed over all processes.
+) -> dict[str, EvalMetrics]:
+    """Held-out loss and top-1 agreement of each eval set, by name, summed over all processes.
 
     `max_batches` micro-batches per process (0: all). The model goes back to train mode afterwards.
     """
     model.eval()
     device, world = accelerator.device, accelerator.num_processes
-    metrics = {}
+    metrics: dict[str, EvalMetrics] = {}
     for name, examples in evals.items():
         if max_batches:
             examples = examples[: max_batches * per_device * world]
@@ -86,8 +87,18 @@ def evaluate(
             matches, greedy_count = top1_matches(logits, greedy["labels"].to(device))
             sums += torch.stack([loss.double(), count.double(), matches.double(), greedy_count.double()])
         loss, count, matches, greedy_count = accelerator.reduce(sums, "sum").tolist()
-        metrics[f"{name}/eval_loss"] = loss / max(count, 1.0)
-        if greedy_count:
-            metrics[f"{name}/top1_agreement"] = matches / greedy_count
+        metrics[name] = EvalMetrics(
+            eval_loss=loss / max(count, 1.0), top1_agreement=matches / greedy_count if greedy_count else None
+        )
     model.train()
     return metrics
+
+
+def eval_log(metrics: dict[str, EvalMetrics]) -> dict[str, float]:
+    """Held-out metrics as the tracker logs them: `eval/<set>/<metric>`."""
+    return {
+        f"eval/{name}/{key}": value
+        for name, m in metrics.items()
+        for key, value in m.model_dump().items()
+        if value is not None
+    }

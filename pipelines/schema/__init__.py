@@ -8,6 +8,7 @@ from pipelines.schema.common import (
     BootstrapConfig,
     DataConfig,
     LaunchConfig,
+    ResolvedTarget,
     SourceConfig,
     StrictModel,
     TargetConfig,
@@ -40,6 +41,35 @@ class Recipe(StrictModel):
     export: ExportConfig = Field(default_factory=ExportConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    @model_validator(mode="after")
+    def _resolve(self) -> Recipe:
+        """Fill the defaults that depend on other blocks, so that every value a stage uses is in the
+        loaded recipe (and in `polydraft show`, the manifests and the wandb config)."""
+        finetune = self.finetune
+        if self.pretrain.enabled and finetune.drafter != DrafterConfig():
+            raise ValueError(
+                "finetune.drafter is only used without pretraining; with pretrain.enabled the finetune "
+                "starts from the pretrained drafter (set pretrain.drafter instead, or pretrain.enabled: false)"
+            )
+        # seed 003 App. F.3: lr 2e-5 for vicuna-68m, 3e-5 otherwise; 3 epochs after P, 5 without (F)
+        arch = self.pretrain.drafter.arch if self.pretrain.enabled else finetune.drafter.arch
+        optim, loop = finetune.optim, finetune.loop
+        if optim.lr is None:
+            optim = optim.model_copy(update={"lr": 2e-5 if arch == "vicuna-68m" else 3e-5})
+        if loop.epochs is None:
+            loop = loop.model_copy(update={"epochs": 3.0 if self.pretrain.enabled else 5.0})
+        temperatures = list(self.distill.temperatures)  # the trainers' filter; unset: every distilled one
+        finetune = finetune.model_copy(
+            update={"optim": optim, "loop": loop, "temperatures": finetune.temperatures or temperatures}
+        )
+        early_exit = self.early_exit.model_copy(
+            update={"temperatures": self.early_exit.temperatures or temperatures}
+        )
+        # set on the frozen model once, while it is being validated (a validator must return `self`)
+        object.__setattr__(self, "finetune", finetune)
+        object.__setattr__(self, "early_exit", early_exit)
+        return self
 
     @model_validator(mode="after")
     def _blocks_agree(self) -> Recipe:
@@ -77,6 +107,7 @@ __all__ = [
     "OptimConfig",
     "PretrainConfig",
     "Recipe",
+    "ResolvedTarget",
     "SourceConfig",
     "StrictModel",
     "TargetConfig",

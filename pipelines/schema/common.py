@@ -9,14 +9,26 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-LanguagePair = Literal["de-en", "fr-en", "ru-en", "ja-en", "zh-en"]
-"""A translation direction, source language first. The drafters of seed 003 translate into English."""
+from distill.prompts import PAIRS
+
+LanguagePair = Literal[PAIRS]  # type: ignore[valid-type]
+"""A translation direction, source language first (`distill.prompts.PAIRS`)."""
 
 
 class StrictModel(BaseModel):
-    """Base of every config block: unknown keys and wrong types are errors, never coerced."""
+    """Base of every config block: unknown keys and wrong types are errors, never coerced; loaded
+    values never change afterwards (a changed copy is made with `model_copy(update=...)`)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True, frozen=True)
+
+
+class ResolvedTarget(StrictModel):
+    """The target as stages load it: a local folder or hub id, after any bootstrap build."""
+
+    path: str
+    revision: str | None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"]
+    trust_remote_code: bool
 
 
 class BootstrapConfig(StrictModel):
@@ -119,15 +131,6 @@ class OfflineCorpusConfig(StrictModel):
     """How often each kind of entry is drawn: gettext catalog messages, CLDR names, dates, numbers.
     Dates and numbers are systematic (learnable by small models); catalog messages must be memorised."""
 
-    def source_options(self) -> dict[str, Any]:
-        """The `offline_*` keyword arguments of `distill.sources.read_source`."""
-        return {
-            "offline_entries_per_sample": (self.entries_per_sample[0], self.entries_per_sample[1]),
-            "offline_test_fraction": self.test_fraction,
-            "offline_samples": self.samples_per_pair,
-            "offline_kind_weights": dict(self.kind_weights),
-        }
-
     @model_validator(mode="after")
     def _check(self) -> OfflineCorpusConfig:
         if (
@@ -138,6 +141,33 @@ class OfflineCorpusConfig(StrictModel):
         if any(w < 0 for w in self.kind_weights.values()) or not any(self.kind_weights.values()):
             raise ValueError("kind_weights: non-negative, at least one positive")
         return self
+
+
+def reader_args(source: SourceConfig, seed: int, offline: OfflineCorpusConfig | None) -> dict[str, Any]:
+    """A recipe source -> the keyword arguments of `distill.sources.read_source` (and of the pretraining
+    document reader, `train.data.tokenized_documents`): the one place where that mapping is written."""
+    args: dict[str, Any] = {
+        "kind": source.kind,
+        "format": source.format,
+        "path": source.path,
+        "name": source.name,
+        "split": source.split,
+        "revision": source.revision,
+        "streaming": source.streaming,
+        "fields": dict(source.fields),
+        "pair": source.pair,
+        "limit": source.limit,
+        "skip_invalid": source.skip_invalid,
+        "seed": seed,
+    }
+    if source.kind == "offline" and offline is not None:
+        args |= {
+            "offline_entries_per_sample": (offline.entries_per_sample[0], offline.entries_per_sample[1]),
+            "offline_test_fraction": offline.test_fraction,
+            "offline_samples": offline.samples_per_pair,
+            "offline_kind_weights": dict(offline.kind_weights),
+        }
+    return args
 
 
 class DataConfig(StrictModel):

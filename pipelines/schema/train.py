@@ -12,23 +12,59 @@ DrafterArch = Literal["llama-68m", "vicuna-68m", "gemma-250m", "custom"]
 
 
 class OptimConfig(StrictModel):
-    """AdamW with a warmup + cosine schedule (seed 003 App. F.3)."""
+    """AdamW with a warmup + cosine schedule (seed 003 App. F.3). Each stage's block is a subclass that
+    sets its own defaults, so a recipe that sets one field keeps the stage's defaults for the others."""
 
-    lr: float | None = None
-    """Peak learning rate. None: the stage's own default (documented on the stage)."""
-    weight_decay: float = 0.0
+    lr: float = Field(default=3e-5, gt=0)
+    """Peak learning rate."""
+    weight_decay: float = Field(default=0.0, ge=0)
     betas: list[float] = Field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    warmup_ratio: float = 0.03
+    """AdamW's (beta1, beta2), each in [0, 1)."""
+    eps: float = Field(default=1e-8, gt=0)
+    warmup_ratio: float = Field(default=0.03, ge=0, le=1)
+    """Share of the optimizer steps spent warming the learning rate up from 0."""
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
     """Floor of the decayed learning rate, as a fraction of the peak."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = Field(default=1.0, ge=0)
     """Gradient clipping by global norm; 0 disables it."""
+
+    @model_validator(mode="after")
+    def _betas(self) -> OptimConfig:
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas: two values in [0, 1) (beta1, beta2), got {self.betas}")
+        return self
+
+
+class PretrainOptim(OptimConfig):
+    """Seed 003 gives no pretraining hyper-parameters; these are the usual ones for small LMs."""
+
+    lr: float = Field(default=3e-4, gt=0)
+    weight_decay: float = Field(default=0.01, ge=0)
+
+
+class FinetuneOptim(OptimConfig):
+    """Seed 003 App. F.3."""
+
+    lr: float | None = Field(default=None, gt=0)
+    """Unset: 2e-5 for a vicuna-68m drafter, 3e-5 otherwise (seed 003 App. F.3), filled in when the
+    recipe is loaded (`polydraft show` prints the value used)."""
+
+
+class EarlyExitOptim(OptimConfig):
+    """Table 9 / App. C of seed 001."""
+
+    lr: float = Field(default=1e-3, gt=0)
+
+
+class CalibrateOptim(OptimConfig):
+    lr: float = Field(default=1e-3, gt=0)
+    warmup_ratio: float = Field(default=0.0, ge=0, le=1)
 
 
 class LoopConfig(StrictModel):
-    """The parts of an explicit training loop every trainer shares."""
+    """The parts of an explicit training loop every trainer shares. Each stage's block is a subclass
+    that sets its own defaults (documented on the stage)."""
 
     epochs: float = Field(default=3.0, gt=0)
     """Passes over the training data (fractions allowed). `max_steps` wins when set."""
@@ -55,6 +91,38 @@ class LoopConfig(StrictModel):
     keep_checkpoints: int = Field(default=2, ge=1)
 
 
+class PretrainLoop(LoopConfig):
+    """One pass; `max_length` is the packed sequence length."""
+
+    epochs: float = Field(default=1.0, gt=0)
+    per_device_batch_size: int = Field(default=8, ge=1)
+
+
+class FinetuneLoop(LoopConfig):
+    """Seed 003 App. F.3: batch 2 per device on 4 devices, max length 2048."""
+
+    epochs: float | None = Field(default=None, gt=0)
+    """Unset: 3 epochs after pretraining, 5 without (the seed's F baseline), filled in when the recipe is
+    loaded."""
+
+
+class EarlyExitLoop(LoopConfig):
+    """Table 9: batch 64 (per device x processes x accumulation), sequence 2k (13B) / 4k (70B) / 16k
+    (CodeLlama), 4 epochs (13B) or 6 (70B)."""
+
+    epochs: float = Field(default=4.0, gt=0)
+    per_device_batch_size: int = Field(default=8, ge=1)
+    grad_accum_steps: int = Field(default=8, ge=1)
+
+
+class CalibrateLoop(LoopConfig):
+    """`per_device_batch_size` counts labelled draft steps; `max_length` caps the prefix + drafts; `seed`
+    also seeds the position sampling."""
+
+    per_device_batch_size: int = Field(default=64, ge=1)
+    checkpoint_every: int = Field(default=200, ge=1)
+
+
 class DrafterConfig(StrictModel):
     """The drafter architecture and where its weights start."""
 
@@ -72,6 +140,16 @@ class DrafterConfig(StrictModel):
     num_heads: int | None = None
     num_kv_heads: int | None = None
     intermediate_size: int | None = None
+
+    def shape(self) -> dict[str, int | None]:
+        """The shape fields, which replace the named architecture's when set."""
+        return {
+            "hidden_size": self.hidden_size,
+            "num_layers": self.num_layers,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "intermediate_size": self.intermediate_size,
+        }
 
     @model_validator(mode="after")
     def _custom_complete(self) -> DrafterConfig:
@@ -93,10 +171,8 @@ class PretrainConfig(StrictModel):
     token_budget: int = 1_000_000_000
     """Tokens of packed generic text to train on (the loop stops when it is spent, or earlier after
     `loop.epochs` passes over corpora that are not streamed)."""
-    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=3e-4, weight_decay=0.01))
-    """Seed 003 gives no pretraining hyper-parameters; these are the usual ones for small LMs."""
-    loop: LoopConfig = Field(default_factory=lambda: LoopConfig(epochs=1.0, per_device_batch_size=8))
-    """`max_length` is the packed sequence length."""
+    optim: PretrainOptim = Field(default_factory=PretrainOptim)
+    loop: PretrainLoop = Field(default_factory=PretrainLoop)
 
 
 class FinetuneConfig(StrictModel):
@@ -106,7 +182,8 @@ class FinetuneConfig(StrictModel):
     drafter: DrafterConfig = Field(default_factory=DrafterConfig)
     """Used as is when pretrain is disabled (the seed's F-only baseline); else the pretrained drafter."""
     temperatures: list[float] | None = None
-    """Keep only records distilled at these temperatures; None keeps all."""
+    """Keep only records distilled at these temperatures. Unset: every `distill.temperatures` value,
+    filled in when the recipe is loaded."""
     loss: Literal["ce", "kd"] = "ce"
     """`ce`: hard-label cross-entropy on the assistant tokens; `kd`: that cross-entropy plus `kd_weight`
     times the forward KL from the target's distribution (the target is loaded beside the drafter)."""
@@ -114,11 +191,8 @@ class FinetuneConfig(StrictModel):
     """`kd` compares the two distributions on the target's k most likely tokens plus one bucket for all
     the others (a true KL of (k+1)-way distributions, far cheaper than the full vocabulary)."""
     kd_weight: float = 1.0
-    optim: OptimConfig = Field(default_factory=OptimConfig)
-    """lr None: 2e-5 for vicuna-68m, 3e-5 otherwise (seed 003 App. F.3)."""
-    loop: LoopConfig = Field(default_factory=LoopConfig)
-    """Seed 003 App. F.3: batch 2 per device on 4 devices, max length 2048, 3 epochs after pretraining.
-    When pretrain is disabled and `epochs` is not set in the recipe, 5 epochs (the seed's F baseline)."""
+    optim: FinetuneOptim = Field(default_factory=FinetuneOptim)
+    loop: FinetuneLoop = Field(default_factory=FinetuneLoop)
 
     @model_validator(mode="after")
     def _kd_options(self) -> FinetuneConfig:
@@ -154,15 +228,12 @@ class EarlyExitConfig(StrictModel):
     prompt too, as seed 001 trains on whole ShareGPT sequences (the prompt's fixed system text then
     weighs in the loss and the top-1 agreement)."""
     temperatures: list[float] | None = None
-    """Keep only distilled rows of these temperatures (open-source rows always stay); None keeps all."""
-    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3))
-    """Table 9 / App. C: lr 1e-3."""
-    loop: LoopConfig = Field(
-        default_factory=lambda: LoopConfig(epochs=4.0, per_device_batch_size=8, grad_accum_steps=8)
-    )
-    """Table 9: batch 64 (per device x processes x accumulation), sequence 2k (13B) / 4k (70B) / 16k
-    (CodeLlama), 4 epochs (13B) or 6 (70B). The held-out top-1 agreement is against the full target's
-    greedy tokens, computed once by streaming the target layer by layer (`eval_reference.pt`)."""
+    """Keep only distilled rows of these temperatures (open-source rows always stay). Unset: every
+    `distill.temperatures` value, filled in when the recipe is loaded."""
+    optim: EarlyExitOptim = Field(default_factory=EarlyExitOptim)
+    loop: EarlyExitLoop = Field(default_factory=EarlyExitLoop)
+    """The held-out top-1 agreement is against the full target's greedy tokens, computed once by
+    streaming the target layer by layer (`eval_reference.pt`)."""
 
 
 class CalibrateConfig(StrictModel):
@@ -188,9 +259,5 @@ class CalibrateConfig(StrictModel):
     heldout_fraction: float = Field(default=0.1, gt=0, lt=1)
     """Extra positions, as a fraction of `num_positions`, sampled from the mix's held-out `eval` split to
     report accuracy, Brier score, calibration error and the base rate."""
-    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_ratio=0.0))
-    loop: LoopConfig = Field(
-        default_factory=lambda: LoopConfig(epochs=3.0, per_device_batch_size=64, checkpoint_every=200)
-    )
-    """`per_device_batch_size` counts labelled draft steps; `max_length` caps the prefix + drafts; `seed`
-    also seeds the position sampling."""
+    optim: CalibrateOptim = Field(default_factory=CalibrateOptim)
+    loop: CalibrateLoop = Field(default_factory=CalibrateLoop)

@@ -1,4 +1,4 @@
-"""The export stage: Hugging Face folders with model cards that carry the measured speedups, smoke-checked.
+"""Stage `export`: Hugging Face folders with model cards that carry the measured speedups, smoke-checked.
 
 For every drafter the run trained (`finetune/<pair>/`, and the pretrain stage's generic `pretrain/model/`
 as `pretrain`) and for the early-exit head (`early_exit/head/`), one folder `<work_dir>/<name>/`:
@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from decoding.inputs import DrafterSource, discover_drafters
+from decoding.results import RESULTS_FILE as MEASURE_RESULTS
+from decoding.results import ResultsError, read_rows
 from pipelines.cards import render_card
 from pipelines.export_info import (
-    RESULTS_FORMAT,
     calibration_facts,
     early_exit_facts,
     finetune_facts,
@@ -41,17 +42,30 @@ from pipelines.export_info import (
     pretrain_facts,
     public_target,
 )
+from pipelines.export_records import (
+    CARD_FILE,
+    INDEX_FILE,
+    RESULTS_FILE,
+    ArchitectureCard,
+    ExportIndex,
+    ExportRecord,
+    ExportResults,
+    GitState,
+    Measurement,
+    PromptExample,
+    PublicTarget,
+    SmokeCheck,
+    SmokeResult,
+    TrainingCard,
+)
 from pipelines.manifest import git_state, write_json_atomic
-from pipelines.schema import Recipe
-from pipelines.smoke import Check, as_dicts, drafter_checks, head_checks, passed, vllm_generation_check
+from pipelines.schema.inputs import ExportInputs
+from pipelines.smoke import Check, drafter_checks, head_checks, passed, vllm_generation_check
 from pipelines.stage import PROJECT_ROOT, StageContext, StageFailed, StageResult
+from train.results import CalibrationReport
 
 log = logging.getLogger(__name__)
 
-INDEX_FILE = "export.json"
-INDEX_FORMAT = "polydraft-export/1"
-RESULTS_FILE = "results.json"
-CARD_FILE = "README.md"
 CALIBRATION_DIR = "calibration"
 FALLBACK_PROMPTS = ("Hello! How are you today?", "Explain speculative decoding in one sentence.")
 """Smoke prompts when the recipe has no `data.eval` sets (any prompt shows whether decoding is lossless)."""
@@ -63,7 +77,7 @@ class Item:
 
     source: DrafterSource
     staged: Path
-    measurement: dict[str, Any]
+    measurement: Measurement
     draft_length: int
 
     @property
@@ -90,10 +104,7 @@ def stage_drafter(item: Item, tokenizer: Any, threshold: float) -> None:
     if not any((item.staged / name).is_file() for name in TOKENIZER_FILES):
         tokenizer.save_pretrained(item.staged)  # a drafter is used with the target's tokenizer
     stage_calibration(item)
-    if (
-        item.measurement["best_draft_length"] is not None
-        and (item.staged / "generation_config.json").is_file()
-    ):
+    if item.measurement.best_draft_length is not None and (item.staged / "generation_config.json").is_file():
         # transformers' assisted generation then drafts the measured K per round, as `assisted` measured it
         config = GenerationConfig.from_pretrained(item.staged)
         config.num_assistant_tokens = item.draft_length
@@ -102,12 +113,12 @@ def stage_drafter(item: Item, tokenizer: Any, threshold: float) -> None:
         config.save_pretrained(item.staged)
 
 
-def stage_head(item: Item, target: dict[str, Any]) -> dict[str, Any]:
+def stage_head(item: Item, target: PublicTarget) -> dict[str, Any]:
     """The head's weights and config (naming the public target, never a local path), its calibration."""
     from models.early_exit import CONFIG_FILE, WEIGHTS_FILE, read_head_config
 
     config = read_head_config(item.source.path)
-    config["target"] = {"path": target["id"], "revision": target["revision"]}
+    config["target"] = {"path": target.id, "revision": target.revision}
     shutil.copy2(Path(item.source.path) / WEIGHTS_FILE, item.staged / WEIGHTS_FILE)
     (item.staged / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     stage_calibration(item)
@@ -149,22 +160,26 @@ def parameter_count(folder: Path) -> int:
 # ----------------------------------------------------------------------------- prompts
 
 
-def smoke_prompts(recipe: Recipe, tokenizer: Any, count: int) -> dict[str | None, list[Any]]:
+def smoke_prompts(inputs: ExportInputs, tokenizer: Any, count: int) -> dict[str | None, list[Any]]:
     """Token-id prompts by pair (None: any): the first `count` of each `data.eval` set, built as the
     measure stage builds them; generic prompts when the recipe has no eval sets."""
     import torch
 
-    from decoding.inputs import load_eval_sets
     from distill.prompts import build_prompt, encode_prompt
+    from pipelines.stages.measure import eval_sets_of
 
-    if not recipe.data.eval:
+    if not inputs.eval.sources:
         texts = [
-            build_prompt([{"role": "user", "content": t}], recipe.distill.prompt_format, tokenizer)
+            build_prompt([{"role": "user", "content": t}], inputs.eval.prompt_format, tokenizer)
             for t in FALLBACK_PROMPTS
         ]
         return {None: [torch.tensor(encode_prompt(tokenizer, t)) for t in texts][:count]}
     prompts: dict[str | None, list[Any]] = {None: []}
-    for eval_set in load_eval_sets(recipe, count, recipe.measure.max_prompt_tokens, tokenizer):
+    try:
+        eval_sets = eval_sets_of(inputs.eval, count, inputs.max_prompt_tokens, tokenizer)
+    except ValueError as err:
+        raise StageFailed(f"export: smoke prompts: {err}") from err
+    for eval_set in eval_sets:
         prompts.setdefault(eval_set.pair, []).extend(eval_set.prompts)
         prompts[None].extend(eval_set.prompts)
     return prompts
@@ -174,18 +189,16 @@ def prompts_for(prompts: dict[str | None, list[Any]], pair: str | None, count: i
     return (prompts.get(pair, []) + prompts[None])[:count] if pair else prompts[None][:count]
 
 
-def prompt_example(recipe: Recipe, tokenizer: Any, pair: str | None) -> dict[str, Any]:
+def prompt_example(prompt_format: str, tokenizer: Any, pair: str | None) -> PromptExample:
     """The prompt format the drafter was trained on, with a placeholder, for the card's usage snippet."""
     from distill.prompts import build_prompt, translation_messages
 
     messages = translation_messages(pair, "{text}") if pair else [{"role": "user", "content": "{question}"}]
-    example = build_prompt(messages, recipe.distill.prompt_format, tokenizer)
+    example = build_prompt(messages, prompt_format, tokenizer)
     bos = tokenizer.bos_token
-    return {
-        "format": recipe.distill.prompt_format,
-        "example": example,
-        "add_special_tokens": not (bos and example.startswith(bos)),
-    }
+    return PromptExample(
+        format=prompt_format, example=example, add_special_tokens=not (bos and example.startswith(bos))
+    )
 
 
 # ----------------------------------------------------------------------------- the stage
@@ -193,124 +206,138 @@ def prompt_example(recipe: Recipe, tokenizer: Any, pair: str | None) -> dict[str
 
 def build_info(
     item: Item,
-    recipe: Recipe,
+    inputs: ExportInputs,
     ctx: StageContext,
-    target: dict[str, Any],
+    target: PublicTarget,
     checks: list[Check],
     extra: dict[str, Any],
     tokenizer: Any,
-) -> dict[str, Any]:
+) -> ExportResults:
     """Everything the card says, as written to `results.json`."""
-    source, cfg = item.source, recipe.export
-    sources = [*pair_sources(recipe.data.distill, source.pair), *pair_sources(recipe.data.open, source.pair)]
-    if source.kind in ("pretrain", "finetune"):
-        sources += recipe.data.pretrain if "pretrain" in ctx.upstream else []
+    source, cfg = item.source, inputs.export
+    sources = []
+    if inputs.finetune is not None:
+        finetune = inputs.finetune
+        sources = [
+            *pair_sources(finetune.distill_sources, source.pair),
+            *pair_sources(finetune.open_sources, source.pair),
+        ]
+    if source.kind in ("pretrain", "finetune") and inputs.pretrain is not None and "pretrain" in ctx.upstream:
+        sources += inputs.pretrain.corpora
     calibration = None
     if source.calibration is not None:
         report = source.calibration / "report.json"
         calibration = calibration_facts(
-            json.loads(report.read_text(encoding="utf-8")) if report.is_file() else None
+            CalibrationReport.model_validate_json(report.read_text(encoding="utf-8"))
+            if report.is_file()
+            else None
         )
-    info = {
-        "format": RESULTS_FORMAT,
-        "name": source.name,
-        "kind": item.kind,
-        "source": source.kind,
-        "pair": source.pair,
-        "repo_name": repo_name(target, ctx.run_dir.name, item),
-        "target": target,
-        "license": cfg.license,
-        "languages": languages_of(source.pair, list(recipe.data.pairs)),
-        "datasets": hub_datasets(sources),
-        "training": {
-            "pretrain": pretrain_facts(recipe, ctx.upstream)
-            if source.kind in ("pretrain", "finetune")
-            else None,
-            "finetune": finetune_facts(recipe, ctx.upstream, source.pair)
-            if source.kind == "finetune"
-            else None,
-        },
-        "calibration": calibration,
-        "prompt": prompt_example(recipe, tokenizer, source.pair),
-        "measurement": item.measurement,
-        "draft_length_default": recipe.measure.draft_length,
-        "smoke": {"passed": passed(checks), "checks": as_dicts(checks)},
-        "plots": sorted(p.name for p in item.staged.glob("*.png")),
-        "polydraft": git_state(PROJECT_ROOT),
+    trained = source.kind in ("pretrain", "finetune")
+    training = TrainingCard(
+        pretrain=pretrain_facts(inputs.pretrain, ctx.upstream) if trained else None,
+        finetune=finetune_facts(inputs.finetune, ctx.upstream, source.pair, inputs.eval.prompt_format)
+        if source.kind == "finetune"
+        else None,
+    )
+    info = ExportResults(
+        name=source.name,
+        kind=item.kind,
+        source=source.kind,
+        pair=source.pair,
+        repo_name=repo_name(target, ctx.run_dir.name, item),
+        target=target,
+        license=cfg.license,
+        languages=languages_of(source.pair, list(inputs.pairs)),
+        datasets=hub_datasets(sources),
+        training=training,
+        calibration=calibration,
+        prompt=prompt_example(inputs.eval.prompt_format, tokenizer, source.pair),
+        measurement=item.measurement,
+        draft_length_default=inputs.draft_length,
+        smoke=SmokeResult(
+            passed=passed(checks),
+            checks=[SmokeCheck(name=c.name, status=c.status, detail=c.detail) for c in checks],
+        ),
+        plots=sorted(p.name for p in item.staged.glob("*.png")),
+        polydraft=GitState(**git_state(PROJECT_ROOT)),
         **extra,
-    }
+    )
     files = [p.relative_to(item.staged).as_posix() for p in item.staged.rglob("*") if p.is_file()]
-    info["files"] = sorted([*files, RESULTS_FILE, CARD_FILE])
-    return info
+    return info.model_copy(update={"files": sorted([*files, RESULTS_FILE, CARD_FILE])})
 
 
-def repo_name(target: dict[str, Any], run_name: str, item: Item) -> str:
+def repo_name(target: PublicTarget, run_name: str, item: Item) -> str:
     """`<target>-drafter-<name>` / `<target>-eesd-head`; a local target is named after the run."""
-    prefix = target["label"] or run_name
+    prefix = target.label or run_name
     return f"{prefix}-eesd-head" if item.kind == "early_exit" else f"{prefix}-drafter-{item.source.name}"
 
 
-def run(recipe: Recipe, ctx: StageContext) -> StageResult:
-    """Stage `export`: one smoke-checked Hugging Face folder with a card per drafter and head."""
-    from decoding.measure import RESULTS_FILE as MEASURE_RESULTS
-    from decoding.measure import read_rows
+def run(inputs: ExportInputs, ctx: StageContext) -> StageResult:
+    """One smoke-checked Hugging Face folder with a card per drafter and head."""
     from models.loading import load_tokenizer
 
-    cfg, resolved = recipe.export, ctx.target
-    sources = discover_drafters(ctx.upstream, {}, cfg.include_pretrained)
+    cfg, resolved = inputs.export, inputs.target
+    try:
+        sources = discover_drafters(ctx.upstream, {}, cfg.include_pretrained)
+        rows = read_rows(ctx.upstream["measure"] / MEASURE_RESULTS) if "measure" in ctx.upstream else []
+    except (ValueError, ResultsError) as err:
+        raise StageFailed(f"export: {err}") from err
     if not sources:
         log.warning(
             "export: no drafter or early-exit head upstream (finetune, pretrain, early_exit): nothing to export"
         )
-    rows = read_rows(ctx.upstream["measure"] / MEASURE_RESULTS) if "measure" in ctx.upstream else []
-    target = public_target(cfg.base_model, recipe.target.path, resolved)
+    target = public_target(cfg.base_model, inputs.target_path, resolved)
     tokenizer = load_tokenizer(resolved.path, resolved.revision, resolved.trust_remote_code)
     items = []
     for source in sources:
         if (ctx.work_dir / source.name / RESULTS_FILE).is_file():
             continue  # finished by an earlier, interrupted run of this same config
         decoder = "eesd" if source.kind == "early_exit" else "sd"
-        measured = measurements(rows, source.name, decoder, target["id"])
+        measured = measurements(rows, source.name, decoder, target.id)
         staged = ctx.work_dir / f"{source.name}.tmp"
         shutil.rmtree(staged, ignore_errors=True)
         staged.mkdir(parents=True)
-        items.append(
-            Item(source, staged, measured, measured["best_draft_length"] or recipe.measure.draft_length)
-        )
+        items.append(Item(source, staged, measured, measured.best_draft_length or inputs.draft_length))
     if items:
-        finish_items(items, recipe, ctx, target, tokenizer)
+        finish_items(items, inputs, ctx, target, tokenizer)
     index = write_index(ctx.work_dir, [s.name for s in sources], target)
-    for entry in index["items"]:
-        info = json.loads((ctx.work_dir / entry["folder"] / RESULTS_FILE).read_text(encoding="utf-8"))
-        ctx.tracker.log_table(f"export/{entry['name']}", flat_summary(info["measurement"]["summary"]))
-        if recipe.tracking.model_artifacts:
-            metadata = {"kind": entry["kind"], "pair": entry["pair"], "target": target["id"]}
-            metadata |= {"smoke_passed": entry["smoke_passed"], "headline": entry["headline"]}
-            ctx.tracker.log_artifact(entry["repo_name"], ctx.work_dir / entry["folder"], metadata)
+    for entry in index.items:
+        info = ExportResults.model_validate_json(
+            (ctx.work_dir / entry.folder / RESULTS_FILE).read_text("utf-8")
+        )
+        ctx.tracker.log_table(f"export/{entry.name}", flat_summary(info.measurement))
+        metadata = {
+            "kind": entry.kind,
+            "pair": entry.pair,
+            "target": target.id,
+            "smoke_passed": entry.smoke_passed,
+        }
+        metadata["headline"] = entry.headline.model_dump() if entry.headline else None
+        ctx.tracker.log_artifact(entry.repo_name, ctx.work_dir / entry.folder, metadata)
     return StageResult(metrics=stage_metrics(index))
 
 
 def finish_items(
-    items: list[Item], recipe: Recipe, ctx: StageContext, target: dict[str, Any], tokenizer: Any
+    items: list[Item], inputs: ExportInputs, ctx: StageContext, target: PublicTarget, tokenizer: Any
 ) -> None:
     """Stage each folder's files, smoke-check them, write results.json and the card, rename into place."""
     from decoding.measure import eos_ids_of
     from decoding.report import write_report
     from models.loading import load_causal_lm
 
-    cfg, resolved = recipe.export, ctx.target
+    cfg, resolved = inputs.export, inputs.target
     extras: dict[str, dict[str, Any]] = {}
     for item in ctx.progress(items, desc="stage folders", unit="folder"):
         if item.kind == "early_exit":
             extras[item.source.name] = {"head": early_exit_facts(stage_head(item, target), ctx.upstream)}
         else:
-            stage_drafter(item, tokenizer, recipe.measure.assisted_confidence_threshold)
+            stage_drafter(item, tokenizer, inputs.assisted_confidence_threshold)
             config = json.loads((item.staged / "config.json").read_text(encoding="utf-8"))
             extras[item.source.name] = {"architecture": architecture_facts(config, item.staged)}
-        if item.measurement["measured"]:
-            write_report(item.measurement["rows"], item.staged)  # this drafter's summary.md and plots
+        if item.measurement.measured:
+            write_report(item.measurement.rows, item.staged)  # this drafter's summary.md and plots
 
-    prompts = smoke_prompts(recipe, tokenizer, cfg.smoke_prompts)
+    prompts = smoke_prompts(inputs, tokenizer, cfg.smoke_prompts)
     # vLLM first, in subprocesses, while this process holds no model on the GPU
     vllm_checks = {
         item.source.name: vllm_generation_check(
@@ -340,8 +367,8 @@ def finish_items(
         else:
             checks = drafter_checks(item.staged, model, tokenizer, chosen, cfg.smoke_max_new_tokens, eos_ids)
             checks.append(vllm_checks[name])
-        info = build_info(item, recipe, ctx, target, checks, extras[name], tokenizer)
-        write_json_atomic(item.staged / RESULTS_FILE, info)
+        info = build_info(item, inputs, ctx, target, checks, extras[name], tokenizer)
+        write_json_atomic(item.staged / RESULTS_FILE, info.model_dump(mode="json", by_alias=True))
         card = render_card(info, default_repo_id(cfg.repo_prefix, info))
         (item.staged / CARD_FILE).write_text(card, encoding="utf-8")
         failed = "; ".join(f"{c.name}: {c.detail}" for c in checks if c.status == "fail")
@@ -356,71 +383,75 @@ def finish_items(
         item.staged.rename(final)
 
 
-def architecture_facts(config: dict[str, Any], folder: Path) -> dict[str, Any]:
+def architecture_facts(config: dict[str, Any], folder: Path) -> ArchitectureCard:
+    """A drafter's shape, read from its `config.json` (a file of another library: keys may be absent)."""
     text = config.get("text_config", config)
-    return {
-        "class": (config.get("architectures") or [config.get("model_type")])[0],
-        "model_type": config.get("model_type"),
-        "hidden_size": text.get("hidden_size"),
-        "num_hidden_layers": text.get("num_hidden_layers"),
-        "vocab_size": text.get("vocab_size"),
-        "max_position_embeddings": text.get("max_position_embeddings"),
-        "parameters": parameter_count(folder),
-    }
+    return ArchitectureCard.model_validate(
+        {
+            "class": (config.get("architectures") or [config.get("model_type")])[0],
+            "model_type": config.get("model_type"),
+            "hidden_size": text.get("hidden_size"),
+            "num_hidden_layers": text.get("num_hidden_layers"),
+            "vocab_size": text.get("vocab_size"),
+            "max_position_embeddings": text.get("max_position_embeddings"),
+            "parameters": parameter_count(folder),
+        }
+    )
 
 
-def default_repo_id(repo_prefix: str | None, info: dict[str, Any]) -> str:
+def default_repo_id(repo_prefix: str | None, info: ExportResults) -> str:
     """The repo id the card's snippets name before `polydraft publish` picks the real one."""
-    return f"{repo_prefix or 'ORG/'}{info['repo_name']}"
+    return f"{repo_prefix or 'ORG/'}{info.repo_name}"
 
 
-def write_index(work_dir: Path, names: list[str], target: dict[str, Any]) -> dict[str, Any]:
-    """`export.json`: one entry per exported folder, read by `polydraft publish` and the demo summary."""
+def write_index(work_dir: Path, names: list[str], target: PublicTarget) -> ExportIndex:
+    """`export.json`: one record per exported folder, read by `polydraft publish` and the run summary."""
     items = []
     for name in names:
-        info = json.loads((work_dir / name / RESULTS_FILE).read_text(encoding="utf-8"))
-        m = info["measurement"]
+        info = ExportResults.model_validate_json((work_dir / name / RESULTS_FILE).read_text(encoding="utf-8"))
+        m = info.measurement
         items.append(
-            {
-                "name": name,
-                "kind": info["kind"],
-                "folder": name,
-                "pair": info["pair"],
-                "repo_name": info["repo_name"],
-                "smoke_passed": info["smoke"]["passed"],
-                "measured": m["measured"],
-                "best_draft_length": m["best_draft_length"],
-                "headline": m["headline"],
-            }
+            ExportRecord(
+                name=name,
+                kind=info.kind,
+                folder=name,
+                pair=info.pair,
+                repo_name=info.repo_name,
+                smoke_passed=info.smoke.passed,
+                measured=m.measured,
+                best_draft_length=m.best_draft_length,
+                headline=m.headline,
+            )
         )
-    index = {"format": INDEX_FORMAT, "target": target, "items": items}
-    write_json_atomic(work_dir / INDEX_FILE, index)
+    index = ExportIndex(target=target, items=items)
+    write_json_atomic(work_dir / INDEX_FILE, index.model_dump(mode="json"))
     return index
 
 
-def stage_metrics(index: dict[str, Any]) -> dict[str, Any]:
+def stage_metrics(index: ExportIndex) -> dict[str, Any]:
     metrics: dict[str, Any] = {
-        "exported": len(index["items"]),
-        "smoke_failed": [i["name"] for i in index["items"] if not i["smoke_passed"]],
-        "unmeasured": [i["name"] for i in index["items"] if not i["measured"]],
+        "exported": len(index.items),
+        "smoke_failed": [i.name for i in index.items if not i.smoke_passed],
+        "unmeasured": [i.name for i in index.items if not i.measured],
     }
-    for item in index["items"]:
-        name = item["name"]
-        metrics[f"{name}/smoke_passed"] = item["smoke_passed"]
-        if item["headline"] is not None:
-            metrics[f"{name}/best_k"] = item["best_draft_length"]
-            metrics[f"{name}/speedup"] = item["headline"]["speedup"]["mean"]
-            metrics[f"{name}/block_efficiency"] = item["headline"]["block_efficiency"]["mean"]
+    for item in index.items:
+        metrics[f"{item.name}/smoke_passed"] = item.smoke_passed
+        if item.headline is not None:
+            metrics[f"{item.name}/best_k"] = item.best_draft_length
+            metrics[f"{item.name}/speedup"] = item.headline.speedup.mean
+            metrics[f"{item.name}/block_efficiency"] = item.headline.block_efficiency.mean
     return metrics
 
 
-def flat_summary(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def flat_summary(measurement: Measurement) -> list[dict[str, Any]]:
     """Summary entries as flat rows (one column per metric mean and std) for a wandb Table."""
     out = []
-    for entry in summary:
-        row = {k: v for k, v in entry.items() if not isinstance(v, dict | list)}
-        for key, value in entry.items():
+    for entry in measurement.summary:
+        row: dict[str, Any] = {}
+        for key, value in entry.model_dump().items():
             if isinstance(value, dict):
                 row[f"{key}_mean"], row[f"{key}_std"] = value["mean"], value["std"]
+            elif not isinstance(value, list):
+                row[key] = value
         out.append(row)
     return out

@@ -34,8 +34,9 @@ from distill.prompts import encode_prompt
 from distill.report import NOT_REACHED, build_mix, choose_open_rows, record_stats, write_failures
 from distill.sources import SourceError, read_source
 from distill.store import RecordStore, RecordWriter, StoreError
-from pipelines.schema import Recipe
-from pipelines.schema.common import DataConfig, SourceConfig
+from models.loading import load_tokenizer
+from pipelines.schema.common import SourceConfig, reader_args
+from pipelines.schema.inputs import DistillInputs
 from pipelines.stage import StageContext, StageFailed, StageResult
 
 log = logging.getLogger(__name__)
@@ -67,49 +68,25 @@ OPERATIONAL_SUBFIELDS = {
 }
 
 
-def source_kwargs(source: SourceConfig, data: DataConfig) -> dict[str, Any]:
-    """A recipe source -> the plain arguments of `read_source`."""
-    return {
-        "kind": source.kind,
-        "format": source.format,
-        "path": source.path,
-        "name": source.name,
-        "split": source.split,
-        "revision": source.revision,
-        "streaming": source.streaming,
-        "fields": source.fields,
-        "pair": source.pair,
-        "limit": source.limit,
-        "skip_invalid": source.skip_invalid,
-        "seed": data.seed,
-        **data.offline.source_options(),
-    }
-
-
-def fingerprint(recipe: Recipe, ctx: StageContext) -> str:
+def fingerprint(inputs: DistillInputs) -> str:
     """Hash of everything that decides which records exist and what they hold."""
-    distill = recipe.distill.model_dump(mode="json", exclude=OPERATIONAL_FIELDS)
+    distill = inputs.distill.model_dump(mode="json", exclude=OPERATIONAL_FIELDS)
     for block, fields in OPERATIONAL_SUBFIELDS.items():
         distill[block] = {k: v for k, v in distill[block].items() if k not in fields}
+    offline = inputs.offline.model_dump(mode="json") if inputs.offline is not None else None
     relevant = {
         "distill": distill,
-        "sources": [s.model_dump(mode="json") for s in recipe.data.distill],
-        "seed": recipe.data.seed,
-        "offline": recipe.data.offline.model_dump(mode="json"),
-        "target": [ctx.target.path, ctx.target.revision, ctx.target.dtype],
+        "sources": [s.model_dump(mode="json") for s in inputs.sources],
+        "seed": inputs.data_seed,
+        "offline": offline,
+        "target": [inputs.target.path, inputs.target.revision, inputs.target.dtype],
     }
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def load_tokenizer(path: str, revision: str | None, trust_remote_code: bool) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
-
-
-def context_limit(recipe: Recipe, ctx: StageContext) -> int | None:
+def context_limit(inputs: DistillInputs) -> int | None:
     """Longest prompt + answer the local engine can hold (hf: the model's positions; vllm: max_model_len)."""
-    cfg = recipe.distill
+    cfg, target = inputs.distill, inputs.target
     if cfg.backend == "vllm" and cfg.vllm.max_model_len is not None:
         return cfg.vllm.max_model_len
     if cfg.backend == "openai":
@@ -117,27 +94,31 @@ def context_limit(recipe: Recipe, ctx: StageContext) -> int | None:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(
-        ctx.target.path, revision=ctx.target.revision, trust_remote_code=ctx.target.trust_remote_code
+        target.path, revision=target.revision, trust_remote_code=target.trust_remote_code
     )
     return getattr(config, "max_position_embeddings", None)
 
 
+def read(source: SourceConfig, inputs: DistillInputs) -> Any:
+    return read_source(**reader_args(source, inputs.data_seed, inputs.offline))
+
+
 def collect_prompts(
-    recipe: Recipe, tokenizer: Any, limit: int | None
+    inputs: DistillInputs, tokenizer: Any, limit: int | None
 ) -> tuple[list[PromptItem], dict[str, int]]:
     """Prompt items of this shard, after invalid rows and over-long prompts (`limit`: the engine's
     context) are counted and dropped."""
-    cfg, data = recipe.distill, recipe.data
-    if not data.distill:
+    cfg = inputs.distill
+    if not inputs.sources:
         raise StageFailed(
             "distill: data.distill lists no prompt source; add one (translation, chat, prompts or text)"
         )
     items: list[PromptItem] = []
     counts = {"invalid_rows": 0, "long_prompts": 0}
     seen: set[str] = set()
-    for index, source in enumerate(data.distill):
+    for index, source in enumerate(inputs.sources):
         try:
-            rows = read_source(**source_kwargs(source, data))
+            rows = read(source, inputs)
             found, invalid = prompt_items(
                 rows,
                 source.format,
@@ -175,19 +156,17 @@ def collect_prompts(
     return items, counts
 
 
-def collect_open_rows(recipe: Recipe, tokenizer: Any) -> list[dict[str, Any]]:
+def collect_open_rows(inputs: DistillInputs, tokenizer: Any) -> list[dict[str, Any]]:
     """Mix rows of the data.open sources (only read when open_fraction > 0)."""
-    data, cfg = recipe.data, recipe.distill
+    cfg = inputs.distill
     if cfg.open_fraction == 0:
         return []
-    if not data.open:
+    if not inputs.open_sources:
         raise StageFailed(f"distill.open_fraction is {cfg.open_fraction} but data.open lists no source")
     rows: list[dict[str, Any]] = []
-    for index, source in enumerate(data.open):
+    for index, source in enumerate(inputs.open_sources):
         try:
-            rows += open_rows(
-                read_source(**source_kwargs(source, data)), source.format, index, cfg.prompt_format, tokenizer
-            )
+            rows += open_rows(read(source, inputs), source.format, index, cfg.prompt_format, tokenizer)
         except (SourceError, ValueError) as err:
             raise StageFailed(f"distill: data.open: {err}") from err
     return rows
@@ -230,7 +209,7 @@ def api_key_from_env(variable: str | None) -> str:
 
 
 def generate(
-    recipe: Recipe,
+    inputs: DistillInputs,
     ctx: StageContext,
     requests: list[Request],
     writer: RecordWriter,
@@ -238,7 +217,7 @@ def generate(
     limit: int | None,
 ) -> dict[str, int]:
     """Run the recipe's backend over the pending requests; returns backend counters."""
-    cfg, target = recipe.distill, ctx.target
+    cfg, target = inputs.distill, inputs.target
     sampling = {"top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens, "stop": cfg.stop, "seed": cfg.seed}
     if cfg.backend == "hf":
         from distill.hf_backend import generate_hf, load_model
@@ -304,29 +283,28 @@ def generate(
     return {f"server_{k}": v for k, v in stats.items()}
 
 
-def run(recipe: Recipe, ctx: StageContext) -> StageResult:
+def run(inputs: DistillInputs, ctx: StageContext) -> StageResult:
     """Plan, generate what is missing, then check completeness, compute the stats and write the mix."""
-    cfg, target = recipe.distill, ctx.target
+    cfg, target = inputs.distill, inputs.target
     started = time.time()
     needs_tokenizer = (
         cfg.backend != "openai"
         or cfg.prompt_format == "chat_template"
         or cfg.max_prompt_tokens is not None
-        or any(source.format == "text" for source in recipe.data.distill)  # prefixes cut in tokens
+        or any(source.format == "text" for source in inputs.sources)  # prefixes cut in tokens
     )
     tokenizer = (
         load_tokenizer(target.path, target.revision, target.trust_remote_code) if needs_tokenizer else None
     )
-    limit = context_limit(recipe, ctx) if tokenizer is not None else None
-    items, counts = collect_prompts(recipe, tokenizer, limit)
-    open_candidates = collect_open_rows(
-        recipe, tokenizer
-    )  # read now: a bad open source fails before hours of generation
+    limit = context_limit(inputs) if tokenizer is not None else None
+    items, counts = collect_prompts(inputs, tokenizer, limit)
+    # read now: a bad open source fails before hours of generation
+    open_candidates = collect_open_rows(inputs, tokenizer)
     slots = sample_slots(cfg.temperatures, cfg.samples_per_prompt)
     expected = {(item.id, t, s) for item in items for t, s in slots}
     model_name = (cfg.openai.model or target.path) if cfg.backend == "openai" else target.path
     plan = {
-        "fingerprint": fingerprint(recipe, ctx),
+        "fingerprint": fingerprint(inputs),
         "shard_index": cfg.shard_index,
         "num_shards": cfg.num_shards,
         "temperatures": cfg.temperatures,
@@ -367,7 +345,7 @@ def run(recipe: Recipe, ctx: StageContext) -> StageResult:
     writer = RecordWriter(store, meta, cfg.seed, cfg.batch_size, done, bar, ctx.tracker.log)
     generation_started = time.time()
     try:
-        backend_stats = generate(recipe, ctx, requests, writer, tokenizer, limit) if requests else {}
+        backend_stats = generate(inputs, ctx, requests, writer, tokenizer, limit) if requests else {}
     finally:
         writer.flush()
         store.close()
@@ -390,11 +368,11 @@ def run(recipe: Recipe, ctx: StageContext) -> StageResult:
         open_candidates,
         stats["records_per_pair"],
         cfg.open_fraction,
-        recipe.data.seed,
+        inputs.data_seed,
         cfg.shard_index,
         cfg.num_shards,
     )
-    mix_counts = build_mix(ctx.work_dir, chosen, cfg.eval_fraction, recipe.data.seed)
+    mix_counts = build_mix(ctx.work_dir, chosen, cfg.eval_fraction, inputs.data_seed)
     metrics = {
         "prompts": len(items),
         "records": len(expected),

@@ -1,0 +1,129 @@
+"""`results.jsonl`: one typed row per decoder x drafter x dataset x temperature x seed (x draft setting),
+written by the measure stage group by group and read by the export stage, the run summary and the
+reports. The row is defined here, once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+RESULTS_FILE = "results.jsonl"
+
+DecoderName = Literal["ar", "sd", "rsd_c", "rsd_s", "eesd", "assisted"]
+DrafterKind = Literal["finetune", "pretrain", "extra", "early_exit"]
+
+
+class ResultRow(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # identity
+    decoder: DecoderName
+    method: str
+    """A readable label unique within a group, e.g. `sd[de-en] K=4`, `rsd_s[de-en] 3x3`, `eesd beta_ts`."""
+    drafter: str | None
+    """The drafter's name; None for `ar`."""
+    drafter_kind: DrafterKind | None
+    drafter_pair: str | None
+    """The pair a language drafter was finetuned on; None for generic drafters and the early-exit head."""
+    dataset: str
+    dataset_pair: str | None
+    in_domain: bool | None
+    """drafter_pair == dataset_pair; None when either is None."""
+    temperature: float
+    top_p: float
+    seed: int
+    # settings
+    draft_length: int | None
+    """K of a chain; the cap under Thompson sampling; None otherwise."""
+    control: Literal["fixed", "beta_ts", "cali_ts"] | None
+    tree: str | None
+    """`2-2-1` (branching) for rsd_c, `3x3` (width x depth) for rsd_s, None otherwise."""
+    max_new_tokens: int
+    size_ratio: float | None
+    """Drafter parameters / target parameters; None for `ar`."""
+    # metrics (decoding.metrics.summarize)
+    prompts: int
+    new_tokens: int
+    target_calls: int
+    draft_calls: int
+    block_efficiency: float | None
+    mean_accepted_length: float | None
+    mean_draft_length: float | None
+    acceptance_rate: float | None
+    """v_d: accepted / drafted tokens."""
+    draft_proportion: float | None
+    """r_d: accepted draft tokens / output tokens."""
+    hm: float | None
+    mbsu: float | None
+    token_rate: float | None
+    """Output tokens per second of wall time."""
+    wall_seconds: float
+    target_seconds: float
+    draft_seconds: float
+    overhead_share: float | None
+    eos_stops: int
+    speedup: float | None
+    """token_rate / the token rate of `ar` in the same group."""
+    matches_ar: bool | None
+    """Temperature 0: identical tokens to `ar`'s on every prompt; None otherwise."""
+    # context
+    target: str
+    device: str
+    hardware: str
+    date: str
+    """UTC, ISO 8601."""
+    torch: str
+    transformers: str
+    group_rows: int
+    """Rows written for the group: a group with fewer rows in the file was torn by a kill."""
+
+    @property
+    def group(self) -> tuple[str, float, int]:
+        return (self.dataset, self.temperature, self.seed)
+
+
+class ResultsError(ValueError):
+    """A results file whose complete lines are not result rows (another format, or corrupt)."""
+
+
+def read_rows(path: Path) -> list[ResultRow]:
+    """Complete rows of results.jsonl: a torn last line and groups a kill left incomplete are dropped;
+    a complete line that is not a row is an error naming the file and line."""
+    if not path.is_file():
+        return []
+    rows = []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for number, line in enumerate(lines, 1):
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):  # the torn end of an interrupted append
+                continue
+            raise ResultsError(f"{path}:{number}: not valid JSON") from None
+        try:
+            rows.append(ResultRow.model_validate(data))
+        except ValidationError as err:
+            raise ResultsError(f"{path}:{number}: not a result row: {err.errors()[0]['msg']}") from None
+    counts: dict[tuple, int] = {}
+    for row in rows:
+        counts[row.group] = counts.get(row.group, 0) + 1
+    return [row for row in rows if counts[row.group] == row.group_rows]
+
+
+def write_rows(path: Path, rows: list[ResultRow]) -> None:
+    """Rewrite results.jsonl with these rows (atomically)."""
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(row.model_dump_json() + "\n" for row in rows), encoding="utf-8")
+    tmp.replace(path)
+
+
+def append_rows(path: Path, rows: list[ResultRow]) -> None:
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write("".join(row.model_dump_json() + "\n" for row in rows))
+        handle.flush()
+        os.fsync(handle.fileno())

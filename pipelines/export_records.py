@@ -1,0 +1,206 @@
+"""The export stage's records, typed and defined once: `results.json` in each exported folder (every fact of
+its model card) and `export.json` (the index `polydraft publish` and the run summary read)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from decoding.results import DrafterKind, ResultRow
+from train.results import CalibrationScores
+
+RESULTS_FORMAT = "polydraft-export-results/1"
+INDEX_FORMAT = "polydraft-export/1"
+INDEX_FILE = "export.json"
+RESULTS_FILE = "results.json"
+CARD_FILE = "README.md"
+
+
+class Record(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class PublicTarget(Record):
+    """The target as a card may name it: a hub id, or None for a local or bootstrap target."""
+
+    id: str | None
+    revision: str | None
+    label: str | None
+    """The id's last part (`vicuna-7b-v1.3`), used in repo names."""
+
+
+class MeanStd(Record):
+    mean: float | None
+    std: float | None
+
+
+class SummaryEntry(Record):
+    """One method on one dataset at one temperature: its settings and mean/std over seeds."""
+
+    method: str
+    decoder: str
+    control: str | None
+    draft_length: int | None
+    tree: str | None
+    dataset: str
+    temperature: float
+    in_domain: bool | None
+    seeds: list[int]
+    matches_ar: bool | None
+    block_efficiency: MeanStd
+    speedup: MeanStd
+    acceptance_rate: MeanStd
+    mean_accepted_length: MeanStd
+    token_rate: MeanStd
+
+
+class MeasurementContext(Record):
+    """Where and when the rows were measured (every distinct value, so mixed runs show as such)."""
+
+    hardware: list[str]
+    device: list[str]
+    dates: list[str]
+    """First and last."""
+    torch: list[str]
+    transformers: list[str]
+    seeds: list[int]
+    prompts: list[int]
+    max_new_tokens: list[int]
+    top_p: list[float]
+
+
+class Measurement(Record):
+    measured: bool
+    decoder: str
+    """The decoder the headline is about: `sd` for a drafter, `eesd` for the head."""
+    best_draft_length: int | None
+    headline: SummaryEntry | None
+    context: MeasurementContext | None
+    summary: list[SummaryEntry]
+    rows: list[ResultRow]
+    """This drafter's rows and the `ar` rows of the groups it was measured in."""
+
+
+class PretrainCard(Record):
+    arch: str
+    sources: list[str]
+    token_budget: int
+    tokens: int | None
+    steps: int | None
+    train_loss: float | None
+
+
+class FinetuneCard(Record):
+    pair: str | None
+    start: str
+    distill_sources: list[str]
+    open_sources: list[str]
+    prompt_format: str
+    distilled_temperatures: list[float]
+    temperatures: list[float]
+    loss: str
+    tokens: int | None
+    steps: int | None
+    train_loss: float | None
+    eval_loss: float | None
+    top1_agreement: float | None
+
+
+class TrainingCard(Record):
+    pretrain: PretrainCard | None
+    finetune: FinetuneCard | None
+
+
+class CalibrationCard(Record):
+    draft_length: int
+    heldout: CalibrationScores
+
+
+class HeadCard(Record):
+    num_hidden_layers: int
+    num_shared_layers: int
+    num_exit_layers: int
+    steps: int | None
+    train_loss: float | None
+    initial_top1_target: float | None
+    top1_target: float | None
+
+
+class ArchitectureCard(Record):
+    class_name: str = Field(alias="class")
+    model_type: str | None
+    hidden_size: int | None
+    num_hidden_layers: int | None
+    vocab_size: int | None
+    max_position_embeddings: int | None
+    parameters: int
+
+
+class PromptExample(Record):
+    format: str
+    example: str
+    """The prompt format with a placeholder (`{text}` or `{question}`)."""
+    add_special_tokens: bool
+
+
+class SmokeCheck(Record):
+    name: str
+    status: Literal["pass", "fail", "warn", "skipped"]
+    detail: str
+
+
+class SmokeResult(Record):
+    passed: bool
+    checks: list[SmokeCheck]
+
+
+class GitState(Record):
+    commit: str | None
+    dirty: bool | None
+
+
+class ExportResults(Record):
+    """`results.json`: everything the model card says, machine-readable."""
+
+    format: Literal["polydraft-export-results/1"] = RESULTS_FORMAT
+    name: str
+    kind: Literal["drafter", "early_exit"]
+    source: DrafterKind
+    pair: str | None
+    repo_name: str
+    target: PublicTarget
+    license: str
+    languages: list[str]
+    datasets: list[str]
+    training: TrainingCard
+    calibration: CalibrationCard | None
+    prompt: PromptExample
+    measurement: Measurement
+    draft_length_default: int
+    smoke: SmokeResult
+    plots: list[str]
+    polydraft: GitState
+    head: HeadCard | None = None
+    architecture: ArchitectureCard | None = None
+    files: list[str] = []
+
+
+class ExportRecord(Record):
+    """One exported folder in `export.json`."""
+
+    name: str
+    kind: Literal["drafter", "early_exit"]
+    folder: str
+    pair: str | None
+    repo_name: str
+    smoke_passed: bool
+    measured: bool
+    best_draft_length: int | None
+    headline: SummaryEntry | None
+
+
+class ExportIndex(Record):
+    format: Literal["polydraft-export/1"] = INDEX_FORMAT
+    target: PublicTarget
+    items: list[ExportRecord]

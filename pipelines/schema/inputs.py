@@ -1,0 +1,230 @@
+"""What each stage reads: one frozen, typed inputs object per stage, built from the loaded recipe.
+
+The runner builds a stage's inputs with its `of(recipe, target)`, hashes exactly that object (plus the
+manifests of the upstream stages it consumes) to decide whether the stage is up to date, records it in
+the stage's manifest and wandb config, and hands it to the stage's `run`. So a recipe field a stage does
+not read cannot rerun it, and a field it reads always does. Shared pieces are included only when the stage
+uses them (the offline corpus options only for offline sources, data.open only when something is mixed).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pipelines.schema import Recipe
+from pipelines.schema.common import (
+    LanguagePair,
+    LaunchConfig,
+    OfflineCorpusConfig,
+    ResolvedTarget,
+    SourceConfig,
+    StrictModel,
+)
+from pipelines.schema.distill import DistillConfig
+from pipelines.schema.measure import ExportConfig, MeasureConfig
+from pipelines.schema.train import (
+    CalibrateConfig,
+    DrafterArch,
+    EarlyExitConfig,
+    FinetuneConfig,
+    PretrainConfig,
+)
+
+PromptFormat = Literal["vicuna", "chat_template", "raw"]
+SINGLE_PROCESS = "recipes/accelerate/single.yaml"
+
+
+def offline_options(recipe: Recipe, sources: list[SourceConfig]) -> OfflineCorpusConfig | None:
+    """The offline corpus options when one of `sources` reads the offline corpus, else None."""
+    return recipe.data.offline if any(s.kind == "offline" for s in sources) else None
+
+
+class DistillInputs(StrictModel):
+    distill: DistillConfig
+    sources: list[SourceConfig]
+    """data.distill: the prompts the target answers."""
+    open_sources: list[SourceConfig]
+    """data.open, when `distill.open_fraction` mixes some of their rows in (else empty)."""
+    data_seed: int
+    offline: OfflineCorpusConfig | None
+    target: ResolvedTarget
+
+    @classmethod
+    def of(cls, recipe: Recipe, target: ResolvedTarget) -> DistillInputs:
+        data = recipe.data
+        open_sources = list(data.open) if recipe.distill.open_fraction > 0 else []
+        return cls(
+            distill=recipe.distill,
+            sources=list(data.distill),
+            open_sources=open_sources,
+            data_seed=data.seed,
+            offline=offline_options(recipe, [*data.distill, *open_sources]),
+            target=target,
+        )
+
+
+class PretrainInputs(StrictModel):
+    pretrain: PretrainConfig
+    corpora: list[SourceConfig]
+    """data.pretrain: the generic text."""
+    data_seed: int
+    offline: OfflineCorpusConfig | None
+    target: ResolvedTarget
+    launch: LaunchConfig
+
+    @classmethod
+    def of(cls, recipe: Recipe, target: ResolvedTarget) -> PretrainInputs:
+        corpora = list(recipe.data.pretrain)
+        return cls(
+            pretrain=recipe.pretrain,
+            corpora=corpora,
+            data_seed=recipe.data.seed,
+            offline=offline_options(recipe, corpora),
+            target=target,
+            launch=recipe.launch,
+        )
+
+
+class FinetuneInputs(StrictModel):
+    finetune: FinetuneConfig
+    """`finetune.drafter` is where training starts only without a pretrain stage (else the pretrained
+    drafter, which the stage finds upstream)."""
+    pairs: list[LanguagePair]
+    data_seed: int
+    target: ResolvedTarget
+    launch: LaunchConfig
+
+    @classmethod
+    def of(cls, recipe: Recipe, target: ResolvedTarget) -> FinetuneInputs:
+        return cls(
+            finetune=recipe.finetune,
+            pairs=list(recipe.data.pairs),
+            data_seed=recipe.data.seed,
+            target=target,
+            launch=recipe.launch,
+        )
+
+
+class EarlyExitInputs(StrictModel):
+    early_exit: EarlyExitConfig
+    target: ResolvedTarget
+    launch: LaunchConfig
+
+    @classmethod
+    def of(cls, recipe: Recipe, target: ResolvedTarget) -> EarlyExitInputs:
+        return cls(early_exit=recipe.early_exit, target=target, launch=recipe.launch)
+
+
+class CalibrateInputs(StrictModel):
+    calibrate: CalibrateConfig
+    target: ResolvedTarget
+    launch: LaunchConfig
+    """Always one process (`single.yaml`): labelling needs the whole target, which is spread over the
+    visible GPUs; only `cpu` and `env` of the recipe's launch block apply."""
+
+    @classmethod
+    def of(cls, recipe: Recipe, target: ResolvedTarget) -> CalibrateInputs:
+        launch = recipe.launch.model_copy(update={"accelerate_config": SINGLE_PROCESS, "num_processes": None})
+        return cls(calibrate=recipe.calibrate, target=target, launch=launch)
+
+
+class EvalPrompts(StrictModel):
+    """The evaluation sets and how their prompts are built (as the distill stage builds its prompts)."""
+
+    sources: list[SourceConfig]
+    """data.eval."""
+    prompt_format: PromptFormat
+    text_prompt_tokens: int
+    data_seed: int
+    offline: OfflineCorpusConfig | None
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> EvalPrompts:
+        return cls(
+            sources=list(recipe.data.eval),
+            prompt_format=recipe.distill.prompt_format,
+            text_prompt_tokens=recipe.distill.text_prompt_tokens,
+            data_seed=recipe.data.seed,
+            offline=offline_options(recipe, list(recipe.data.eval)),
+        )
+
+
+class MeasureInputs(StrictModel):
+    measure: MeasureConfig
+    eval: EvalPrompts
+    target: ResolvedTarget
+
+    @classmethod
+    def of(cls, recipe: Recipe, target: ResolvedTarget) -> MeasureInputs:
+        return cls(measure=recipe.measure, eval=EvalPrompts.of(recipe), target=target)
+
+
+class PretrainFacts(StrictModel):
+    """What a model card says about the pretraining of a drafter."""
+
+    arch: DrafterArch
+    corpora: list[SourceConfig]
+    token_budget: int
+
+
+class FinetuneFacts(StrictModel):
+    """What a model card says about the finetuning of a language drafter."""
+
+    init: str | None
+    """`finetune.drafter.init` (used without pretraining)."""
+    distill_sources: list[SourceConfig]
+    open_sources: list[SourceConfig]
+    distilled_temperatures: list[float]
+    temperatures: list[float]
+    loss: Literal["ce", "kd"]
+
+
+class ExportInputs(StrictModel):
+    export: ExportConfig
+    eval: EvalPrompts
+    """Smoke prompts are the first of each eval set, built as the measure stage builds them."""
+    max_prompt_tokens: int
+    """measure.max_prompt_tokens."""
+    draft_length: int
+    """measure.draft_length: K of a drafter whose best K was not measured."""
+    assisted_confidence_threshold: float
+    """measure.assisted_confidence_threshold, written into the drafters' generation configs."""
+    target: ResolvedTarget
+    target_path: str | None
+    """target.path as written in the recipe (a hub id can be named in cards; a local path never is)."""
+    pairs: list[LanguagePair]
+    pretrain: PretrainFacts | None
+    finetune: FinetuneFacts | None
+
+    @classmethod
+    def of(cls, recipe: Recipe, target: ResolvedTarget) -> ExportInputs:
+        data, measure = recipe.data, recipe.measure
+        pretrain = None
+        if recipe.pretrain.enabled:
+            pretrain = PretrainFacts(
+                arch=recipe.pretrain.drafter.arch,
+                corpora=list(data.pretrain),
+                token_budget=recipe.pretrain.token_budget,
+            )
+        finetune = None
+        if recipe.finetune.enabled:
+            finetune = FinetuneFacts(
+                init=recipe.finetune.drafter.init,
+                distill_sources=list(data.distill),
+                open_sources=list(data.open) if recipe.distill.open_fraction > 0 else [],
+                distilled_temperatures=list(recipe.distill.temperatures),
+                temperatures=list(recipe.finetune.temperatures or recipe.distill.temperatures),
+                loss=recipe.finetune.loss,
+            )
+        return cls(
+            export=recipe.export,
+            eval=EvalPrompts.of(recipe),
+            max_prompt_tokens=measure.max_prompt_tokens,
+            draft_length=measure.draft_length,
+            assisted_confidence_threshold=measure.assisted_confidence_threshold,
+            target=target,
+            target_path=recipe.target.path,
+            pairs=list(data.pairs),
+            pretrain=pretrain,
+            finetune=finetune,
+        )

@@ -1,0 +1,49 @@
+"""The stages' entry points, one module each, and the pipeline: this plain ordered list.
+
+Each module's `run(inputs, ctx)` receives the stage's frozen inputs object (`pipelines.schema.inputs`)
+and is the only code that sees it: the engines below (`distill/`, `train/`, `decoding/`, `models/`) take
+plain arguments. Training stages also hold the `main()` that `accelerate launch` starts on every process.
+"""
+
+from __future__ import annotations
+
+from pipelines.runner import Stage
+from pipelines.schema.inputs import (
+    CalibrateInputs,
+    DistillInputs,
+    EarlyExitInputs,
+    ExportInputs,
+    FinetuneInputs,
+    MeasureInputs,
+    PretrainInputs,
+)
+
+
+def default_stages() -> list[Stage]:
+    """distill -> pretrain -> finetune -> early_exit -> calibrate -> measure -> export."""
+    from pipelines.stages import calibrate, distill, early_exit, export, finetune, measure, pretrain
+
+    return [
+        Stage("distill", distill.run, DistillInputs.of),
+        Stage("pretrain", pretrain.run, PretrainInputs.of),
+        Stage("finetune", finetune.run, FinetuneInputs.of, upstream=("distill", "pretrain")),
+        Stage("early_exit", early_exit.run, EarlyExitInputs.of, upstream=("distill",)),
+        Stage(
+            "calibrate",
+            calibrate.run,
+            CalibrateInputs.of,
+            upstream=("distill", "early_exit", "finetune"),
+        ),
+        Stage(
+            "measure",
+            measure.run,
+            MeasureInputs.of,
+            upstream=("pretrain", "finetune", "early_exit", "calibrate"),
+        ),
+        Stage(
+            "export",
+            export.run,
+            ExportInputs.of,
+            upstream=("pretrain", "finetune", "early_exit", "calibrate", "measure"),
+        ),
+    ]

@@ -1,0 +1,149 @@
+"""Stage `finetune` (F, seed 003 App. F.3): one drafter per language pair on the distill stage's mix.
+
+Training starts from the pretrain stage's drafter (P-F) or, without a pretrain stage, from
+`finetune.drafter` (the seed's F baseline). Loss on the response tokens only (`ce`), plus the forward KL
+to the target (`kd`, which loads the target beside the drafter).
+
+Runner side: `run` launches `main` through `accelerate launch` for the pairs not finished by an earlier,
+interrupted run. Subprocess side: `finetune`. Output per pair: `<pair>/` (a Hugging Face folder),
+`<pair>.metrics.json` (written once the pair's drafter is exported: the pair is done), and while it
+trains `<pair>.checkpoints/` and `<pair>.train_log.jsonl`.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from models.drafters import target_vocab_size
+from models.loading import load_causal_lm, load_tokenizer
+from pipelines.schema.inputs import FinetuneInputs
+from pipelines.stage import (
+    StageContext,
+    StageFailed,
+    StageResult,
+    StageSpec,
+    launch_training,
+    loop_settings,
+    optim_settings,
+    training_main,
+)
+from pipelines.stages.pretrain import preflight
+from pipelines.tracking import Tracker
+from train.data import MixBatches, encode_rows, pad_id_of
+from train.drafter import export, initial_drafter, train_drafter
+from train.evaluation import read_eval_sets
+from train.results import DrafterMetrics, FinetuneMetrics, Launched
+from train.runtime import resolve_attn_implementation
+
+log = logging.getLogger(__name__)
+
+
+def run(inputs: FinetuneInputs, ctx: StageContext) -> StageResult:
+    """Launch one training subprocess for the pairs still to train; return the metrics of every pair."""
+    if "distill" not in ctx.upstream:
+        raise StageFailed("finetune trains on the distill stage's mix: enable the distill stage")
+    pending = [pair for pair in inputs.pairs if not pair_metrics_path(ctx.work_dir, pair).is_file()]
+    launched = Launched()
+    if pending:
+        if "pretrain" not in ctx.upstream:
+            drafter = inputs.finetune.drafter
+            preflight(ctx.name, drafter.init, drafter.revision, inputs.target)
+        todo = inputs.model_copy(update={"pairs": pending})
+        launched = Launched.model_validate(
+            launch_training(todo, inputs.launch, ctx, "pipelines.stages.finetune")
+        )
+    pairs = {
+        pair: DrafterMetrics.model_validate_json(
+            pair_metrics_path(ctx.work_dir, pair).read_text(encoding="utf-8")
+        )
+        for pair in inputs.pairs
+    }
+    metrics = FinetuneMetrics(pairs=pairs, **launched.model_dump())
+    return StageResult(metrics=metrics.model_dump())
+
+
+def pair_metrics_path(work_dir: Path, pair: str) -> Path:
+    """`<pair>.metrics.json`, written once the pair's drafter is exported: the pair is done."""
+    return Path(work_dir) / f"{pair}.metrics.json"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m pipelines.stages.finetune SPEC.json`, started by `accelerate launch` on every process."""
+    training_main(argv, FinetuneInputs, lambda inputs: inputs.finetune.loop, finetune)
+
+
+def finetune(spec: StageSpec, inputs: FinetuneInputs, accelerator: Any, tracker: Tracker) -> dict[str, Any]:
+    """One drafter per pair of `inputs.pairs`, each exported to `<pair>/` with its metrics file."""
+    from accelerate.utils import set_seed
+
+    from distill.mix import read_mix
+
+    block, target, work_dir = inputs.finetune, inputs.target, Path(spec.work_dir)
+    loop = block.loop
+    distill_dir = Path(spec.upstream["distill"])
+    # from the pretrained drafter (P-F), or from finetune.drafter when there is no pretraining (F)
+    if "pretrain" in spec.upstream:
+        init, revision = str(Path(spec.upstream["pretrain"]) / "model"), None
+    else:
+        init, revision = block.drafter.init, block.drafter.revision
+    tokenizer = load_tokenizer(target.path, target.revision, target.trust_remote_code)
+    vocab = target_vocab_size(target.path, target.revision, target.trust_remote_code)
+    cuda = accelerator.device.type == "cuda"
+    teacher = None
+    if block.loss == "kd":  # the frozen target beside the drafter (bf16 on a GPU, fp32 on a CPU)
+        teacher = load_causal_lm(
+            target.path, target.revision, target.dtype, target.trust_remote_code, accelerator.device
+        ).requires_grad_(False)
+    step_offset = 0
+    for pair in inputs.pairs:
+        out_dir = work_dir / pair
+        try:
+            train_rows = read_mix(distill_dir, pair, "train", block.temperatures)
+        except FileNotFoundError as err:
+            raise StageFailed(f"finetune: {err}") from err
+        examples, dropped = encode_rows(tokenizer, train_rows, loop.max_length)
+        batches = MixBatches(
+            examples, inputs.data_seed, loop.per_device_batch_size, accelerator.process_index,
+            accelerator.num_processes, accelerator.gradient_accumulation_steps, pad_id_of(tokenizer),
+        )  # fmt: skip
+        if batches.steps_per_epoch == 0:
+            raise StageFailed(
+                f"finetune {pair}: {len(examples)} training examples are fewer than one global batch of "
+                f"{batches.global_batch} (per_device_batch_size x processes x grad_accum_steps)"
+            )
+        assert loop.epochs is not None, "the recipe loader fills finetune.loop.epochs"
+        total_steps = loop.max_steps or max(1, int(loop.epochs * batches.steps_per_epoch))
+        log.info("[%s] %d examples (%d over max_length), %d steps", pair, len(examples), dropped, total_steps)
+        set_seed(loop.seed)
+        model = initial_drafter(
+            block.drafter.arch,
+            block.drafter.shape(),
+            init,
+            revision,
+            vocab_size=vocab,
+            tokenizer=tokenizer,
+            pad_id=pad_id_of(tokenizer),
+            max_length=loop.max_length,
+            attn_implementation=resolve_attn_implementation(loop.attn_implementation, cuda),
+            seed=loop.seed,
+            target_name=f"target {target.path}",
+        )
+        evals = read_eval_sets(distill_dir, [pair], tokenizer, loop.max_length)
+        model, metrics = train_drafter(
+            accelerator, model, batches, evals, tracker, name=pair, optim=optim_settings(block.optim),
+            loop=loop_settings(loop, total_steps), job_dir=out_dir, quiet=spec.quiet,
+            pad_id=pad_id_of(tokenizer), log_prefix=f"{pair}/", step_offset=step_offset, teacher=teacher,
+            kd=(block.kd_top_k, block.kd_weight),
+        )  # fmt: skip
+        export(accelerator, model, tokenizer, out_dir)
+        if accelerator.is_main_process:
+            pair_metrics_path(work_dir, pair).write_text(metrics.model_dump_json(indent=2), encoding="utf-8")
+        step_offset += total_steps
+        accelerator.free_memory()
+    return {}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Stage `pretrain` (P, seed 003 §2.3): causal-LM training of the drafter on generic text, on the target's
+vocabulary.
+
+Runner side: `run` checks a drafter checkpoint's vocabulary, then launches `main` through `accelerate
+launch` with the recipe's accelerate config. Subprocess side: `pretrain` packs `data.pretrain` documents
+into `max_length` sequences (loss on every token) and trains until `pretrain.token_budget` tokens are
+spent (or `loop.epochs` passes over a corpus that does not stream). Output: `model/`, a Hugging Face
+folder; `model.checkpoints/` and `model.train_log.jsonl` let a killed run resume.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from models.drafters import DrafterMismatch, check_drafter, target_vocab_size
+from models.loading import load_tokenizer
+from pipelines.schema.common import ResolvedTarget, reader_args
+from pipelines.schema.inputs import PretrainInputs
+from pipelines.stage import (
+    StageContext,
+    StageFailed,
+    StageResult,
+    StageSpec,
+    launch_training,
+    loop_settings,
+    optim_settings,
+    training_main,
+)
+from pipelines.tracking import Tracker
+from train.data import PackedBatches, pad_id_of, tokenized_documents
+from train.drafter import export, initial_drafter, pretrain_steps, train_drafter
+from train.results import PretrainMetrics
+from train.runtime import resolve_attn_implementation
+
+
+def run(inputs: PretrainInputs, ctx: StageContext) -> StageResult:
+    """Launch the training subprocess, return its metrics."""
+    if not inputs.corpora:
+        raise StageFailed(
+            "pretrain: data.pretrain lists no corpus (e.g. C4 streaming, ShareGPT, or the offline text)"
+        )
+    drafter = inputs.pretrain.drafter
+    preflight(ctx.name, drafter.init, drafter.revision, inputs.target)
+    metrics = launch_training(inputs, inputs.launch, ctx, "pipelines.stages.pretrain")
+    return StageResult(metrics=PretrainMetrics.model_validate(metrics).model_dump())
+
+
+def preflight(stage: str, init: str | None, revision: str | None, target: ResolvedTarget) -> None:
+    """A drafter checkpoint with another vocabulary fails here, before any process is launched."""
+    if init is None:
+        return
+    tokenizer = load_tokenizer(target.path, target.revision, target.trust_remote_code)
+    vocab = target_vocab_size(target.path, target.revision, target.trust_remote_code)
+    try:
+        check_drafter(init, revision, vocab, tokenizer, f"target {target.path}")
+    except DrafterMismatch as err:
+        raise StageFailed(f"{stage}: {err}") from err
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m pipelines.stages.pretrain SPEC.json`, started by `accelerate launch` on every process."""
+    training_main(argv, PretrainInputs, lambda inputs: inputs.pretrain.loop, pretrain)
+
+
+def pretrain(spec: StageSpec, inputs: PretrainInputs, accelerator: Any, tracker: Tracker) -> dict[str, Any]:
+    from accelerate.utils import set_seed
+
+    block, target, work_dir = inputs.pretrain, inputs.target, Path(spec.work_dir)
+    loop = block.loop
+    set_seed(loop.seed)
+    tokenizer = load_tokenizer(target.path, target.revision, target.trust_remote_code)
+    drafter = block.drafter
+    model = initial_drafter(
+        drafter.arch,
+        drafter.shape(),
+        drafter.init,
+        drafter.revision,
+        vocab_size=target_vocab_size(target.path, target.revision, target.trust_remote_code),
+        tokenizer=tokenizer,
+        pad_id=pad_id_of(tokenizer),
+        max_length=loop.max_length,
+        attn_implementation=resolve_attn_implementation(
+            loop.attn_implementation, accelerator.device.type == "cuda"
+        ),
+        seed=loop.seed,
+        target_name=f"target {target.path}",
+    )
+    sources = [reader_args(s, inputs.data_seed, inputs.offline) for s in inputs.corpora]
+
+    def documents(epoch: int, start: int) -> Any:
+        return tokenized_documents(tokenizer, sources, inputs.data_seed, epoch, start)
+
+    batches = PackedBatches(
+        documents,
+        loop.max_length,
+        tokenizer.eos_token_id,
+        loop.per_device_batch_size,
+        accelerator.process_index,
+        accelerator.num_processes,
+        accelerator.gradient_accumulation_steps,
+    )
+    total_steps = pretrain_steps(
+        tokenizer, sources, inputs.data_seed, max_steps=loop.max_steps, epochs=loop.epochs,
+        max_length=loop.max_length, token_budget=block.token_budget, global_batch=batches.global_batch,
+    )  # fmt: skip
+    model, metrics = train_drafter(
+        accelerator, model, batches, {}, tracker, name="pretrain", optim=optim_settings(block.optim),
+        loop=loop_settings(loop, total_steps), job_dir=work_dir / "model", quiet=spec.quiet,
+        pad_id=pad_id_of(tokenizer), log_prefix="pretrain/",
+    )  # fmt: skip
+    export(accelerator, model, tokenizer, work_dir / "model")
+    return {"drafter": metrics.model_dump()}
+
+
+if __name__ == "__main__":
+    main()

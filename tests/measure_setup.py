@@ -1,0 +1,43 @@
+"""A tiny measure recipe and a runner-like call of the measure stage (shared by the measure tests)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipelines.schema import DataConfig, MeasureConfig, Recipe, SourceConfig, TargetConfig
+from pipelines.stage import StageContext, StageResult
+from tests.drafter_setup import context, run_stage
+
+PAIRS = ["de-en", "fr-en"]
+
+
+def measure_recipe(target_dir, **measure) -> Recipe:
+    settings = {
+        "num_prompts": 2,
+        "max_new_tokens": 6,
+        "temperatures": [0.0, 1.0],
+        "seeds": [0, 1],
+        "decoders": ["ar", "sd", "rsd_c", "rsd_s", "assisted"],
+        "controls": ["fixed", "beta_ts"],
+        "k_sweep": [2],
+        "draft_length": 3,
+        "branching": [2, 1],
+        "beam_width": 2,
+        "beam_depth": 2,
+        **measure,
+    }
+    return Recipe(
+        target=TargetConfig(path=str(target_dir)),
+        data=DataConfig(
+            pairs=PAIRS, eval=[SourceConfig(kind="offline", split="test", pair=pair) for pair in PAIRS]
+        ),
+        measure=MeasureConfig(**settings),
+    )
+
+
+def measure_context(run_dir: Path, upstream: dict[str, Path]) -> StageContext:
+    return context(run_dir, "measure", upstream)
+
+
+def run_measure(recipe: Recipe, ctx: StageContext, target_dir: Path) -> StageResult:
+    return run_stage("measure", recipe, ctx, target_dir)

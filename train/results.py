@@ -1,0 +1,97 @@
+"""What the training stages report: typed metrics, written by one stage (its manifest's `metrics`) and read
+by the next (export's model cards, the run summary). Metric names are fields, never parsed from strings."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Metrics(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EvalMetrics(Metrics):
+    """A drafter on one held-out mix: loss on the response tokens, top-1 agreement with the target's greedy
+    tokens (rows distilled at temperature 0; None when the set has none)."""
+
+    eval_loss: float
+    top1_agreement: float | None = None
+
+
+class DrafterMetrics(Metrics):
+    """One trained drafter (pretrain's, or one pair's finetune)."""
+
+    steps: int
+    tokens: int
+    """Input tokens seen (all processes)."""
+    train_loss: float | None
+    """Mean loss of the last `log_every` steps."""
+    eval: dict[str, EvalMetrics] = {}
+    """Held-out metrics by eval set (a pair's mix)."""
+
+
+class Launched(Metrics):
+    """What accelerate really ran (an FSDP or DeepSpeed config falls back to DDP on a CPU); None when
+    nothing was launched (every job was finished by an earlier, interrupted run)."""
+
+    distributed_type: str | None = None
+    num_processes: int | None = None
+
+
+class PretrainMetrics(Launched):
+    drafter: DrafterMetrics
+
+
+class FinetuneMetrics(Launched):
+    pairs: dict[str, DrafterMetrics]
+
+
+class HeadEval(Metrics):
+    """The early-exit head on held-out rows."""
+
+    eval_loss: float
+    top1_target: float
+    """Agreement of the head's argmax with the full target's greedy token."""
+    top1_labels: float
+    """Agreement with the data's next token."""
+    target_top1_labels: float
+    """The full target's own agreement with the data's next token."""
+
+
+class EarlyExitMetrics(Launched):
+    steps: int
+    train_loss: float | None
+    initial: HeadEval | None
+    """The head as initialised from the target's last layer(s): the baseline training must beat."""
+    final: HeadEval | None
+    peak_memory_gib: float | None = None
+    """GPU only."""
+
+
+class CalibrationScores(Metrics):
+    """A calibration model's predictions of draft acceptance against the labels, and the base rate's."""
+
+    accuracy: float
+    base_rate_accuracy: float
+    brier: float
+    base_rate_brier: float
+    ece: float
+    base_rate: float
+    count: int
+
+
+class CalibrationReport(Metrics):
+    """`calibrate/<drafter>/report.json`."""
+
+    drafter: str
+    drafter_path: str
+    draft_length: int
+    positions: dict[str, int]
+    heldout: CalibrationScores
+    train: CalibrationScores
+    heldout_base_rate_by_step: list[float]
+
+
+class CalibrateMetrics(Launched):
+    heldout: dict[str, CalibrationScores]
+    """By drafter name (`early_exit`, or a pair's drafter)."""
