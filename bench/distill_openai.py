@@ -46,7 +46,11 @@ def build_tiny_model(folder: Path) -> None:
     from distill.offline import offline_texts
     from models.tiny import build_llama, train_tokenizer
 
-    tokenizer = train_tokenizer([r["text"] for r in offline_texts(["de", "fr"], 400, seed=0)], vocab_size=512, chat_template=VICUNA_CHAT_TEMPLATE)
+    tokenizer = train_tokenizer(
+        [r["text"] for r in offline_texts(["de", "fr"], 400, seed=0)],
+        vocab_size=512,
+        chat_template=VICUNA_CHAT_TEMPLATE,
+    )
     model = build_llama(len(tokenizer), 64, 4, 4, 128, bos_token_id=tokenizer.bos_token_id,
                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
     model.save_pretrained(folder)
