@@ -33,7 +33,7 @@ test: $(VENV)/installed-dev
 	$(BIN)/python -m pytest -q $(ARGS)
 
 lint: $(VENV)/installed-dev
-	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/lint-imports
 
 clean-venv:
 	rm -rf $(VENV)

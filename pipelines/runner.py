@@ -18,12 +18,9 @@ import logging
 import shutil
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-from pydantic import BaseModel
 
 from pipelines.manifest import (
     MANIFEST,
@@ -37,23 +34,12 @@ from pipelines.manifest import (
 )
 from pipelines.recipe import dump_recipe
 from pipelines.schema import Recipe, ResolvedTarget
-from pipelines.stage import PROJECT_ROOT, StageContext, StageFailed, StageResult
+from pipelines.stage import PROJECT_ROOT, Stage, StageContext, StageFailed
 from pipelines.tracking import start_tracking
 
 log = logging.getLogger(__name__)
 
 KEY_FILE = ".key"
-
-
-@dataclass(frozen=True)
-class Stage:
-    name: str
-    run: Callable[[Any, StageContext], StageResult]
-    """`run(inputs, ctx)`, `inputs` being what `inputs` builds."""
-    inputs: Callable[[Recipe, ResolvedTarget], BaseModel]
-    """Builds the stage's frozen inputs object from the recipe; its content is the stage's key."""
-    upstream: tuple[str, ...] = ()
-    """Stages whose outputs it consumes, when they are enabled."""
 
 
 @dataclass

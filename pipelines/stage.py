@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from pipelines.schema import LaunchConfig, LoopConfig, OptimConfig, TrackingConfig
+from pipelines.schema import LaunchConfig, LoopConfig, OptimConfig, Recipe, ResolvedTarget, TrackingConfig
 from pipelines.tracking import Tracker, start_tracking
 from train.drafter import LoopSettings
 from train.step import OptimSettings
@@ -71,6 +71,17 @@ class StageContext:
             disable=self.quiet,
             dynamic_ncols=True,
         )
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    run: Callable[[Any, StageContext], StageResult]
+    """`run(inputs, ctx)`, `inputs` being what `inputs` builds."""
+    inputs: Callable[[Recipe, ResolvedTarget], BaseModel]
+    """Builds the stage's frozen inputs object from the recipe; its content is the stage's key."""
+    upstream: tuple[str, ...] = ()
+    """Stages whose outputs it consumes, when they are enabled."""
 
 
 # ----------------------------------------------------------------------------- training subprocesses

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from decoding.results import ResultRow
-from pipelines.runner import Stage, run_pipeline
+from pipelines.runner import run_pipeline
 from pipelines.schema import ResolvedTarget
-from pipelines.stage import StageResult
+from pipelines.stage import Stage, StageResult
 
 TINY = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
 DATASETS = ("de-en", "fr-en")

@@ -7,8 +7,7 @@ import os
 import time
 from pathlib import Path
 
-from pipelines.runner import Stage
-from pipelines.stage import StageResult
+from pipelines.stage import Stage, StageResult
 from pipelines.stages import default_stages
 
 

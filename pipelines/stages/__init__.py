@@ -7,7 +7,6 @@ plain arguments. Training stages also hold the `main()` that `accelerate launch`
 
 from __future__ import annotations
 
-from pipelines.runner import Stage
 from pipelines.schema.inputs import (
     CalibrateInputs,
     DistillInputs,
@@ -17,6 +16,7 @@ from pipelines.schema.inputs import (
     MeasureInputs,
     PretrainInputs,
 )
+from pipelines.stage import Stage
 
 
 def default_stages() -> list[Stage]:
