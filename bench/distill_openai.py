@@ -9,6 +9,8 @@ the server).
 
     python bench/distill_openai.py                       # tiny random model built here, 32 prompts
     python bench/distill_openai.py --model DIR --prompts 200 --max-new-tokens 64 --in-flight 1 4 16
+    python bench/distill_openai.py --faults 0.4 --in-flight 64 --prompts 512   # no model: two servers
+        # (tests/fault_server.py, own processes) that fail 40% of requests in every way the tests inject
 
 Run it on a quiet machine: the server and the client share the CPU cores.
 """
@@ -91,6 +93,17 @@ def serve(model: Path, workdir: Path, continuous_batching: bool) -> tuple[subpro
     raise RuntimeError("transformers serve did not start")
 
 
+def fault_servers(count: int, fail_rate: float, hang: float) -> tuple[list[subprocess.Popen], list[str]]:
+    """`count` fault-injecting servers (tests/fault_server.py), each a process of its own."""
+    processes, urls = [], []
+    for seed in range(count):
+        command = [sys.executable, "-m", "tests.fault_server", str(fail_rate), str(hang), str(seed)]
+        process = subprocess.Popen(command, cwd=PROJECT_ROOT, stdout=subprocess.PIPE, text=True)
+        processes.append(process)
+        urls.append(process.stdout.readline().strip())
+    return processes, urls
+
+
 def requests_for(count: int) -> list[Request]:
     from distill.offline import offline_pairs
 
@@ -138,21 +151,28 @@ def main() -> None:
     parser.add_argument("--in-flight", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--continuous-batching", action="store_true", help="start the server with it")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--faults", type=float, metavar="RATE",
+                        help="instead of a model, two fault-injecting servers failing this share of requests")  # fmt: skip
     args = parser.parse_args()
 
     workdir = Path(tempfile.mkdtemp(prefix="polydraft-bench-"))
-    process = None
+    processes = []
     try:
         model = args.model
-        if model is None:
-            model = workdir / "tiny"
-            build_tiny_model(model)
-        process, base_url = serve(model, workdir, args.continuous_batching)
+        if args.faults is not None:  # hangs of 3 s against a 1 s timeout; retries as the tests set them
+            processes, base_urls = fault_servers(2, args.faults, 3.0)
+            timing = (1.0, 12, 0.05, 1.0)
+        else:
+            if model is None:
+                model = workdir / "tiny"
+                build_tiny_model(model)
+            process, base_url = serve(model, workdir, args.continuous_batching)
+            processes, base_urls, timing = [process], [base_url], (600.0, 3, 0.5, 5.0)
         requests = requests_for(args.prompts)
         results = []
         for in_flight in args.in_flight:
-            settings = ServerSettings([base_url], str(workdir / "model"), "completions", "EMPTY", in_flight,
-                                      600.0, 3, 0.5, 5.0, 64, False)  # fmt: skip
+            settings = ServerSettings(base_urls, str(workdir / "model"), "completions", "EMPTY", in_flight,
+                                      *timing, 64, False)  # fmt: skip
             one_pass(requests[:2], settings, 2, workdir / f"warm{in_flight}")
             plain = one_pass(requests, settings, args.max_new_tokens, workdir / f"run{in_flight}")
             profile = cProfile.Profile()
@@ -173,13 +193,17 @@ def main() -> None:
                 }
             )
         server = "transformers serve" + (" --continuous-batching" if args.continuous_batching else "")
-        model_name = args.model or "tiny random Llama"
+        if args.faults is not None:
+            server = f"2 fault-injecting servers failing {args.faults:.0%} of requests"
+        model_name = "no model" if args.faults is not None else args.model or "tiny random Llama"
         print(f"\n{args.prompts} prompts, max_new_tokens {args.max_new_tokens}, {model_name}, {server}")
-        print("| in flight | requests/s | tokens/s | wall s | client CPU share | polydraft code share |")
-        print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+        print(
+            "| in flight | requests/s | tokens/s | wall s | client CPU share | polydraft code share | failed requests |"
+        )
+        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for r in results:
             print(f"| {r['in_flight']} | {r['requests_per_s']} | {r['tokens_per_s']} | {r['wall_s']} | "
-                  f"{r['client_cpu_share']:.1%} | {r['own_code_share']:.2%} |")  # fmt: skip
+                  f"{r['client_cpu_share']:.1%} | {r['own_code_share']:.2%} | {r['failed_requests']} |")  # fmt: skip
         if args.json:
             settings = {
                 "prompts": args.prompts,
@@ -189,7 +213,7 @@ def main() -> None:
             }
             args.json.write_text(json.dumps({"settings": settings, "results": results}, indent=2))
     finally:
-        if process is not None:
+        for process in processes:
             process.terminate()
             process.wait(timeout=30)
         shutil.rmtree(workdir, ignore_errors=True)

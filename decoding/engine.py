@@ -50,7 +50,10 @@ class Generation:
     target_seconds: float = 0.0
     """Time inside the target's forward passes."""
     draft_seconds: float = 0.0
-    """Time inside the drafter's forward passes (for `eesd`: the shared layers and exit layers)."""
+    """Time inside the drafter's forward passes (for `eesd`: the shared layers and exit layers; for the
+    blockwise decoders: the heads and the rescoring drafter)."""
+    rescore_seconds: float = 0.0
+    """Blockwise decoders with rescoring: the rescoring drafter's share of `draft_seconds`."""
 
 
 class Output:

@@ -6,6 +6,8 @@ measures what it has:
 - `pretrain/model/`: the generic pretrained drafter (seed 003's P-only baseline), when asked for;
 - `measure.extra_drafters`: any other Hugging Face folder or hub id (a published drafter, say);
 - `early_exit/head/`: the early-exit head for `eesd`;
+- `heads/heads/`: the blockwise proposal heads for `bpd`, `medusa` and their `+rescore` variants (which
+  rescore with each standalone drafter above);
 - `calibrate/<name>/`: a calibration model for the drafter called `<name>` (`early_exit` for the head),
   used by Cali-TS.
 
@@ -43,7 +45,8 @@ class DrafterSource:
 
     name: str
     kind: str
-    """`finetune`, `pretrain`, `extra` (standalone models) or `early_exit` (the head for `eesd`)."""
+    """`finetune`, `pretrain`, `extra` (standalone models), `early_exit` (the head for `eesd`) or `heads`
+    (the blockwise proposal heads)."""
     path: str
     pair: str | None
     """The language pair it was finetuned on (None for generic drafters and the early-exit head)."""
@@ -69,6 +72,9 @@ def discover_drafters(
     head = Path(upstream["early_exit"]) / "head" if "early_exit" in upstream else None
     if head is not None and (head / "early_exit.json").is_file():
         found.append(DrafterSource("early_exit", "early_exit", str(head), None))
+    heads = Path(upstream["heads"]) / "heads" if "heads" in upstream else None
+    if heads is not None and (heads / "heads.json").is_file():
+        found.append(DrafterSource("heads", "heads", str(heads), None))
     names = [d.name for d in found]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -180,3 +186,19 @@ def load_eval_sets(
             )
         sets.append(eval_set)
     return sets
+
+
+def repetition_prompts(
+    prompts: list[torch.Tensor], seeds: list[int], seed: int, num_prompts: int, disjoint: bool
+) -> list[torch.Tensor]:
+    """The prompts one seed decodes: all of them, or (`disjoint`) the seed's own slice of `num_prompts`
+    (the i-th seed of `seeds` gets prompts i * num_prompts onwards), so seeds repeat over other prompts."""
+    if not disjoint:
+        return prompts
+    index = seeds.index(seed)
+    chosen = prompts[index * num_prompts : (index + 1) * num_prompts]
+    if len(chosen) < num_prompts:
+        raise ValueError(
+            f"{len(prompts)} eval prompts are too few for {len(seeds)} disjoint repetitions of {num_prompts}"
+        )
+    return chosen

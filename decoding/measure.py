@@ -20,9 +20,10 @@ import torch
 
 from decoding.engine import Generation
 from decoding.inputs import DrafterSource, EvalSet
+from decoding.latency import RoundCost, ideal_speedup
 from decoding.lm import CachedLM, parameter_count
 from decoding.metrics import summarize
-from decoding.results import ResultRow
+from decoding.results import MeasureMetrics, MethodHeadline, ResultRow
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +34,9 @@ class UnsupportedDecoder(RuntimeError):
 
 @dataclass
 class Drafter:
-    """A loaded drafter ready to decode with: a standalone model (`lm`) or the early-exit head attached
-    to the target (`self_speculative`, a `decoding.eesd.SelfSpeculative`)."""
+    """A loaded drafter ready to decode with: a standalone model (`lm`), the early-exit head attached
+    to the target (`self_speculative`, a `decoding.eesd.SelfSpeculative`) or proposal heads on the
+    target's hidden states (`model` a `models.heads.Heads`, `lm` and `self_speculative` None)."""
 
     source: DrafterSource
     model: Any
@@ -50,6 +52,8 @@ class Method:
 
     fields: dict[str, Any]
     decode: Callable[[torch.Tensor, int], Generation]
+    cost: RoundCost | None = None
+    """A round's cost from measured forward latencies (`decoding.latency`); None: no ideal speedup."""
     generations: list[Generation] = field(default_factory=list)
 
 
@@ -104,6 +108,12 @@ def load_drafters(
                 )
             )
             continue
+        if source.kind == "heads":
+            from models.heads import attach_heads
+
+            heads = attach_heads(target, source.path)
+            loaded.append(Drafter(source, heads, parameter_count(heads) / target_size))
+            continue
         model = load_drafter(
             source.path,
             None,
@@ -131,6 +141,8 @@ def method_label(fields: dict[str, Any]) -> str:
     if decoder == "ar":
         return "ar"
     name = decoder if decoder == "eesd" else f"{decoder}[{fields['drafter']}]"
+    if fields.get("rescorer"):
+        name = f"{decoder}[{fields['rescorer']}]"
     if fields.get("tree"):
         return f"{name} {fields['tree']}"
     if fields.get("control") in ("beta_ts", "cali_ts"):
@@ -178,8 +190,10 @@ def group_rows(
     max_new_tokens: int,
     sources: dict[str, DrafterSource],
     context: dict[str, Any],
+    target_step: float | None = None,
 ) -> list[ResultRow]:
-    """One row per method of a finished group, with speedups against the group's `ar` (`methods[0]`)."""
+    """One row per method of a finished group, with speedups against the group's `ar` (`methods[0]`)
+    and, given the target's one-token latency `target_step`, the ideal speedups of methods with a cost."""
     ar = methods[0]
     ar_rate = summarize(ar.generations, None)["token_rate"]
     rows = []
@@ -189,7 +203,8 @@ def group_rows(
         metrics = summarize(method.generations, fields.get("size_ratio"), fixed_k)
         drafter = fields.get("drafter")
         source = sources.get(drafter) if drafter else None
-        drafter_pair = source.pair if source else None
+        rescorer = sources.get(fields["rescorer"]) if fields.get("rescorer") else None
+        drafter_pair = (rescorer or source).pair if source else None  # a rescorer's language decides
         matches = None
         if temperature == 0:
             matches = all(
@@ -202,6 +217,8 @@ def group_rows(
         rate = metrics["token_rate"]
         rows.append(
             ResultRow(
+                engine="polydraft",
+                engine_detail=None,
                 decoder=fields["decoder"],
                 method=method_label(fields),
                 drafter=drafter,
@@ -218,8 +235,14 @@ def group_rows(
                 tree=fields.get("tree"),
                 max_new_tokens=max_new_tokens,
                 size_ratio=fields.get("size_ratio"),
+                rescorer=fields.get("rescorer"),
+                rescore_weight=fields.get("rescore_weight"),
                 **metrics,
                 speedup=rate / ar_rate if rate and ar_rate else None,
+                batch_rates=None,
+                ideal_speedup=ideal_speedup(method.generations, target_step, method.cost)
+                if method.cost and target_step
+                else None,
                 matches_ar=matches,
                 **context,
                 group_rows=len(methods),
@@ -228,16 +251,22 @@ def group_rows(
     return rows
 
 
-def headline(rows: list[ResultRow]) -> dict[str, float]:
+def headline(rows: list[ResultRow]) -> MeasureMetrics:
     """Mean speedup and block efficiency per method and temperature over in-domain (or pair-less) sets."""
-    groups: dict[str, list[ResultRow]] = {}
+    groups: dict[tuple[str, float], list[ResultRow]] = {}
     for row in rows:
         if row.decoder != "ar" and row.in_domain is not False:
-            groups.setdefault(f"{row.method}@T{row.temperature}", []).append(row)
-    out = {}
-    for key, members in sorted(groups.items()):
-        for metric in ("speedup", "block_efficiency"):
-            values = [getattr(m, metric) for m in members if getattr(m, metric) is not None]
-            if values:
-                out[f"{key}/{metric}"] = sum(values) / len(values)
-    return out
+            groups.setdefault((row.method, row.temperature), []).append(row)
+    out = []
+    for (method, temperature), members in sorted(groups.items()):
+        speedups = [m.speedup for m in members if m.speedup is not None]
+        efficiencies = [m.block_efficiency for m in members if m.block_efficiency is not None]
+        out.append(
+            MethodHeadline(
+                method=method,
+                temperature=temperature,
+                speedup=sum(speedups) / len(speedups) if speedups else None,
+                block_efficiency=sum(efficiencies) / len(efficiencies) if efficiencies else None,
+            )
+        )
+    return MeasureMetrics(rows=len(rows), methods=out)

@@ -42,10 +42,13 @@ def summarize(
     wall = sum(g.wall_seconds for g in generations)
     forward = sum(g.target_seconds + g.draft_seconds for g in generations)
     efficiency = _ratio(tokens, target_calls)
+    rescore = sum(g.rescore_seconds for g in generations)
     v_d = _ratio(accepted, drafted)
     r_d = _ratio(accepted, tokens) if rounds else None
     hm = 2 * v_d * r_d / (v_d + r_d) if v_d is not None and r_d is not None and v_d + r_d > 0 else None
     draft_length = _ratio(sum(r.draft_length for r in rounds), len(rounds)) or float(fixed_draft_length or 0)
+    positions = max((r.draft_length for r in rounds), default=0)
+    per_position = [_ratio(sum(r.accepted > i for r in rounds), len(rounds)) for i in range(positions)]
     mbsu = None
     if efficiency is not None:
         mbsu = efficiency / (draft_length * size_ratio + 1) if size_ratio is not None else efficiency
@@ -58,6 +61,7 @@ def summarize(
         "mean_accepted_length": _ratio(accepted, len(rounds)),
         "mean_draft_length": draft_length if rounds else None,
         "acceptance_rate": v_d,
+        "acceptance_per_position": per_position or None,
         "draft_proportion": r_d,
         "hm": hm,
         "mbsu": mbsu,
@@ -66,6 +70,8 @@ def summarize(
         "target_seconds": sum(g.target_seconds for g in generations),
         "draft_seconds": sum(g.draft_seconds for g in generations),
         "overhead_share": _ratio(wall - forward, wall),
+        "rescore_seconds": rescore,
+        "rescore_ms_per_round": _ratio(1000 * rescore, target_calls) if rescore else None,
         "eos_stops": sum(g.stop == "eos" for g in generations),
     }
 

@@ -1,7 +1,12 @@
 """summary.md and PNG plots from the rows of results.jsonl (`decoding.results.ResultRow`).
 
 Tables are shaped like the seeds' (seed 000 Tables A-D, seed 003 Table 1): one row per method, one
-column per dataset x temperature, each cell the mean +- sample std over seeds. Plots: block
+column per dataset x temperature, each cell the mean +- sample std over seeds (repetitions); a cell
+measured once says `(n=1)` instead of a spread it does not have; methods measured inside vLLM are
+labelled `(vLLM)` and also get a table beside polydraft's own rows, with the differences beyond noise
+said in words. Speedup cells carry the ideal speedup implied by the measured forward latencies
+(`decoding.latency`) and the share of it that was reached. The in-domain vs out-of-domain table
+compares block efficiencies against their pooled spread. Plots: block
 efficiency and speedup per dataset and temperature (bars with std error bars), and speedup against
 the draft length K for fixed-K chain decoders. Figures are drawn on matplotlib `Figure` objects with
 the Agg canvas, so nothing touches pyplot's global state.
@@ -9,7 +14,8 @@ the Agg canvas, so nothing touches pyplot's global state.
 
 from __future__ import annotations
 
-from collections import defaultdict
+import math
+from collections import Counter, defaultdict
 from pathlib import Path
 
 from decoding.metrics import mean_std
@@ -41,10 +47,18 @@ def _cells(
 def _format(cell: tuple[float | None, float | None, int] | None, percent: bool) -> str:
     if cell is None or cell[0] is None:
         return "-"
-    mean, std, _ = cell
-    if percent:
-        return f"{mean:.1%} ± {std:.1%}"
-    return f"{mean:.2f} ± {std:.2f}"
+    mean, std, count = cell
+    value = f"{mean:.1%}" if percent else f"{mean:.2f}"
+    if count < 2 or std is None:
+        return f"{value} (n={count})"
+    return f"{value} ± {std:.1%}" if percent else f"{value} ± {std:.2f}"
+
+
+def repetitions(rows: list[Row]) -> str:
+    """How many repetitions (seeds) the cells average: `3`, or `1-3` when cells differ."""
+    counts = Counter((r.method, r.dataset, r.temperature) for r in rows).values()
+    low, high = min(counts, default=0), max(counts, default=0)
+    return str(low) if low == high else f"{low}-{high}"
 
 
 def table(rows: list[Row], metric: str, percent: bool = False, methods: list[str] | None = None) -> str:
@@ -59,19 +73,232 @@ def table(rows: list[Row], metric: str, percent: bool = False, methods: list[str
     return "\n".join(lines)
 
 
-def domain_table(rows: list[Row]) -> str:
-    """Speedup of each language-specific drafter's methods on its own pair vs the other pairs (seed 003 Fig. 5)."""
-    values: dict[tuple[str, float], dict[bool, list[float]]] = defaultdict(lambda: {True: [], False: []})
-    for row in rows:
-        if row.in_domain is not None and row.speedup is not None:
-            values[(row.method, row.temperature)][row.in_domain].append(row.speedup)
-    if not values:
-        return "No language-specific drafter was measured on pair-specific eval sets."
-    lines = ["| method | T | in-domain speedup | out-of-domain speedup |", "| --- | --- | --- | --- |"]
-    for (method, temperature), split in sorted(values.items()):
-        cells = [_format((*mean_std(split[flag]), len(split[flag])), False) for flag in (True, False)]
-        lines.append(f"| {method} | {temperature:g} | {cells[0]} | {cells[1]} |")
+def speedup_table(rows: list[Row]) -> str:
+    """Measured speedup (mean ± std) with the ideal one from the forward latencies and their ratio."""
+    columns = _columns(rows)
+    measured = _cells(rows, "speedup")
+    ideal = _cells(rows, "ideal_speedup")
+    header = "| method | " + " | ".join(f"{d} T={t:g}" for d, t in columns) + " |"
+    lines = [header, "|" + " --- |" * (len(columns) + 1)]
+    for method in _methods(rows):
+        values = []
+        for d, t in columns:
+            cell, best = measured.get((method, d, t)), ideal.get((method, d, t))
+            text = _format(cell, False)
+            if cell is not None and cell[0] is not None and best is not None and best[0]:
+                text += f" (ideal {best[0]:.2f}, {cell[0] / best[0]:.0%})"
+            values.append(text)
+        lines.append(f"| {method} | " + " | ".join(values) + " |")
     return "\n".join(lines)
+
+
+def pooled_std(first: list[float], second: list[float]) -> float | None:
+    """The pooled sample standard deviation of two groups (None without 2 values in each)."""
+    if len(first) < 2 or len(second) < 2:
+        return None
+    squares = sum((v - sum(g) / len(g)) ** 2 for g in (first, second) for v in g)
+    return math.sqrt(squares / (len(first) + len(second) - 2))
+
+
+def domain_table(rows: list[Row]) -> str:
+    """Block efficiency and speedup of each language-specific drafter's methods on its own pair vs the
+    other pairs (seed 003 Fig. 5), with the block-efficiency difference against twice the pooled std."""
+
+    def split() -> dict[bool, list[float]]:
+        return {True: [], False: []}
+
+    efficiency: dict[tuple[str, float], dict[bool, list[float]]] = defaultdict(split)
+    speedup: dict[tuple[str, float], dict[bool, list[float]]] = defaultdict(split)
+    for row in rows:
+        if row.in_domain is not None and row.block_efficiency is not None:
+            efficiency[(row.method, row.temperature)][row.in_domain].append(row.block_efficiency)
+            if row.speedup is not None:
+                speedup[(row.method, row.temperature)][row.in_domain].append(row.speedup)
+    if not efficiency:
+        return "No language-specific drafter was measured on pair-specific eval sets."
+    lines = [
+        "| method | T | in-domain BE | out-of-domain BE | difference | 2 x pooled std | beyond noise "
+        "| in-domain speedup | out-of-domain speedup |",
+        "|" + " --- |" * 9,
+    ]
+    for key, values in sorted(efficiency.items()):
+        inside, outside = values[True], values[False]
+        cells = [_format((*mean_std(values[flag]), len(values[flag])), False) for flag in (True, False)]
+        cells += [
+            _format((*mean_std(speedup[key][flag]), len(speedup[key][flag])), False) for flag in (True, False)
+        ]
+        noise = pooled_std(inside, outside)
+        difference = (
+            f"{sum(inside) / len(inside) - sum(outside) / len(outside):+.2f}" if inside and outside else "-"
+        )
+        verdict = (
+            "-" if noise is None or difference == "-" else "yes" if float(difference) > 2 * noise else "no"
+        )
+        spread = "-" if noise is None else f"{2 * noise:.2f}"
+        lines.append(
+            f"| {key[0]} | {key[1]:g} | {cells[0]} | {cells[1]} | {difference} | {spread} | {verdict} "
+            f"| {cells[2]} | {cells[3]} |"
+        )
+    return "\n".join(lines)
+
+
+VLLM_NOTES = "bench/results/vllm_acceptance.md"
+"""polydraft's record of why vLLM's acceptance differs from its own engine's."""
+
+
+def _same_sd(vllm: Row, rows: list[Row]) -> list[Row]:
+    """polydraft's `sd` rows (all seeds) with the vLLM row's drafter, K, dataset and temperature."""
+    key = (vllm.drafter, vllm.draft_length, vllm.dataset, vllm.temperature)
+    return [
+        r
+        for r in rows
+        if r.engine == "polydraft"
+        and r.decoder == "sd"
+        and r.control == "fixed"
+        and (r.drafter, r.draft_length, r.dataset, r.temperature) == key
+    ]
+
+
+def _positions(rows: list[Row]) -> str:
+    """Acceptance per draft position, mean over the rows (seeds)."""
+    lists = [r.acceptance_per_position for r in rows if r.acceptance_per_position]
+    if not lists:
+        return "-"
+    width = min(len(values) for values in lists)
+    return " / ".join(f"{sum(v[i] for v in lists) / len(lists):.2f}" for i in range(width))
+
+
+def _first(row: Row) -> float | None:
+    return row.acceptance_per_position[0] if row.acceptance_per_position else None
+
+
+def engine_differences(rows: list[Row]) -> list[str]:
+    """One sentence per vLLM row whose acceptance at the first draft position differs from polydraft's `sd`
+    row of the same drafter, K, dataset and temperature by more than noise: by more than 0.05, 10% of
+    polydraft's mean and twice its std over seeds. The first position is compared because both engines
+    define it alike and an answer's end hardly touches it; block efficiency and accepted tokens per draft
+    are only quoted: vLLM's prefill step drafts nothing (polydraft's verifies a first draft) and vLLM
+    counts drafts past the end of an answer as accepted, so on short answers they differ by construction."""
+    out = []
+    for vllm in rows:
+        own = _same_sd(vllm, rows) if vllm.engine == "vllm" else []
+        mean, std = mean_std([_first(r) for r in own])
+        if mean is None or _first(vllm) is None:
+            continue
+        if abs(_first(vllm) - mean) <= max(0.05, 0.1 * mean, 2 * (std or 0.0)):
+            continue
+        accepted = mean_std([r.mean_accepted_length for r in own])[0]
+        efficiency = mean_std([r.block_efficiency for r in own])[0]
+        line = (
+            f"`{vllm.method}` on {vllm.dataset} at T={vllm.temperature:g}: first draft token accepted "
+            f"{_first(vllm):.2f} of the time in vLLM ({vllm.engine_detail}) against {mean:.2f} in polydraft's "
+            f"engine (accepted per draft {_number(vllm.mean_accepted_length)} against {_number(accepted)}, "
+            f"block efficiency {_number(vllm.block_efficiency)} against {_number(efficiency)})."
+        )
+        if vllm.temperature == 0:
+            line += " At T=0 both engines should agree: check the exported drafter in vLLM."
+        else:
+            if vllm.device == "cpu":
+                line += (
+                    " vLLM's CPU build verifies drafts at T > 0 with uninitialised temperatures (its CPU "
+                    "replacement of `expand_batch_to_tokens`, vllm-project/vllm issue 55005), so its T > 0 "
+                    "acceptance and samples are wrong there."
+                )
+            if "greedy drafts" in (vllm.engine_detail or ""):
+                line += (
+                    " vLLM drafts the drafter's argmax by default (`draft_sample_method: greedy`), which "
+                    "accepts less than polydraft's sampled drafts at T > 0."
+                )
+            line += f" See polydraft's {VLLM_NOTES}."
+        out.append(line)
+    return out
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def vllm_table(rows: list[Row]) -> str:
+    """Each vLLM row beside polydraft's `sd` row of the same drafter, K, dataset and temperature."""
+    lines = [
+        "| method | dataset | T | engine | acceptance per position | accepted per draft | block efficiency | "
+        "tokens/s without -> with drafter (speedup) per batch size |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for vllm in rows:
+        if vllm.engine != "vllm":
+            continue
+        rates = ", ".join(
+            f"bs {b.batch_size}: {b.without_drafter:.0f} -> {b.with_drafter:.0f} (x{b.speedup:.2f})"
+            for b in vllm.batch_rates or []
+        )
+        cells = [vllm.method, vllm.dataset, f"{vllm.temperature:g}", vllm.engine_detail or "vLLM"]
+        cells += [
+            _positions([vllm]),
+            _number(vllm.mean_accepted_length),
+            _number(vllm.block_efficiency),
+            rates,
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+        own = _same_sd(vllm, rows)
+        if own:
+            speedup = _format((*mean_std([r.speedup for r in own]), len(own)), False)
+            cells = [own[0].method, vllm.dataset, f"{vllm.temperature:g}", "polydraft (batch 1)"]
+            cells.append(_positions(own))
+            for metric in ("mean_accepted_length", "block_efficiency"):
+                cells.append(_format((*mean_std([getattr(r, metric) for r in own]), len(own)), False))
+            cells.append(f"bs 1: speedup over ar {speedup}")
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def vllm_section(rows: list[Row], heading: str) -> list[str]:
+    """The vLLM rows beside polydraft's and the differences beyond noise; nothing without vLLM rows."""
+    if not any(r.engine == "vllm" for r in rows):
+        return []
+    differences = engine_differences(rows)
+    return [
+        heading,
+        "",
+        "Each drafter as vLLM's draft model on the same prompts (first seed; speedups over vLLM's own "
+        "target alone), beside polydraft's engine (batch 1, mean ± std over seeds). vLLM's first target "
+        "step drafts nothing (polydraft's verifies a first draft), so its block efficiency is lower on "
+        "short answers; the engines are compared by the acceptance of the first draft token.",
+        "",
+        vllm_table(rows),
+        "",
+        *(
+            ["**The engines differ:**", "", *[f"- {d}" for d in differences]]
+            if differences
+            else [
+                "Accepted tokens per draft agree within noise (0.1 tokens, 10% and twice the std over seeds)."
+            ]
+        ),
+        "",
+    ]
+
+
+BLOCKWISE = ("bpd", "bpd+rescore", "medusa", "medusa+rescore")
+
+
+def blockwise_sections(rows: list[Row]) -> list[str]:
+    """Seed 000's Tables A-D: bpd, medusa and their `+rescore` variants (block efficiency, speedup), and
+    the rescoring's own cost per round; nothing when no blockwise decoder ran."""
+    methods = [m for m in _methods(rows) if any(r.method == m and r.decoder in BLOCKWISE for r in rows)]
+    if not methods:
+        return []
+    rescored = [m for m in methods if any(r.method == m and r.rescorer for r in rows)]
+    return [
+        "## Blockwise decoders: block efficiency (seed 000 Tables A, C)",
+        table(rows, "block_efficiency", methods=methods),
+        "",
+        "## Blockwise decoders: wall-clock speedup over ar (seed 000 Tables B, D)",
+        table(rows, "speedup", methods=methods),
+        "",
+        "## Local rescoring: the rescoring drafter's time per round (ms)",
+        table(rows, "rescore_ms_per_round", methods=rescored) if rescored else "No rescoring measured.",
+        "",
+    ]
 
 
 def markdown(rows: list[Row]) -> str:
@@ -83,16 +310,18 @@ def markdown(rows: list[Row]) -> str:
         "# Measured speedups",
         "",
         f"Target `{first.target}` on {first.hardware} ({first.device}), torch {first.torch}, "
-        f"transformers {first.transformers}; {first.prompts} prompts per set, up to "
-        f"{first.max_new_tokens} new tokens, seeds {seeds}; cells are mean ± std over seeds. "
+        f"transformers {first.transformers}; {first.prompts} prompts per set and seed, up to "
+        f"{first.max_new_tokens} new tokens, seeds {seeds}; cells are mean ± std over the seeds "
+        f"(n = {repetitions(rows)} repetitions). "
         "Speedup is the token rate over `ar`'s, measured in the same process on the same prompts with "
-        "the methods alternating.",
+        "the methods alternating; the ideal speedup is what the measured forward latencies allow "
+        "(`latency.json`): block efficiency x t_target_step / (t_verify(K+1) + K x t_draft_step) per round.",
         "",
         "## Block efficiency (tokens per target call)",
         table(rows, "block_efficiency"),
         "",
-        "## Wall-clock speedup over ar",
-        table(rows, "speedup"),
+        "## Wall-clock speedup over ar (ideal speedup from forward latencies, measured / ideal)",
+        speedup_table(rows),
         "",
         "## MBSU (memory-bound speedup, seed 002 C.2)",
         table(rows, "mbsu"),
@@ -112,6 +341,7 @@ def markdown(rows: list[Row]) -> str:
         "## Engine overhead (share of wall time outside the models' forward passes)",
         table(rows, "overhead_share", percent=True),
         "",
+        *blockwise_sections(rows),
         "## In-domain vs out-of-domain",
         domain_table(rows),
         "",
@@ -125,6 +355,7 @@ def markdown(rows: list[Row]) -> str:
         if any(r.temperature == 0 for r in rows)
         else "No greedy (temperature 0) measurement in this run.",
         "",
+        *vllm_section(rows, "## vLLM beside polydraft's engine"),
     ]
     return "\n".join(parts)
 
@@ -164,7 +395,12 @@ def _speedup_vs_k(rows: list[Row], path: Path) -> bool:
     from matplotlib.ticker import MaxNLocator
 
     fixed = [
-        r for r in rows if r.control == "fixed" and r.decoder in ("sd", "eesd") and r.in_domain is not False
+        r
+        for r in rows
+        if r.engine == "polydraft"
+        and r.control == "fixed"
+        and r.decoder in ("sd", "eesd")
+        and r.in_domain is not False
     ]
     if not fixed:
         return False

@@ -1,6 +1,10 @@
-"""`results.jsonl`: one typed row per decoder x drafter x dataset x temperature x seed (x draft setting),
-written by the measure stage group by group and read by the export stage, the run summary and the
+"""`results.jsonl`: one typed row per engine x decoder x drafter x dataset x temperature x seed (x draft
+setting), written by the measure stage group by group and read by the export stage, the run summary and the
 reports. The row is defined here, once.
+
+Rows of engine `polydraft` come from polydraft's own decoders (batch 1, `decoding.measure`); rows of engine
+`vllm` from the same drafters run as vLLM's draft model on the same prompts (`decoding.vllm_measure`), with
+vLLM's own target-alone run as their baseline.
 """
 
 from __future__ import annotations
@@ -14,19 +18,41 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 RESULTS_FILE = "results.jsonl"
 
-DecoderName = Literal["ar", "sd", "rsd_c", "rsd_s", "eesd", "assisted"]
-DrafterKind = Literal["finetune", "pretrain", "extra", "early_exit"]
+DecoderName = Literal[
+    "ar", "sd", "rsd_c", "rsd_s", "eesd", "assisted", "bpd", "medusa", "bpd+rescore", "medusa+rescore"
+]  # fmt: skip
+DrafterKind = Literal["finetune", "pretrain", "extra", "early_exit", "heads"]
+Engine = Literal["polydraft", "vllm"]
+
+
+class BatchRate(BaseModel):
+    """Tokens/s of the vLLM engine at one batch size, without and with the drafter, same prompts."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    batch_size: int
+    without_drafter: float
+    with_drafter: float
+    speedup: float
 
 
 class ResultRow(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # identity
+    engine: Engine
+    """`polydraft` (its own decoders) or `vllm` (vLLM's draft-model speculative decoding)."""
+    engine_detail: str | None
+    """For `vllm`: version, device and draft sampling method (`vLLM 0.32.0 cpu, greedy drafts`)."""
     decoder: DecoderName
     method: str
     """A readable label unique within a group, e.g. `sd[de-en] K=4`, `rsd_s[de-en] 3x3`, `eesd beta_ts`."""
     drafter: str | None
-    """The drafter's name; None for `ar`."""
+    """The drafter's name; None for `ar`; `heads` for the blockwise decoders."""
+    rescorer: str | None = None
+    """`+rescore` decoders: the name of the drafter that rescores the heads' lattice."""
+    rescore_weight: float | None = None
+    """`+rescore` decoders: lambda."""
     drafter_kind: DrafterKind | None
     drafter_pair: str | None
     """The pair a language drafter was finetuned on; None for generic drafters and the early-exit head."""
@@ -42,7 +68,8 @@ class ResultRow(BaseModel):
     """K of a chain; the cap under Thompson sampling; None otherwise."""
     control: Literal["fixed", "beta_ts", "cali_ts"] | None
     tree: str | None
-    """`2-2-1` (branching) for rsd_c, `3x3` (width x depth) for rsd_s, None otherwise."""
+    """`2-2-1` (branching) for rsd_c, `3x3` (width x depth) for rsd_s and `medusa+rescore` (beams x
+    heads), `9 nodes` for medusa, None otherwise."""
     max_new_tokens: int
     size_ratio: float | None
     """Drafter parameters / target parameters; None for `ar`."""
@@ -56,6 +83,8 @@ class ResultRow(BaseModel):
     mean_draft_length: float | None
     acceptance_rate: float | None
     """v_d: accepted / drafted tokens."""
+    acceptance_per_position: list[float] | None
+    """Entry i: the share of draft rounds whose first i+1 draft tokens were all accepted."""
     draft_proportion: float | None
     """r_d: accepted draft tokens / output tokens."""
     hm: float | None
@@ -63,14 +92,25 @@ class ResultRow(BaseModel):
     token_rate: float | None
     """Output tokens per second of wall time."""
     wall_seconds: float
-    target_seconds: float
-    draft_seconds: float
+    target_seconds: float | None
+    draft_seconds: float | None
+    """Time in the target's and the drafter's forward passes; None for `vllm` (not timed apart)."""
     overhead_share: float | None
+    rescore_seconds: float = 0.0
+    """`+rescore` decoders: time in the rescoring drafter's forwards (part of draft_seconds)."""
+    rescore_ms_per_round: float | None = None
+    """`+rescore` decoders: rescore_seconds per target call, in milliseconds."""
     eos_stops: int
     speedup: float | None
-    """token_rate / the token rate of `ar` in the same group."""
+    """token_rate / the token rate of `ar` in the same group; for `vllm`, over vLLM's target alone at the
+    smallest batch size."""
+    batch_rates: list[BatchRate] | None
+    """For `vllm`: tokens/s without and with the drafter per batch size."""
+    ideal_speedup: float | None = None
+    """The speedup the measured forward latencies allow for these rounds (`decoding.latency`)."""
     matches_ar: bool | None
-    """Temperature 0: identical tokens to `ar`'s on every prompt; None otherwise."""
+    """Temperature 0: identical tokens to `ar`'s on every prompt (for `vllm`: to vLLM's target alone);
+    None otherwise."""
     # context
     target: str
     device: str
@@ -83,8 +123,28 @@ class ResultRow(BaseModel):
     """Rows written for the group: a group with fewer rows in the file was torn by a kill."""
 
     @property
-    def group(self) -> tuple[str, float, int]:
-        return (self.dataset, self.temperature, self.seed)
+    def group(self) -> tuple[str, str, float, int]:
+        return (self.engine, self.dataset, self.temperature, self.seed)
+
+
+class MethodHeadline(BaseModel):
+    """One method at one temperature, averaged over the eval sets that are not out of domain and seeds."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: str
+    temperature: float
+    speedup: float | None
+    block_efficiency: float | None
+
+
+class MeasureMetrics(BaseModel):
+    """What the measure stage reports (its manifest's `metrics`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rows: int
+    methods: list[MethodHeadline]
 
 
 class ResultsError(ValueError):

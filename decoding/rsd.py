@@ -16,7 +16,7 @@ from torch import Tensor
 from decoding.engine import Generation, Output, Round, finish, next_token
 from decoding.lm import CachedLM
 from decoding.sampling import Sampling
-from decoding.tree import TreeShape, draft_tree, tree_attention, verify_rows, verify_tree
+from decoding.tree import TreeShape, check_window, draft_tree, tree_inputs, verify_rows, verify_tree
 
 
 @torch.inference_mode()
@@ -37,15 +37,9 @@ def recursive_speculative(
     device = target.device
     out = Output(prompt.to(device), max_new_tokens, eos_ids, slack=shape.depth + 1)
     rounds: list[Round] = []
-    windows = [w for w in (target.window, drafter.window) if w is not None]
     while not out.done:
         n = out.length
-        if windows and n + shape.max_nodes >= min(windows):
-            # sliding-window layers past their window see only recent positions: the tree mask cannot apply
-            raise NotImplementedError(
-                f"tree decoding needs the sequence and its draft tree ({n} + {shape.max_nodes} positions) "
-                f"within the models' sliding window ({min(windows)}); use `sd` for longer outputs"
-            )
+        check_window([target, drafter], n, shape.max_nodes)
         depth = min(shape.depth, out.remaining - 1)
         pending = out.pending(target.length)
         if depth == 0:
@@ -59,17 +53,8 @@ def recursive_speculative(
             drafter, out.pending(drafter.length), shape, depth, sampling, generator
         )
         size = len(tree)
-        cached = target.length
-        assert tree.ancestors is not None
-        mask = tree_attention(cached, pending.shape[1], tree.ancestors, target.dtype)
-        positions = torch.cat(
-            [
-                torch.arange(cached, n, device=device),
-                torch.tensor(tree.depths, device=device) + (n - 1),
-            ]
-        ).view(1, -1)
-        nodes = torch.tensor(tree.tokens, device=device).view(1, -1)
-        logits, _ = target.forward(torch.cat([pending, nodes], dim=1), size + 1, positions, mask)
+        inputs, positions, mask = tree_inputs(target, pending, n, tree)
+        logits, _ = target.forward(inputs, size + 1, positions, mask)
         path, token = verify_tree(
             tree, draft_probs, verify_rows(tree, logits, sampling), sampling.greedy, generator
         )

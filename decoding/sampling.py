@@ -13,7 +13,8 @@ The samplers (seed 002 §2-3, App. B):
   rejection the target becomes the residual and the drafted token is removed from p.
 - `gumbel_topk` (seed 002 Alg. 4) and `stochastic_beam_step` (Alg. 9 with the numerically stable
   truncated Gumbels of Kool et al. 2019, App. B.3).
-All randomness comes from an explicit `torch.Generator`, so a seed reproduces a run.
+All randomness comes from an explicit `torch.Generator`, so a seed reproduces a run; the rejection samplers
+draw it only through `uniforms` and `sample`.
 """
 
 from __future__ import annotations
@@ -49,10 +50,11 @@ class Sampling:
 
 
 def probabilities(logits: Tensor, sampling: Sampling) -> Tensor:
-    """The distribution sampled from `logits` [..., V]: float32 probabilities, zero outside top-k/top-p."""
+    """The distribution sampled from `logits` [..., V]: zero outside top-k/top-p, float32 (float64 logits
+    stay float64, which the exact tests use)."""
     if sampling.greedy:
         raise ValueError("greedy decoding has no sampling distribution; use argmax")
-    scores = logits.float() / sampling.temperature
+    scores = logits.to(torch.promote_types(logits.dtype, torch.float32)) / sampling.temperature
     if sampling.top_k and sampling.top_k < scores.shape[-1]:
         kth = torch.topk(scores, sampling.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -73,6 +75,15 @@ def sample(probs: Tensor, generator: torch.Generator) -> Tensor:
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 
 
+def uniforms(count: int, generator: torch.Generator, device: torch.device) -> list[float]:
+    """`count` uniform draws in [0, 1) as Python floats: the only uniforms the rejection samplers use.
+
+    `sample` and this function are the samplers' two sources of randomness, so a test can replace both
+    and integrate over every outcome exactly (tests/exact_sampling.py).
+    """
+    return torch.rand(count, generator=generator, device=device).tolist()
+
+
 def residual(q: Tensor, p: Tensor) -> Tensor:
     """norm((q - p)+). When q <= p everywhere (only possible when q == p up to rounding) the residual is
     never reached by an exact sampler; q is returned so that rounding cannot produce a division by zero."""
@@ -91,16 +102,16 @@ def verify_chain(
     sample at the first rejection, or the bonus token from q[K] when all K are accepted.
     """
     k = drafts.shape[0]
+    accepted = 0
     if k:
         index = drafts.view(k, 1)
-        q_x = target_probs[:k].gather(1, index).squeeze(1)
-        p_x = draft_probs.gather(1, index).squeeze(1)
-        u = torch.rand(k, generator=generator, device=drafts.device)
-        # accept when u < q/p, written without a division (p_x > 0 since x was drawn from p)
-        rejected = (u * p_x >= q_x).nonzero()
-        accepted = int(rejected[0, 0]) if rejected.numel() else k
-    else:
-        accepted = 0
+        # one transfer for p(x) and q(x), one for the uniforms: as many host syncs as a nonzero() would take
+        p_x, q_x = torch.cat([draft_probs.gather(1, index), target_probs[:k].gather(1, index)], 1).T.tolist()
+        for u, p, q in zip(uniforms(k, generator, drafts.device), p_x, q_x):
+            # accept when u < q/p, written without a division (p > 0 since x was drawn from p)
+            if u * p >= q:
+                break
+            accepted += 1
     dist = residual(target_probs[accepted], draft_probs[accepted]) if accepted < k else target_probs[k]
     return accepted, sample(dist, generator).view(1)
 
@@ -117,10 +128,10 @@ def recursive_rejection(
     if not children:
         return None, int(sample(q, generator))
     q_cur, p_cur = q, p.clone()
-    uniforms = torch.rand(len(children), generator=generator, device=p.device).tolist()
+    draws = uniforms(len(children), generator, p.device)
     for i, x in enumerate(children):
         q_x, p_x = float(q_cur[x]), float(p_cur[x])
-        if uniforms[i] * p_x < q_x:
+        if draws[i] * p_x < q_x:
             return i, x
         q_cur = residual(q_cur, p_cur)
         # the next child was drawn from p without the tokens drawn before it

@@ -6,6 +6,8 @@ rows only), and:
 - greedy: the drafts are accepted while they equal the target's argmax; the new tokens are then
   exactly the target's argmaxes up to and including the first disagreement (one host sync per round);
 - sampling: `verify_chain` (accept with min(1, q/p), residual on rejection, bonus token otherwise).
+  With `greedy_drafts` the drafter proposes its argmax and p is one-hot at it (what vLLM's draft-model
+  method does by default): still exact, but a draft token is accepted with probability q(x).
 Rejected positions are cropped from both caches; the drafter never saw its last draft, so it is
 behind by the tokens it has not processed, which it reads as pending input next round.
 At most `remaining - 1` drafts are made so that a round never writes past `max_new_tokens`.
@@ -58,6 +60,7 @@ def speculative(
     control: Controller,
     generator: torch.Generator,
     eos_ids: set[int],
+    greedy_drafts: bool = False,
 ) -> Generation:
     """Decode one prompt with `sd`; at temperature 0 the output is `ar`'s, token for token."""
     start = time.perf_counter()
@@ -82,6 +85,11 @@ def speculative(
                 logits, hidden = drafter.forward(step_input)
                 if greedy:
                     token = logits[-1].argmax(-1, keepdim=True)
+                elif greedy_drafts:
+                    token = logits[-1].argmax(-1, keepdim=True)
+                    draft_probs.append(
+                        torch.zeros_like(logits[-1], dtype=torch.float32).scatter_(0, token, 1.0)
+                    )
                 else:
                     p = probabilities(logits[-1], sampling)
                     token = sample(p, generator).view(1)

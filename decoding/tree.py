@@ -18,6 +18,7 @@ row is its parent's row plus itself); it sits at position (root position + depth
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -80,6 +81,33 @@ def tree_attention(num_cached: int, num_pending: int, tree_rows: Tensor, dtype: 
     return additive_mask(allowed, dtype)
 
 
+def check_window(models: list[CachedLM], length: int, nodes: int) -> None:
+    """Refuse a tree that would reach past a sliding window: layers past their window see only recent
+    positions, where the tree mask cannot apply."""
+    windows = [model.window for model in models if model.window is not None]
+    if windows and length + nodes >= min(windows):
+        raise NotImplementedError(
+            f"tree decoding needs the sequence and its draft tree ({length} + {nodes} positions) "
+            f"within the models' sliding window ({min(windows)}); use `sd` for longer outputs"
+        )
+
+
+def tree_inputs(target: CachedLM, pending: Tensor, length: int, tree: Tree) -> tuple[Tensor, Tensor, Tensor]:
+    """(input ids, position ids, attention mask) scoring the pending tokens and every node in one forward.
+
+    `length` is the committed length; node i sits at position length - 1 + depth (the root is the last
+    committed token).
+    """
+    device, cached = target.device, target.length
+    assert tree.ancestors is not None
+    mask = tree_attention(cached, pending.shape[1], tree.ancestors, target.dtype)
+    positions = torch.cat(
+        [torch.arange(cached, length, device=device), torch.tensor(tree.depths, device=device) + (length - 1)]
+    ).view(1, -1)
+    nodes = torch.tensor(tree.tokens, device=device).view(1, -1)
+    return torch.cat([pending, nodes], dim=1), positions, mask
+
+
 @dataclass(frozen=True)
 class TreeShape:
     """`rsd_c`: `branching` = b (depth len(b)); `rsd_s`: `beam_width` W and `depth` L."""
@@ -103,17 +131,31 @@ class TreeShape:
 
     @property
     def max_nodes(self) -> int:
+        return sum(self.level_sizes(self.depth))
+
+    def level_sizes(self, depth: int) -> list[int]:
+        """Nodes per level of a full tree grown `depth` <= self.depth levels deep."""
         if self.method == "rsd_s":
-            return self.beam_width * self.depth
-        total, level = 0, 1
-        for b in self.branching:
+            return [self.beam_width] * depth
+        sizes, level = [], 1
+        for b in self.branching[:depth]:
             level *= b
-            total += level
-        return total
+            sizes.append(level)
+        return sizes
 
 
-def _log_dist(logits: Tensor, sampling: Sampling) -> tuple[Tensor, Tensor | None]:
+Rescore = Callable[[int, Tensor], Tensor]
+"""(level, drafter logits [F, V] of the level's parents) -> the log-probabilities [F, V] their children are
+drawn from (`decoding.lattice`: the drafter's rescoring of a blockwise lattice)."""
+
+
+def _log_dist(
+    logits: Tensor, sampling: Sampling, level: int, rescore: Rescore | None
+) -> tuple[Tensor, Tensor | None]:
     """(log-probabilities used to draw children, probabilities used to verify; None when greedy)."""
+    if rescore is not None:
+        log_p = rescore(level, logits)
+        return log_p, (None if sampling.greedy else log_p.exp())
     if sampling.greedy:
         return torch.log_softmax(logits.float(), dim=-1), None
     probs = probabilities(logits, sampling)
@@ -127,16 +169,18 @@ def draft_tree(
     depth: int,
     sampling: Sampling,
     generator: torch.Generator,
+    rescore: Rescore | None = None,
 ) -> tuple[Tree, Tensor | None]:
     """Grow a tree of `depth` <= shape.depth levels below the last pending token.
 
-    Returns the tree and, when sampling, the drafter's distributions [1 + tree.fed, V]: row 0 at the
-    root, row i + 1 at node i. The drafter's cache ends with the pending tokens and the fed nodes.
+    Returns the tree and, when sampling, the distributions its children were drawn from [1 + tree.fed, V]:
+    row 0 at the root, row i + 1 at node i. They are the drafter's own, or what `rescore` makes of
+    them. The drafter's cache ends with the pending tokens and the fed nodes.
     """
     device = drafter.device
     noise = None if sampling.greedy else generator
     logits, _ = drafter.forward(pending)
-    log_p, probs = _log_dist(logits, sampling)
+    log_p, probs = _log_dist(logits, sampling, 0, rescore)
     dists = [probs] if probs is not None else []
     committed = drafter.length
     ancestors = torch.zeros(shape.max_nodes, shape.max_nodes, dtype=torch.bool, device=device)
@@ -168,7 +212,7 @@ def draft_tree(
         mask = tree_attention(committed, 0, ancestors[size - count : size, :size], drafter.dtype)
         positions = torch.full((1, count), committed + level, dtype=torch.long, device=device)
         logits, _ = drafter.forward(chosen.view(1, -1), count, positions, mask)
-        log_p, probs = _log_dist(logits, sampling)
+        log_p, probs = _log_dist(logits, sampling, level + 1, rescore)
         if probs is not None:
             dists.append(probs)
     flat = torch.cat([torch.cat(tokens), torch.cat(parents)]).tolist()

@@ -16,9 +16,18 @@ from typing import Any
 
 from distill.mix import MixWriter, mix_pairs, mix_path
 from distill.plan import Key, record_id, sample_slots
-from distill.store import iter_records, record_files, record_key
+from distill.store import StoreError, iter_records, record_files, record_key
 
 EXAMPLES = 5
+PLAN_KEYS = (
+    "fingerprint",
+    "num_shards",
+    "shard_index",
+    "temperatures",
+    "samples_per_prompt",
+    "prompts",
+    "expected_records",
+)
 
 
 class MergeError(ValueError):
@@ -29,12 +38,25 @@ def _read_plan(directory: Path) -> dict[str, Any]:
     path = directory / "plan.json"
     if not path.is_file():
         raise MergeError(f"{directory}: no plan.json (not a distill stage folder)")
-    return json.loads(path.read_text(encoding="utf-8"))
+    try:
+        plan = json.loads(path.read_text(encoding="utf-8"))
+        if not all(k in plan for k in PLAN_KEYS):
+            raise ValueError(f"lacks one of {', '.join(PLAN_KEYS)}")
+    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise MergeError(f"{path}: corrupt plan ({err})") from err
+    return plan
 
 
 def _prompt_ids(directory: Path) -> list[str]:
-    with open(directory / "prompts.jsonl", encoding="utf-8") as handle:
-        return [json.loads(line)["id"] for line in handle]
+    path = directory / "prompts.jsonl"
+    ids = []
+    with open(path, "rb") as handle:
+        for number, line in enumerate(handle, 1):
+            try:
+                ids.append(json.loads(line.decode("utf-8"))["id"])
+            except (ValueError, KeyError, TypeError) as err:
+                raise MergeError(f"{path}:{number}: not a prompt line with an `id` ({err!r})") from err
+    return ids
 
 
 def _examples(keys: list[Key]) -> str:
@@ -72,13 +94,17 @@ def check_shards(shard_dirs: list[Path]) -> tuple[list[dict[str, Any]], list[str
             expected.update((prompt_id, t, s) for t, s in slots)
         seen: set[Key] = set()
         duplicated, unexpected = [], []
-        for record in iter_records(directory):
-            key = record_key(record)
-            if key in seen:
-                duplicated.append(key)
-            elif key not in expected:
-                unexpected.append(key)
-            seen.add(key)
+        try:
+            for record in iter_records(directory):
+                key = record_key(record)
+                if key in seen:
+                    duplicated.append(key)
+                elif key not in expected:
+                    unexpected.append(key)
+                seen.add(key)
+        except StoreError as err:
+            problems.append(f"{err}; rerun that shard with `--only distill` after deleting the file")
+            continue
         missing = sorted(expected - seen)
         if missing:
             problems.append(

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -33,28 +32,16 @@ def mix_pairs(distill_dir: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
 
 
-def write_mix(rows: Iterable[dict[str, Any]], path: Path) -> int:
-    """Write rows atomically (temporary file, then rename); returns the row count."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".jsonl.tmp")
-    count = 0
-    with open(tmp, "w", encoding="utf-8") as handle:
-        for row in rows:
-            missing = [k for k in MIX_KEYS if k not in row]
-            if missing:
-                raise ValueError(f"mix row {row.get('id')!r} lacks {missing}")
-            handle.write(json.dumps({k: row[k] for k in MIX_KEYS}, ensure_ascii=False) + "\n")
-            count += 1
-        handle.flush()
-        os.fsync(handle.fileno())
-    tmp.replace(path)
-    return count
-
-
 def read_mix(
-    distill_dir: Path, pair: str, split: str, temperatures: list[float] | None = None
+    distill_dir: Path,
+    pair: str,
+    split: str,
+    temperatures: list[float] | None = None,
+    need_distilled: bool = False,
 ) -> list[dict[str, Any]]:
-    """Rows of one pair's mix; `temperatures` keeps distilled rows of those temperatures (open rows stay)."""
+    """Rows of one pair's mix; `temperatures` keeps distilled rows of those temperatures (open rows stay).
+    `need_distilled`: a ValueError when no distilled row is kept (training on open rows alone would not
+    teach the drafter the target's own answers)."""
     path = mix_path(distill_dir, pair, split)
     if not path.is_file():
         available = ", ".join(mix_pairs(distill_dir)) or "none"
@@ -65,6 +52,9 @@ def read_mix(
             row = json.loads(line)
             if temperatures is None or row["origin"] != "distill" or row["temperature"] in temperatures:
                 rows.append(row)
+    if need_distilled and not any(row["origin"] == "distill" for row in rows):
+        kept = "any temperature" if temperatures is None else f"temperatures {temperatures}"
+        raise ValueError(f"{path}: no distilled row at {kept} ({len(rows)} open rows only)")
     return rows
 
 

@@ -3,8 +3,10 @@ through the `openai` Python client (v1+ API, async).
 
 - At most `max_in_flight` requests are in flight, spread round-robin over the servers' base URLs
   (data-parallel servers of one model); a retry goes to the next server.
-- Connection errors, timeouts, HTTP 408, 429 and 5xx are retried with exponential backoff and jitter;
-  other errors (400, 401, 404, 422, an unreadable answer) fail at once.
+- Connection errors, timeouts, HTTP 408, 429 and 5xx, and a 200 whose body is not a usable answer (not
+  JSON, truncated, no choices, a choice without its text) are retried with exponential backoff and
+  jitter, or after the server's Retry-After when that is longer (capped by `max_backoff`); other errors
+  (400, 401, 404, 422, an answer without the token ids the recipe asks for) fail at once.
 - All pending samples of a prompt go as one request with `n`; a server that answers fewer choices
   (transformers serve ignores `n`) gets the missing samples, and from then on every sample, as separate
   requests, each with its own seed.
@@ -16,16 +18,23 @@ The API key is read from the environment by the caller and only handed to the cl
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 from dataclasses import dataclass
 from typing import Any
+
+from pydantic import BaseModel
 
 from distill.plan import Emit, Fail, Generation, Request, request_seed
 
 log = logging.getLogger(__name__)
 
 RETRY_STATUS = {408, 429}
+
+
+class MalformedAnswer(ValueError):
+    """A 200 whose body is no usable answer: a server fault, worth retrying."""
 
 
 @dataclass(frozen=True)
@@ -79,15 +88,18 @@ def request_kwargs(
 def parse_response(payload: dict[str, Any], endpoint: str, return_token_ids: bool) -> list[Generation]:
     """A completions / chat completions answer (as a dict) -> one Generation per choice, in index order."""
     usage = payload.get("usage") or {}
-    choices = sorted(payload.get("choices") or [], key=lambda c: c.get("index", 0))
-    if not choices:
-        raise ValueError("the server answered without choices")
+    choices = payload.get("choices")
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, dict) for c in choices):
+        raise MalformedAnswer(f"the server answered without choices: {str(payload)[:200]}")
+    choices = sorted(choices, key=lambda c: c.get("index", 0))
     generations = []
     for choice in choices:
         if endpoint == "completions":
             text = choice.get("text")
         else:
             text = (choice.get("message") or {}).get("content")
+        if not isinstance(text, str):
+            raise MalformedAnswer(f"the server answered a choice without its text: {str(choice)[:200]}")
         ids = choice.get("token_ids")
         if return_token_ids and ids is None:
             raise ValueError(
@@ -102,7 +114,7 @@ def parse_response(payload: dict[str, Any], endpoint: str, return_token_ids: boo
             response_tokens = -1  # usage counts all choices together
         generations.append(
             Generation(
-                text=text or "",
+                text=text,
                 finish_reason=str(choice.get("finish_reason") or "unknown"),
                 token_ids=[int(t) for t in ids] if ids is not None else None,
                 prompt_tokens=int(usage.get("prompt_tokens", -1)),
@@ -113,14 +125,32 @@ def parse_response(payload: dict[str, Any], endpoint: str, return_token_ids: boo
 
 
 def retryable(err: BaseException) -> bool:
-    """Connection errors, timeouts, 408, 429 and 5xx are worth retrying; other answers are not."""
+    """Connection errors, timeouts, 408, 429, 5xx and a 200 with an unusable body (not JSON, not an
+    object, no choices) are worth retrying; other answers are not."""
     import openai
 
     if isinstance(err, openai.APIConnectionError):  # includes APITimeoutError
         return True
     if isinstance(err, openai.APIStatusError):
         return err.status_code in RETRY_STATUS or err.status_code >= 500
-    return isinstance(err, asyncio.TimeoutError)
+    return isinstance(
+        err, asyncio.TimeoutError | json.JSONDecodeError | MalformedAnswer | openai.APIResponseValidationError
+    )
+
+
+def retry_after(err: BaseException) -> float:
+    """The wait in seconds a 429 / 503 asks for (`retry-after-ms` or `Retry-After` in seconds), else 0."""
+    import openai
+
+    if not isinstance(err, openai.APIStatusError):
+        return 0.0
+    headers = err.response.headers
+    for name, scale in (("retry-after-ms", 1e-3), ("retry-after", 1.0)):
+        try:
+            return max(0.0, float(headers.get(name, "")) * scale)
+        except ValueError:
+            continue  # absent, or an HTTP date: fall back to the backoff
+    return 0.0
 
 
 def backoff_delay(attempt: int, base: float, cap: float, rng: random.Random) -> float:
@@ -166,15 +196,16 @@ class _Run:
                     response = await client.completions.create(**kwargs)
                 else:
                     response = await client.chat.completions.create(**kwargs)
+                if not isinstance(response, BaseModel):  # a body that is JSON but no object
+                    raise MalformedAnswer(f"the server answered {str(response)[:200]!r}")
                 generations = parse_response(
                     response.model_dump(), settings.endpoint, settings.return_token_ids
                 )
             except Exception as err:  # noqa: BLE001 - every failure is classified and reported
                 if retryable(err) and attempt < settings.max_retries:
                     self.stats["retries"] += 1
-                    await asyncio.sleep(
-                        backoff_delay(attempt, settings.backoff, settings.max_backoff, self.rng)
-                    )
+                    delay = backoff_delay(attempt, settings.backoff, settings.max_backoff, self.rng)
+                    await asyncio.sleep(min(settings.max_backoff, max(delay, retry_after(err))))
                     continue
                 reason = f"{type(err).__name__}: {err} (server {settings.base_urls[index]}, {attempt + 1} attempt(s))"
                 self.record_failure(request, indices, reason)

@@ -9,6 +9,8 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
+
 from distill.mix import MixWriter
 from distill.plan import Key, in_eval_split, record_id, shard_of
 from distill.store import iter_records
@@ -50,7 +52,7 @@ def record_stats(directory: Path, temperatures: list[float]) -> dict[str, Any]:
         stats["response_tokens"] += max(0, record["response_tokens"])
     return {
         **stats,
-        "per_temperature": {f"records_t{t:g}": n for t, n in sorted(per_temperature.items())},
+        "per_temperature": {f"{t:g}": n for t, n in sorted(per_temperature.items())},
         "records_per_pair": dict(per_pair),
     }
 
@@ -87,8 +89,9 @@ def choose_open_rows(
 
 def build_mix(
     directory: Path, open_rows: list[dict[str, Any]], eval_fraction: float, seed: int
-) -> dict[str, int]:
-    """Write `mix/<pair>/{train,eval}.jsonl` from every record plus the chosen open rows.
+) -> dict[str, dict[str, int]]:
+    """Write `mix/<pair>/{train,eval}.jsonl` from every record plus the chosen open rows; returns the
+    rows per pair and split.
 
     The eval side is chosen per prompt id (all samples of a prompt on one side). Rows keep the order
     the records were written in, open rows after them; trainers shuffle.
@@ -112,6 +115,36 @@ def build_mix(
     except BaseException:
         writer.abort()
         raise
-    metrics = {f"mix_{pair}_{split}": n for (pair, split), n in sorted(counts.items())}
-    metrics["mix_open_rows"] = len(open_rows)
-    return metrics
+    mix: dict[str, dict[str, int]] = {}
+    for (pair, split), n in sorted(counts.items()):
+        mix.setdefault(pair, {})[split] = n
+    return mix
+
+
+class DistillMetrics(BaseModel):
+    """What the distill stage reports (its manifest's `metrics`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompts: int
+    records: int
+    records_per_temperature: dict[str, int]
+    """By temperature, written `0`, `0.3`, ..."""
+    records_per_pair: dict[str, int]
+    failures: int
+    empty_responses: int
+    truncated_responses: int
+    prompt_tokens: int
+    response_tokens: int
+    generated_this_run: int
+    wall_time_s: float
+    tokens_per_s: float
+    invalid_rows: int
+    """Source rows with a missing or empty field, counted and skipped (`skip_invalid`)."""
+    long_prompts: int
+    """Prompts over the length limit, counted and skipped."""
+    mix: dict[str, dict[str, int]]
+    """Rows of the trainers' mix, by pair and split (`train`, `eval`)."""
+    mix_open_rows: int
+    server: dict[str, int] = {}
+    """Counters of the `openai` backend (retries, fallbacks, ...)."""

@@ -146,7 +146,27 @@ def _load_local(path: str, split: str) -> Any:
     if not files or not all(f.exists() for f in files):
         raise SourceError(f"local:{path}: no .jsonl/.json/.parquet file found")
     builder = "parquet" if files[0].suffix == ".parquet" else "json"
-    return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")
+    if builder == "json":
+        for file in files:
+            _check_utf8(file)
+    try:
+        return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")
+    except Exception as err:  # datasets wraps the parser's error in its own types
+        names = ", ".join(str(f) for f in files[:3]) + (" ..." if len(files) > 3 else "")
+        raise SourceError(f"local:{path}: cannot be read as {builder} ({names}): {err}") from err
+
+
+def _check_utf8(file: Path) -> None:
+    """JSON text must be UTF-8: name the file, line and byte that is not (the JSON reader names neither)."""
+    with open(file, "rb") as handle:
+        for number, line in enumerate(handle, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise SourceError(
+                    f"{file}:{number}: not UTF-8 (byte 0x{line[err.start]:02x} at column {err.start + 1}); "
+                    "re-encode the file as UTF-8"
+                ) from err
 
 
 def read_source(

@@ -66,15 +66,49 @@ def _cut_torn_tail(path: Path) -> int:
     return size - keep
 
 
+RECORD_FIELDS = {
+    "id": str,
+    "prompt_id": str,
+    "pair": str,
+    "prompt": str,
+    "temperature": (int, float),
+    "sample_index": int,
+    "response": str,
+    "finish_reason": (str, type(None)),
+    "prompt_tokens": int,
+    "response_tokens": int,
+}
+"""The fields every reader of the records uses, with their JSON types."""
+
+
+def parse_record(line: bytes, where: str) -> dict[str, Any]:
+    """One record line; a line that is not UTF-8 JSON of the record's shape is an error naming `where`."""
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise StoreError(
+            f"{where}: not UTF-8 (byte 0x{line[err.start]:02x} at column {err.start + 1})"
+        ) from err
+    except json.JSONDecodeError as err:
+        raise StoreError(f"{where}: not a JSON record ({err})") from err
+    if not isinstance(record, dict):
+        raise StoreError(f"{where}: a record is a JSON object, got {type(record).__name__}")
+    wrong = [
+        name
+        for name, kind in RECORD_FIELDS.items()
+        if name not in record or not isinstance(record[name], kind) or isinstance(record[name], bool)
+    ]
+    if wrong:
+        raise StoreError(f"{where}: not a distill record: missing or mistyped {', '.join(wrong)}")
+    return record
+
+
 def iter_records(directory: Path) -> Iterator[dict[str, Any]]:
-    """Every record of a folder, file by file; a line that is not JSON is an error naming file and line."""
+    """Every record of a folder, file by file; a line that is not a record is an error naming file and line."""
     for path in record_files(directory):
-        with open(path, encoding="utf-8") as handle:
+        with open(path, "rb") as handle:
             for number, line in enumerate(handle, 1):
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise StoreError(f"{path}:{number}: not a JSON record ({err})") from err
+                yield parse_record(line, f"{path}:{number}")
 
 
 class RecordStore:

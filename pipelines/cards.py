@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from decoding.report import domain_table, table
+from decoding.report import domain_table, table, vllm_section
 from pipelines.export_records import ExportResults
 
 PLOT_TITLES = {
@@ -121,7 +121,8 @@ def measured_section(info: ExportResults) -> list[str]:
         f"{ctx.dates[-1]} (UTC) with torch {', '.join(ctx.torch)} and transformers "
         f"{', '.join(ctx.transformers)}: batch size 1, {', '.join(map(str, ctx.prompts))} prompts per set, "
         f"up to {', '.join(map(str, ctx.max_new_tokens))} new tokens, seeds {ctx.seeds}. Cells are mean ± "
-        "std over seeds; the speedup is the token rate over `ar`'s in the same process on the same prompts.",
+        "std over seeds; the speedup is the token rate over `ar`'s in the same process on the same prompts. "
+        "Engine: polydraft's own decoders, except methods marked `(vLLM)`, measured inside vLLM (see below).",
         "",
         "### Block efficiency (tokens per target call)",
         "",
@@ -133,12 +134,13 @@ def measured_section(info: ExportResults) -> list[str]:
         "",
         "### Methods",
         "",
-        "| method | decoder | control | K | tree |",
-        "| --- | --- | --- | --- | --- |",
+        "| method | engine | decoder | control | K | tree |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for method in methods:
         row = next(r for r in rows if r.method == method)
-        cells = [row.decoder, row.control or "-", row.draft_length or "-", row.tree or "-"]
+        engine = row.engine_detail or row.engine
+        cells = [engine, row.decoder, row.control or "-", row.draft_length or "-", row.tree or "-"]
         lines.append(f"| {method} | " + " | ".join(str(c) for c in cells) + " |")
     if any(r.in_domain is not None for r in rows):
         lines += ["", "### In-domain vs out-of-domain (seed 003 Fig. 5)", "", domain_table(rows)]
@@ -153,6 +155,7 @@ def measured_section(info: ExportResults) -> list[str]:
             "cause this): " + ", ".join(f"{a} on {b}" for a, b in differ),
         ]
     lines.append("")
+    lines += vllm_section(rows, "### vLLM beside polydraft's engine")
     for plot in info.plots:
         lines += [f"![{PLOT_TITLES.get(plot, plot)}]({plot})", ""]
     lines += [

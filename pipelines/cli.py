@@ -7,14 +7,25 @@ import json
 import logging
 import shlex
 import sys
+import tempfile
+import traceback
 from pathlib import Path
 
+from pipelines.preflight import InputError, check_model_folders, check_run_dir
 from pipelines.recipe import RecipeError, dump_recipe, load_recipe
 from pipelines.stage import StageFailed
 
 log = logging.getLogger("pipelines.cli")
 
-STAGE_NAMES = ("distill", "pretrain", "finetune", "early_exit", "calibrate", "measure", "export")
+EXIT_BAD_INPUT = 2
+"""A recipe, option, folder or file that is refused before (or, for data, while) work starts."""
+EXIT_STAGE_FAILED = 1
+"""A stage stopped for a reason it names (a failed subprocess, failed requests, a NaN loss, ...)."""
+EXIT_CRASH = 3
+"""An unexpected error (a bug or an unhandled fault): the traceback is written to a file named in the message."""
+EXIT_INTERRUPTED = 130
+
+STAGE_NAMES = ("distill", "pretrain", "finetune", "early_exit", "heads", "calibrate", "measure", "export")
 
 
 def _setup_logging(quiet: bool, verbose: bool) -> None:
@@ -133,7 +144,9 @@ def _run(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.recipe, args.overrides)
     run_dir = args.run_dir or Path("runs") / args.recipe.stem
+    check_run_dir(run_dir)
     target = resolve_target(recipe.target, recipe.data, show_progress=not args.quiet)
+    check_model_folders(recipe, target)
     command = shlex.join(["polydraft", *sys.argv[1:]])
     outcomes = run_pipeline(
         recipe,
@@ -186,19 +199,44 @@ def main(argv: list[str] | None = None) -> int:
                 summary = merge_shards(args.shards, args.out)
             except MergeError as err:
                 print(f"polydraft: {err}", file=sys.stderr)
-                return 1
+                return EXIT_BAD_INPUT
             print(json.dumps(summary, indent=2))
             return 0
-    except RecipeError as err:
+    except (RecipeError, InputError) as err:
         print(f"polydraft: {err}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     except StageFailed as err:
         print(f"polydraft: {err}", file=sys.stderr)
-        return 1
+        return EXIT_STAGE_FAILED
     except KeyboardInterrupt:
         print("polydraft: interrupted; rerun the same command to resume", file=sys.stderr)
-        return 130
-    return 2
+        return EXIT_INTERRUPTED
+    except Exception as err:
+        path = _write_traceback(args)
+        print(
+            f"polydraft: unexpected error: {type(err).__name__}: {err}\n"
+            f"  traceback: {path} (a bug, or a fault polydraft does not handle yet: please report it)",
+            file=sys.stderr,
+        )
+        return EXIT_CRASH
+    return EXIT_BAD_INPUT
+
+
+def _write_traceback(args: argparse.Namespace) -> Path:
+    """The current exception's traceback in the run directory (a temporary file outside a run)."""
+    run_dir = getattr(args, "run_dir", None) or (
+        Path("runs") / args.recipe.stem if args.command == "run" else None
+    )
+    if run_dir is not None and Path(run_dir).is_dir():
+        path = Path(run_dir) / "crash.log"
+        try:
+            path.write_text(traceback.format_exc(), encoding="utf-8")
+            return path
+        except OSError:
+            pass
+    with tempfile.NamedTemporaryFile("w", prefix="polydraft-crash-", suffix=".log", delete=False) as handle:
+        handle.write(traceback.format_exc())
+    return Path(handle.name)
 
 
 if __name__ == "__main__":

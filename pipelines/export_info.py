@@ -76,6 +76,7 @@ def summarize_rows(rows: list[Row]) -> list[SummaryEntry]:
         out.append(
             SummaryEntry(
                 method=method,
+                engine=first.engine,
                 decoder=first.decoder,
                 control=first.control,
                 draft_length=first.draft_length,
@@ -92,12 +93,13 @@ def summarize_rows(rows: list[Row]) -> list[SummaryEntry]:
 
 
 def best_draft_length(rows: list[Row], decoder: str) -> int | None:
-    """The fixed K of `decoder` with the highest mean speedup over the rows that are not out of domain
-    (ties: the smaller K); None when that decoder was not measured with a fixed K."""
+    """The fixed K of `decoder` with the highest mean speedup in polydraft's engine over the rows that are
+    not out of domain (ties: the smaller K); None when that decoder was not measured with a fixed K."""
     by_k: dict[int, list[float]] = defaultdict(list)
     for row in rows:
         if (
-            row.decoder == decoder
+            row.engine == "polydraft"
+            and row.decoder == decoder
             and row.control == "fixed"
             and row.in_domain is not False
             and row.speedup is not None
@@ -115,7 +117,8 @@ def headline(summary: list[SummaryEntry], decoder: str, k: int | None) -> Summar
     candidates = [
         s
         for s in summary
-        if s.decoder == decoder
+        if s.engine == "polydraft"
+        and s.decoder == decoder
         and s.control == "fixed"
         and s.draft_length == k
         and s.in_domain is not False

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from decoding.results import DrafterKind, ResultRow
+from decoding.results import DrafterKind, Engine, ResultRow
 from train.results import CalibrationScores
 
 RESULTS_FORMAT = "polydraft-export-results/1"
@@ -39,6 +39,7 @@ class SummaryEntry(Record):
     """One method on one dataset at one temperature: its settings and mean/std over seeds."""
 
     method: str
+    engine: Engine
     decoder: str
     control: str | None
     draft_length: int | None
@@ -204,3 +205,19 @@ class ExportIndex(Record):
     format: Literal["polydraft-export/1"] = INDEX_FORMAT
     target: PublicTarget
     items: list[ExportRecord]
+
+
+class ExportedItemMetrics(Record):
+    smoke_passed: bool
+    best_k: int | None
+    speedup: float | None
+    block_efficiency: float | None
+
+
+class ExportMetrics(Record):
+    """What the export stage reports (its manifest's `metrics`)."""
+
+    exported: int
+    smoke_failed: list[str]
+    unmeasured: list[str]
+    items: dict[str, ExportedItemMetrics]

@@ -48,6 +48,24 @@ def read_manifest(stage_dir: Path) -> dict[str, Any] | None:
         return None
 
 
+class ManifestError(ValueError):
+    """A manifest that exists but cannot be read: the stage folder it describes cannot be trusted."""
+
+
+def stage_manifest(stage_dir: Path) -> dict[str, Any] | None:
+    """The manifest of a stage folder; None when there is none; ManifestError when it is corrupt."""
+    path = Path(stage_dir) / MANIFEST
+    if not path.exists():
+        return None
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ManifestError(f"{path}: corrupt manifest ({err})") from err
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("key"), str):
+        raise ManifestError(f"{path}: corrupt manifest (not an object with a `key`)")
+    return manifest
+
+
 def write_json_atomic(path: Path, value: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as handle:

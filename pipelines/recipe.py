@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from pipelines.schema import Recipe
+from pipelines.schema import FieldError, Recipe
 
 
 class RecipeError(ValueError):
@@ -111,6 +111,7 @@ _EXPECTED = {
     "model_type": "mapping",
     "int_from_float": "int",
 }
+_BOUNDS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
 
 
 def _describe(error: dict) -> str:
@@ -123,38 +124,118 @@ def _describe(error: dict) -> str:
         return f"expected {_EXPECTED[kind]}, got {error['input']!r}"
     if kind == "literal_error":
         return f"expected {error['ctx']['expected']}, got {error['input']!r}"
+    if kind == "too_short":
+        return f"must have at least {error['ctx']['min_length']} item(s), got {error['input']!r}"
+    if kind in _BOUNDS:
+        return f"{error['msg'].replace('Input should', 'must')}, got {error['input']!r}"
     return error["msg"].removeprefix("Value error, ")
 
 
 def _origin(loc: tuple, provenance: dict[tuple, str], default: str) -> str:
+    return _set_at(loc, provenance, default)[1]
+
+
+def _set_at(loc: tuple, provenance: dict[tuple, str], default: str) -> tuple[int, str]:
+    """(when, where) the value at `loc` was set: its rank in the order values were set (later files and
+    overrides rank higher; -1 for a default) and the file or override that set it."""
+    order = {path: rank for rank, path in enumerate(provenance)}
     for end in range(len(loc), 0, -1):
         if loc[:end] in provenance:
-            return provenance[loc[:end]]
-    return default
+            return order[loc[:end]], provenance[loc[:end]]
+    return -1, default
+
+
+def _line(error: dict, provenance: dict[tuple, str], default_origin: str) -> str:
+    """`<file or override>: <key path>: <what is wrong and what is allowed>` for one validation error."""
+    # pydantic adds the union member or validator name to some locations; keep only real keys
+    loc = tuple(
+        p for p in error["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-")))
+    )
+    cause = (error.get("ctx") or {}).get("error")
+    if not isinstance(cause, FieldError) or not cause.keys:
+        path = "".join(f"{p}: " for p in [".".join(str(p) for p in loc)] if p)
+        return f"{_origin(loc, provenance, default_origin)}: {path}{_describe(error)}"
+    # a check across fields: blame the key set last (the child recipe or override that broke a rule the
+    # base kept), the first key listed when none was set, and say where the others were set
+    keys = [(*loc, *key.split(".")) for key in cause.keys]
+    blamed = max(keys, key=lambda key: _set_at(key, provenance, default_origin)[0])
+    origin = _origin(blamed, provenance, default_origin)
+    others = [
+        f"{'.'.join(key)} set in {_origin(key, provenance, default_origin)}"
+        for key in keys
+        if key != blamed and _origin(key, provenance, default_origin) != origin
+    ]
+    also = f" ({'; '.join(others)})" if others else ""
+    path = ".".join(blamed)
+    return f"{origin}: {cause}{also}" if str(cause).startswith(path) else f"{origin}: {path}: {cause}{also}"
 
 
 def validate(data: dict, provenance: dict[tuple, str], default_origin: str) -> Recipe:
     try:
         return Recipe.model_validate(data)
     except ValidationError as err:
-        lines = []
-        for error in err.errors():
-            # pydantic adds the union member or validator name to some locations; keep only real keys
-            loc = tuple(
-                p
-                for p in error["loc"]
-                if not (isinstance(p, str) and ("[" in p or p.startswith("function-")))
-            )
-            path = "".join(f"{p}: " for p in [".".join(str(p) for p in loc)] if p)
-            lines.append(f"{_origin(loc, provenance, default_origin)}: {path}{_describe(error)}")
+        lines = [_line(error, provenance, default_origin) for error in err.errors()]
         raise RecipeError("invalid recipe:\n  " + "\n  ".join(dict.fromkeys(lines))) from None
 
 
+def _anchored(value: Any, origin: str | None) -> Any:
+    """A relative path written in a recipe file, made relative to that file's folder (an override's
+    stays relative to the working directory)."""
+    if not isinstance(value, str) or origin is None or origin.startswith("override"):
+        return value
+    if Path(value).is_absolute() or value.startswith("~"):
+        return value
+    return str(Path(origin).parent / value)
+
+
+def _anchored_model(value: Any, origin: str | None) -> Any:
+    """A model reference (target.path, a drafter's init, a measured drafter) is a local folder or a hub id.
+    It is read as a folder relative to the recipe file that wrote it when it starts with `./` or `../`,
+    or when that folder exists; anything else is left as written (a hub id such as `org/name`)."""
+    anchored = _anchored(value, origin)
+    if anchored is value or anchored == value:
+        return value
+    if value.startswith(("./", "../")) or Path(anchored).is_dir():
+        return anchored
+    return value
+
+
+def anchor_paths(data: dict, provenance: dict[tuple, str]) -> None:
+    """Resolve the recipe's local paths (bootstrap cache, `local` data sources, local model folders)
+    against the file that wrote them, so that a recipe runs the same from any working directory."""
+    boot = (data.get("target") or {}).get("bootstrap") if isinstance(data.get("target"), dict) else None
+    if isinstance(boot, dict) and "cache_dir" in boot:
+        where = _origin(("target", "bootstrap", "cache_dir"), provenance, "")
+        boot["cache_dir"] = _anchored(boot["cache_dir"], where or None)
+    blocks = data.get("data") if isinstance(data.get("data"), dict) else {}
+    for block in ("distill", "open", "pretrain", "eval"):
+        sources = blocks.get(block)
+        for source in sources if isinstance(sources, list) else []:
+            if isinstance(source, dict) and source.get("kind") == "local" and "path" in source:
+                source["path"] = _anchored(source["path"], _origin(("data", block), provenance, "") or None)
+    models = [("target", "path")]
+    models += [(stage, "drafter", "init") for stage in ("pretrain", "finetune")]
+    drafters = (
+        (data.get("measure") or {}).get("extra_drafters") if isinstance(data.get("measure"), dict) else None
+    )
+    models += [
+        ("measure", "extra_drafters", name) for name in (drafters if isinstance(drafters, dict) else {})
+    ]
+    for key in models:
+        parent = data
+        for part in key[:-1]:
+            parent = parent.get(part) if isinstance(parent, dict) else None
+        if isinstance(parent, dict) and isinstance(parent.get(key[-1]), str):
+            parent[key[-1]] = _anchored_model(parent[key[-1]], _origin(key, provenance, "") or None)
+
+
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
-    """Read a recipe file (following `extends:`), apply `key.path=value` overrides and validate it."""
+    """Read a recipe file (following `extends:`), apply `key.path=value` overrides and validate it.
+    Relative local paths are resolved against the recipe file that wrote them (`anchor_paths`)."""
     provenance: dict[tuple, str] = {}
     data = _read_with_extends(Path(path), provenance)
     data = apply_overrides(data, overrides or [], provenance)
+    anchor_paths(data, provenance)
     return validate(data, provenance, str(Path(path).resolve()))
 
 

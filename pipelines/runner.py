@@ -24,12 +24,13 @@ from typing import Any
 
 from pipelines.manifest import (
     MANIFEST,
+    ManifestError,
     canonical_hash,
     file_hash,
     git_state,
     host_info,
     package_versions,
-    read_manifest,
+    stage_manifest,
     write_json_atomic,
 )
 from pipelines.recipe import dump_recipe
@@ -78,6 +79,31 @@ def _swap_into_place(work_dir: Path, final_dir: Path) -> None:
         shutil.rmtree(trash)
 
 
+def _checked_manifest(final_dir: Path, replace: bool) -> dict[str, Any] | None:
+    """The manifest of a completed stage folder. A folder whose manifest is corrupt or lost holds outputs
+    nobody can check against the recipe: refuse to skip it and refuse to silently redo it over them,
+    unless the stage is being replaced (`--force`)."""
+    if replace or not final_dir.exists():
+        try:
+            return stage_manifest(final_dir)
+        except ManifestError:
+            return None
+    try:
+        manifest = stage_manifest(final_dir)
+    except ManifestError as err:
+        raise StageFailed(
+            f"{err}: {final_dir} cannot be checked against the recipe. Restore the manifest, or rerun "
+            f"this stage with `--only {final_dir.name} --force` (or delete the folder) to redo it"
+        ) from err
+    if manifest is None:
+        raise StageFailed(
+            f"{final_dir} is complete but its {MANIFEST} is missing, so it cannot be checked against the "
+            f"recipe. Restore the manifest, or rerun this stage with `--only {final_dir.name} --force` "
+            "(or delete the folder) to redo it"
+        )
+    return manifest
+
+
 def _prepare_work_dir(work_dir: Path, key: str) -> None:
     """Keep a partial folder left by an interrupted run of the same key (to resume); discard any other."""
     key_file = work_dir / KEY_FILE
@@ -103,7 +129,6 @@ def run_pipeline(
 ) -> list[StageOutcome]:
     """Run the recipe's enabled stages in order, skipping those whose manifest matches."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "recipe.yaml").write_text(dump_recipe(recipe), encoding="utf-8")
     enabled = [s for s in stages if _enabled(recipe, s.name)]
     selected = _select(enabled, only, start)
     enabled_names = {s.name for s in enabled}
@@ -116,7 +141,7 @@ def run_pipeline(
         final_dir = run_dir / stage.name
         upstream = [u for u in stage.upstream if u in enabled_names]
         missing = [u for u in upstream if not fresh.get(u)]
-        manifest = read_manifest(final_dir)
+        manifest = _checked_manifest(final_dir, replace=force and stage.name in selected)
         inputs = stage.inputs(recipe, target)
         config = inputs.model_dump(mode="json")
         upstream_hashes = {u: file_hash(run_dir / u / MANIFEST) for u in upstream if fresh.get(u)}
@@ -210,6 +235,8 @@ def run_pipeline(
 
     order = {s.name: i for i, s in enumerate(stages)}
     outcomes.sort(key=lambda o: order[o.name])
+    # written once every selected stage succeeded: a failed run leaves the previous run's recipe
+    (run_dir / "recipe.yaml").write_text(dump_recipe(recipe), encoding="utf-8")
     write_json_atomic(
         run_dir / "run.json",
         {
@@ -222,14 +249,24 @@ def run_pipeline(
     return outcomes
 
 
+def flat_metrics(metrics: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested metrics as `a/b/c` keys, for display; empty and None values left out."""
+    out: dict[str, Any] = {}
+    for key, value in metrics.items():
+        if isinstance(value, dict):
+            out |= flat_metrics(value, f"{prefix}{key}/")
+        elif value is not None and not isinstance(value, list):
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def summary_table(outcomes: list[StageOutcome]) -> str:
     """A plain-text table of what each stage did and its headline metrics."""
     rows = []
     for outcome in outcomes:
         shown = ", ".join(
             f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-            for k, v in list(outcome.metrics.items())[:6]
-            if not isinstance(v, dict | list)
+            for k, v in list(flat_metrics(outcome.metrics).items())[:6]
         )
         rows.append(
             (outcome.name, outcome.status, f"{outcome.duration_s:.1f}s" if outcome.duration_s else "", shown)

@@ -9,8 +9,9 @@ A standalone drafter's folder must:
   context is capped at the smaller of its own and the target's, and it runs with the target's tensor
   parallel size (so that size must divide its attention heads);
 - give, as transformers' `assistant_model`, exactly the target's own greedy output on a few prompts;
-- when vllm is installed and a GPU is present, generate with vLLM as the target's draft model (one
-  real generation, in a subprocess so that vLLM's GPU memory is freed when it ends).
+- when vllm is installed (a GPU build with a GPU, or the CPU build), generate greedily with vLLM: the
+  target alone, then the target with the drafter as its draft model; the tokens must be identical (in a
+  subprocess, so that vLLM's memory is freed and its changes to the process stay there).
 
 An early-exit head's folder must attach to the loaded target (`models.early_exit.attach_exit_head`)
 and give, with polydraft's `eesd` decoder at temperature 0, exactly the target's greedy output; its
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 
+from decoding.vllm_rows import vllm_unavailable
 from pipelines.stage import PROJECT_ROOT
 
 # Architectures of vLLM's text-generation registry (vllm/model_executor/models/registry.py) that small
@@ -310,19 +312,16 @@ def vllm_generation_check(
     prompts: list[list[int]],
     max_new_tokens: int,
 ) -> Check:
-    """One vLLM generation with the drafter as draft model, in a subprocess (`python -m pipelines.smoke`).
+    """vLLM's greedy output with the drafter as draft model equals the target's alone, in a subprocess
+    (`python -m pipelines.smoke`).
 
     `target`: path, revision, trust_remote_code. `mode`: export.vllm_check.
     """
-    unavailable = "fail" if mode == "require" else "skipped"
     if mode == "off":
         return Check("vllm_generation", "skipped", "export.vllm_check is off")
-    if importlib.util.find_spec("vllm") is None:
-        return Check(
-            "vllm_generation", unavailable, "vllm is not installed (`pip install -e .[vllm]` on a GPU)"
-        )
-    if not torch.cuda.is_available():
-        return Check("vllm_generation", unavailable, "no GPU: vLLM's draft-model mode runs on GPUs")
+    why = vllm_unavailable()
+    if why is not None:
+        return Check("vllm_generation", "fail" if mode == "require" else "skipped", why)
     request = {
         "target": target,
         "drafter": str(drafter_folder),
@@ -331,6 +330,8 @@ def vllm_generation_check(
         "max_new_tokens": max_new_tokens,
     }
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")])}
+    # engine core and worker inside the subprocess: the load error surfaces there, not in another process
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
         done = subprocess.run(
             [sys.executable, "-m", "pipelines.smoke"],
@@ -347,41 +348,78 @@ def vllm_generation_check(
         tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
         return Check("vllm_generation", "fail", f"vLLM exited with {done.returncode}: {' | '.join(tail)}")
     result = json.loads(lines[-1])
-    if min(result["new_tokens"]) == 0:
+    if "error" in result:
+        return Check("vllm_generation", "fail", f"vLLM {result['vllm']}: {result['error']}")
+    alone, drafted = result["alone"], result["drafted"]
+    for index, (a, d) in enumerate(zip(alone, drafted)):
+        if a != d:
+            at = next((i for i, (x, y) in enumerate(zip(a, d)) if x != y), min(len(a), len(d)))
+            return Check(
+                "vllm_generation",
+                "fail",
+                f"prompt {index}: vLLM {result['vllm']} with the drafter as draft model differs from the "
+                f"target alone from new token {at} on ({d[at : at + 5]} vs {a[at : at + 5]})",
+            )
+    if min(len(a) for a in alone) == 0:
         return Check("vllm_generation", "fail", f"vLLM generated no token for some prompt: {result}")
     return Check(
         "vllm_generation",
         "pass",
-        f"vLLM {result['vllm']} generated {sum(result['new_tokens'])} tokens for {len(prompts)} prompts "
-        f"with the drafter as draft model (num_speculative_tokens={num_speculative_tokens})",
+        f"vLLM {result['vllm']} ({result['device']}): {sum(len(a) for a in alone)} greedy tokens for "
+        f"{len(prompts)} prompts with the drafter as draft model (num_speculative_tokens="
+        f"{num_speculative_tokens}), identical to the target alone; {result['accepted']} of "
+        f"{result['drafted_tokens']} draft tokens accepted",
     )
 
 
 def _vllm_main() -> None:
-    """Subprocess side: read the request on stdin, generate greedily, print one JSON line."""
+    """Subprocess side: read the request on stdin, generate greedily with the target alone and with the
+    drafter, print one JSON line (the outputs, or the error that stopped vLLM from loading)."""
+    import gc
+
     import vllm
-    from vllm import LLM, SamplingParams
+
+    from distill.vllm_backend import engine_kwargs, on_cpu
 
     request = json.loads(sys.stdin.read())
-    target = request["target"]
-    llm = LLM(
-        model=target["path"],
-        revision=target["revision"],
-        trust_remote_code=target["trust_remote_code"],
-        speculative_config={
-            "method": "draft_model",
-            "model": request["drafter"],
-            "num_speculative_tokens": request["num_speculative_tokens"],
-        },
-        enforce_eager=True,
+    target, prompts = request["target"], request["prompts"]
+    cpu = on_cpu()
+    kwargs = engine_kwargs(
+        target["path"],
+        target["revision"],
+        "auto",
+        target["trust_remote_code"],
+        tensor_parallel_size=1,
+        max_model_len=max(len(p) for p in prompts) + request["max_new_tokens"] + 16,
         gpu_memory_utilization=0.5,
+        seed=0,
+        cpu_kv_cache_gib=1.0 if cpu else None,
     )
-    outputs = llm.generate(
-        [{"prompt_token_ids": ids} for ids in request["prompts"]],
-        SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"]),
-    )
-    new_tokens = [len(o.outputs[0].token_ids) for o in outputs]
-    print(json.dumps({"vllm": vllm.__version__, "new_tokens": new_tokens}), flush=True)
+    kwargs.update(enforce_eager=True, disable_log_stats=False)
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"])
+    inputs = [{"prompt_token_ids": ids} for ids in prompts]
+    answer: dict[str, Any] = {"vllm": vllm.__version__, "device": "CPU build" if cpu else "GPU"}
+    llm = vllm.LLM(**kwargs)
+    answer["alone"] = [list(o.outputs[0].token_ids) for o in llm.generate(inputs, params, use_tqdm=False)]
+    del llm
+    gc.collect()
+    speculative = {
+        "method": "draft_model",
+        "model": request["drafter"],
+        "num_speculative_tokens": request["num_speculative_tokens"],
+    }
+    try:
+        llm = vllm.LLM(**kwargs, speculative_config=speculative)
+    except Exception as err:  # noqa: BLE001 - whatever vLLM raises while loading the drafter is the finding
+        reason = f"{type(err).__name__}: {err}"[:600]  # vLLM may append its whole list of architectures
+        print(json.dumps({**answer, "error": f"the drafter does not load: {reason}"}))
+        return
+    outputs = llm.generate(inputs, params, use_tqdm=False)
+    answer["drafted"] = [list(o.outputs[0].token_ids) for o in outputs]
+    counters = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
+    answer["accepted"] = int(counters.get("vllm:spec_decode_num_accepted_tokens", 0))
+    answer["drafted_tokens"] = int(counters.get("vllm:spec_decode_num_draft_tokens", 0))
+    print(json.dumps(answer), flush=True)
 
 
 if __name__ == "__main__":

@@ -34,21 +34,25 @@ def single_thread_fixture():
 def chi_square_pvalue(observed: torch.Tensor, expected: torch.Tensor, groups: int = 1) -> float:
     """Pearson's chi-square p-value of counts against expected counts (same shape, same total per group).
 
-    Cells expected fewer than 5 times are pooled into one cell so that the chi-square approximation
-    holds; `groups` is the number of independent multinomials (degrees of freedom = cells - groups).
+    An outcome of expected count 0 that was observed gives 0.0 at once: zero cells are never pooled.
+    Cells expected fewer than 5 times (but more than 0) are pooled into one cell, with the smallest other
+    cells while the pool is still expected fewer than 5 times, so that the chi-square approximation holds;
+    `groups` is the number of independent multinomials (degrees of freedom = cells - groups).
     """
     observed, expected = observed.double().flatten(), expected.double().flatten()
-    small = expected < 5
-    if small.any():
-        observed = torch.cat([observed[~small], observed[small].sum().view(1)])
-        expected = torch.cat([expected[~small], expected[small].sum().view(1)])
-        if expected[-1] == 0:
-            observed, expected = observed[:-1], expected[:-1]
     if bool((observed[expected == 0] > 0).any()):
-        return 0.0  # an outcome of probability zero happened
-    keep = expected > 0
-    statistic = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
-    df = int(keep.sum()) - groups
+        return 0.0
+    observed, expected = observed[expected > 0], expected[expected > 0]
+    order = torch.argsort(expected)
+    observed, expected = observed[order], expected[order]
+    pooled = int((expected < 5).sum())
+    while 0 < pooled < expected.numel() and float(expected[:pooled].sum()) < 5:
+        pooled += 1
+    if pooled:
+        observed = torch.cat([observed[:pooled].sum().view(1), observed[pooled:]])
+        expected = torch.cat([expected[:pooled].sum().view(1), expected[pooled:]])
+    statistic = float(((observed - expected) ** 2 / expected).sum())
+    df = expected.numel() - groups
     return float(
         torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.double), torch.tensor(statistic / 2))
     )

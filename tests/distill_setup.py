@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,13 @@ def run_distill(recipe: Recipe, target_dir: Path, work_dir: Path) -> StageResult
     )
     target = ResolvedTarget(path=str(target_dir), revision=None, dtype="auto", trust_remote_code=False)
     return run(DistillInputs.of(recipe, target), context)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for a test server)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def local_source(path: Path, **extra: Any) -> dict[str, Any]:

@@ -6,7 +6,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
-from distill.mix import mix_path, write_mix
+from distill.mix import MixWriter
 from distill.offline import offline_pairs
 from distill.prompts import task_prefix, vicuna_prompt
 from pipelines.schema import Recipe, ResolvedTarget, TrackingConfig
@@ -54,6 +54,8 @@ def tiny_recipe(target_dir: Path, **blocks: Any) -> Recipe:
             "loop": {**TINY_LOOP, "max_length": 160, "max_steps": 6},
         },
         "tracking": {"mode": "disabled"},
+        # the real vLLM generation has tests of its own (test_export_smoke.py); ~15 s per drafter
+        "export": {"vllm_check": "off"},
     }
     merged = _merge(data, blocks)
     if merged["pretrain"].get("enabled") is False:  # F only: finetune starts from its own drafter
@@ -63,6 +65,7 @@ def tiny_recipe(target_dir: Path, **blocks: Any) -> Recipe:
 
 def write_tiny_mix(distill_dir: Path, pairs: list[str], train_rows: int = 24, eval_rows: int = 8) -> Path:
     """A mix as the distill stage writes it: Vicuna prompts, the offline references as greedy answers."""
+    writer = MixWriter(distill_dir)
     for pair in pairs:
         for split, count in (("train", train_rows), ("eval", eval_rows)):
             source_split = "train" if split == "train" else "test"
@@ -83,7 +86,9 @@ def write_tiny_mix(distill_dir: Path, pairs: list[str], train_rows: int = 24, ev
                 }
                 for i, row in enumerate(offline_pairs(pair, source_split, count, seed=1))
             ]
-            write_mix(rows, mix_path(distill_dir, pair, split))
+            for row in rows:
+                writer.add(row, split)
+    writer.close()
     return distill_dir
 
 

@@ -45,12 +45,14 @@ TRAINING = {  # what the trainers' manifests report (typed metrics, `train.resul
 }  # fmt: skip
 
 
-def save_drafter(folder: Path, tokenizer: Any, vocab_size: int | None = None, seed: int = 0) -> Path:
+def save_drafter(
+    folder: Path, tokenizer: Any, vocab_size: int | None = None, seed: int = 0, shape: dict | None = None
+) -> Path:
     from models.drafters import build_drafter, export_drafter
 
     model = build_drafter(
         "custom", vocab_size or len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, seed=seed, **TINY,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, seed=seed, **(shape or TINY),
     )  # fmt: skip
     return export_drafter(model, tokenizer, folder)
 
@@ -103,6 +105,8 @@ def _row(
     efficiency = 1.0 if ar else round(rng.uniform(1.2, 3.0), 4)
     speedup = 1.0 if ar else round(rng.uniform(0.8, 2.0), 4)
     return {
+        "engine": "polydraft",
+        "engine_detail": None,
         "decoder": method["decoder"],
         "method": method["method"],
         "drafter": method.get("drafter"),
@@ -127,6 +131,7 @@ def _row(
         "mean_accepted_length": None if ar else round(efficiency - 1, 4),
         "mean_draft_length": None if ar else float(method.get("k") or 3),
         "acceptance_rate": None if ar else round(rng.uniform(0.2, 0.9), 4),
+        "acceptance_per_position": None if ar else [round(rng.uniform(0.2, 0.9), 4)],
         "draft_proportion": None if ar else round(rng.uniform(0.2, 0.9), 4),
         "hm": None if ar else round(rng.uniform(0.2, 0.9), 4),
         "mbsu": round(efficiency / 1.2, 4),
@@ -137,6 +142,7 @@ def _row(
         "overhead_share": 0.1,
         "eos_stops": 1,
         "speedup": speedup,
+        "batch_rates": None,
         "matches_ar": True if temperature == 0 else None,
         "target": "/home/someone/.cache/polydraft/bootstrap/abc123",
         "device": "cpu",

@@ -7,6 +7,9 @@ import os
 import time
 from pathlib import Path
 
+from pipelines.recipe import load_recipe
+from pipelines.runner import StageOutcome, run_pipeline
+from pipelines.schema import ResolvedTarget
 from pipelines.stage import Stage, StageResult
 from pipelines.stages import default_stages
 
@@ -37,3 +40,12 @@ def fake_stages() -> list[Stage]:
 
 
 TOPOLOGY = [s.name for s in fake_stages()]
+
+
+TARGET = ResolvedTarget(path="org/target", revision=None, dtype="auto", trust_remote_code=False)
+
+
+def run(recipe_path: Path, run_dir: Path, *overrides: str, **kwargs) -> list[StageOutcome]:
+    """The recipe at `recipe_path` with `overrides`, through the real runner and the stand-in stages."""
+    recipe = load_recipe(recipe_path, list(overrides))
+    return run_pipeline(recipe, run_dir, fake_stages(), TARGET, command="test", **kwargs)

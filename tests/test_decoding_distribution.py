@@ -1,9 +1,21 @@
-"""Through the full decoders, sampled outputs follow the target's distribution (tiny vocabulary models).
+"""Through the full decoders, sampled outputs follow the target's joint law, with stated power.
 
-The exact distribution of the first two generated tokens, q(a) q(b | a), is computed with plain
-forward passes of the target; each decoder then samples many outputs with a fixed seed and a
-chi-square test with the threshold fixed in advance (p > 1e-3, no retries) compares them. Three new
-tokens are generated so that the first round can draft two levels deep.
+Every decoder x control (`sd` and `eesd` with fixed K, Beta-TS and Cali-TS; `sd` with argmax drafts;
+`rsd_c`, `rsd_s`) x
+temperature {0.7, 1} x {top-k 2, top-p 0.8} decodes K + 2 = 4 tokens (K = 2, tree depth 2) on table
+models (tests/table_lm.py, vocabulary 3) and the joint law of all 4 tokens is tested against the
+exact law (tests/decoder_grid.py, tests/distribution_harness.py): false-alarm rate 1e-3, power >= 0.99
+against ANY law at total variation >= 0.1, an output of probability zero fails at once.
+
+| truncation | N | outputs of probability > 0 | test cells (pooled mass) | power at TV 0.1 |
+| --- | --- | --- | --- | --- |
+| T 0.7, top-k 2 | 2091 | 16 | 14 (0.018) | >= 0.99 |
+| T 1, top-k 2 | 1746 | 16 | 15 (0.0092) | >= 0.99 |
+| T 0.7, top-p 0.8 | 1548 | 18 | 18 (0) | >= 0.99 |
+| T 1, top-p 0.8 | 1781 | 29 | 29 (0) | >= 0.99 |
+
+The same N for every decoder (the target's law depends on the truncation only); 36 configurations, about 26 s
+on 2 cores. `test_stated_sample_sizes` recomputes the table.
 """
 
 from __future__ import annotations
@@ -11,68 +23,59 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoding.control import BetaTS, FixedK
-from decoding.engine import autoregressive
-from decoding.lm import CachedLM
-from decoding.rsd import recursive_speculative
-from decoding.sampling import Sampling, probabilities
-from decoding.sd import speculative
-from decoding.tree import TreeShape
-from models.tiny import build_llama
-from tests.decoding_helpers import P_VALUE_THRESHOLD, chi_square_pvalue, single_thread_fixture, spread
+from tests import decoder_grid
+from tests.decoding_helpers import single_thread_fixture
+from tests.distribution_harness import POWER, assert_follows, cells, power, sample_size
 
 single_thread = single_thread_fixture()
-VOCAB = 6
-SAMPLES = 1500
-PROMPT = torch.tensor([1, 4, 5, 0])
-
-
-@pytest.fixture(scope="module")
-def models():
-    target = spread(build_llama(VOCAB, 16, 2, 2, 32, seed=0), 0.6, 0)
-    drafter = spread(build_llama(VOCAB, 16, 1, 2, 32, seed=1), 0.6, 1)
-    return target, drafter
-
-
-def exact_pairs(target, sampling: Sampling) -> torch.Tensor:
-    with torch.inference_mode():
-        first = probabilities(target(PROMPT.view(1, -1)).logits[0, -1], sampling)
-        rows = torch.stack([torch.cat([PROMPT, torch.tensor([a])]) for a in range(VOCAB)])
-        second = probabilities(target(rows).logits[:, -1], sampling)
-    return first.view(-1, 1) * second
-
-
-DECODERS = {
-    "ar": lambda t, d, s, g: autoregressive(t, PROMPT, 3, s, g, set()),
-    "sd": lambda t, d, s, g: speculative(t, d, PROMPT, 3, s, FixedK(2), g, set()),
-    "sd-beta-ts": lambda t, d, s, g: speculative(t, d, PROMPT, 3, s, BetaTS(2.0, 1.0, 2, 0), g, set()),
-    "rsd_c": lambda t, d, s, g: recursive_speculative(
-        t, d, PROMPT, 3, s, TreeShape.constant([2, 2]), g, set()
-    ),
-    "rsd_s": lambda t, d, s, g: recursive_speculative(t, d, PROMPT, 3, s, TreeShape.beam(3, 2), g, set()),
+STATED = {
+    "T0.7-topk2": (2091, 14),
+    "T1-topk2": (1746, 15),
+    "T0.7-topp0.8": (1548, 18),
+    "T1-topp0.8": (1781, 29),
 }
 
 
-@pytest.mark.parametrize(
-    ("decoder", "sampling"),
-    [
-        ("ar", Sampling(temperature=1.0)),
-        ("sd", Sampling(temperature=1.0)),
-        ("sd-beta-ts", Sampling(temperature=0.8, top_p=0.9)),
-        ("rsd_c", Sampling(temperature=1.0)),
-        ("rsd_s", Sampling(temperature=1.0, top_p=0.95)),
-    ],
-)
-def test_decoder_samples_follow_the_target(models, decoder, sampling):
-    target_model, drafter_model = models
-    target, drafter = CachedLM(target_model), CachedLM(drafter_model)
-    generator = torch.Generator().manual_seed(11)
-    counts = torch.zeros(VOCAB, VOCAB)
-    speculated = 0
-    for _ in range(SAMPLES):
-        gen = DECODERS[decoder](target, drafter, sampling, generator)
-        counts[gen.tokens[0], gen.tokens[1]] += 1
-        speculated += sum(r.accepted for r in gen.rounds)
-    if decoder != "ar":
-        assert speculated > SAMPLES // 4  # drafts were really accepted along the way
-    assert chi_square_pvalue(counts, exact_pairs(target_model, sampling) * SAMPLES) > P_VALUE_THRESHOLD
+@pytest.mark.parametrize("config", decoder_grid.CONFIGS)
+def test_decoder_samples_follow_the_target(config):
+    decoder_grid.check(config)
+
+
+def test_stated_sample_sizes():
+    for name, (samples, groups) in STATED.items():
+        law = decoder_grid.exact_law(decoder_grid.SAMPLINGS[name])
+        assert sample_size(law, decoder_grid.TV) == samples
+        assert len(cells(law, samples)[0]) == groups
+        assert power(law, samples, decoder_grid.TV) >= POWER
+
+
+def draws(law: dict, probs: list[float], seed: int):
+    """decode() drawing outputs of `law`'s support with probabilities `probs`."""
+    outcomes = list(law)
+    generator = torch.Generator().manual_seed(seed)
+    weights = torch.tensor(probs, dtype=torch.float64)
+    return lambda: outcomes[int(torch.multinomial(weights, 1, generator=generator))]
+
+
+def test_harness_rejects_a_law_at_the_stated_distance():
+    """A law at total variation TV (0.1) from the target (mass moved from the likeliest output to the least
+    likely ones) fails; the target itself passes."""
+    law = decoder_grid.exact_law(decoder_grid.SAMPLINGS["T1-topk2"])
+    samples = sample_size(law, decoder_grid.TV)
+    exact = list(law.values())
+    assert_follows(draws(law, exact, 0), law, samples)
+    moved = list(exact)
+    top = max(range(len(moved)), key=moved.__getitem__)
+    moved[top] -= decoder_grid.TV
+    smallest = sorted(range(len(moved)), key=moved.__getitem__)[:4]
+    for index in smallest:
+        moved[index] += decoder_grid.TV / 4
+    with pytest.raises(AssertionError, match="Pearson"):
+        assert_follows(draws(law, moved, 1), law, samples)
+
+
+def test_harness_fails_at_once_on_an_output_of_probability_zero():
+    law = {(0, 0): 0.5, (0, 1): 0.5}
+    outputs = iter([(0, 0), (1, 1)])
+    with pytest.raises(AssertionError, match=r"\(1, 1\) has probability zero"):
+        assert_follows(lambda: next(outputs), law, 1000)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from decoding.results import RESULTS_FILE, read_rows
 from models.tiny import build_llama
@@ -68,14 +69,26 @@ def test_measure_writes_rows_summary_and_plots_and_resumes(tmp_path, tiny_target
             assert 0 < row["size_ratio"] < 1 and row["speedup"] > 0
         if row["decoder"] in ("sd", "rsd_c", "rsd_s"):
             assert row["acceptance_rate"] is not None and row["target_calls"] >= 1
+        if row["decoder"] == "ar":
+            assert row["ideal_speedup"] == 1.0  # one target step per token
+        elif row["decoder"] == "assisted":
+            assert row["ideal_speedup"] is None  # transformers' loop reports no rounds
+        else:
+            assert row["ideal_speedup"] > 0
+    latency = json.loads((ctx.work_dir / "latency.json").read_text())
+    # sd drafts up to K = max(3, 2, Beta-TS's cap 10); trees of up to 2 + 2 (rsd_c 2-1) or 4 (rsd_s 2x2) nodes
+    assert sorted(map(int, latency["target"]["chain"])) == list(range(1, 12))
+    assert sorted(map(int, latency["target"]["tree"])) == [2, 3, 4, 5]
+    assert sorted(latency["drafters"]) == PAIRS and latency["drafters"]["de-en"]["tree"].keys() == {"1", "2"}
     sweep = [r for r in rows if r["method"] == "sd[de-en] K=2"]
     assert {r["draft_length"] for r in sweep} == {2} and {r["control"] for r in sweep} == {"fixed"}
     summary = (ctx.work_dir / "summary.md").read_text()
     assert "## Wall-clock speedup over ar" in summary and "| sd[de-en] K=3 |" in summary
+    assert "(n = 2 repetitions)" in summary and " (ideal " in summary
     assert "de-en T=0" in summary and "Every method produced exactly `ar`'s tokens" in summary
     for plot in ("block_efficiency.png", "speedup.png", "speedup_vs_k.png"):
         assert (ctx.work_dir / plot).read_bytes()[:4] == b"\x89PNG"
-    assert any(key.endswith("/speedup") for key in result.metrics)
+    assert any(m["method"] == "sd[de-en] K=3" and m["speedup"] for m in result.metrics["methods"])
 
     # a run killed while appending: the last group is torn; a rerun measures only that group again
     text = (ctx.work_dir / RESULTS_FILE).read_text()
@@ -114,7 +127,7 @@ def test_measure_needs_eval_sets(tmp_path, tiny_target_dir):
 def test_measure_config_errors():
     with pytest.raises(ValueError, match="must include `ar`"):
         MeasureConfig(decoders=["sd"])
-    with pytest.raises(ValueError, match="draft lengths"):
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
         MeasureConfig(k_sweep=[0])
     with pytest.raises(ValueError, match="beta_prior"):
         MeasureConfig(beta_prior=[1.0])
@@ -165,3 +178,30 @@ def test_measure_names_the_decoder_a_target_cannot_run(tmp_path, tiny_tokenizer)
             ctx,
             target_dir,
         )
+
+
+def test_disjoint_prompts_give_each_seed_its_own_prompts(tmp_path, tiny_target_dir, monkeypatch):
+    import pipelines.stages.measure as stage
+    from decoding.inputs import repetition_prompts
+
+    decoded = []
+    group = stage.measure_group
+
+    def recording(build, prompts, warmed):
+        decoded.append([p.tolist() for p in prompts])
+        return group(build, prompts, warmed)
+
+    monkeypatch.setattr(stage, "measure_group", recording)
+    settings = {"temperatures": [0.0], "seeds": [5, 6, 7], "num_prompts": 2, "disjoint_prompts": True}
+    ctx = measure_context(tmp_path, {})
+    run_measure(measure_recipe(tiny_target_dir, **settings), ctx, tiny_target_dir)
+    assert len(decoded) == 6 and all(len(prompts) == 2 for prompts in decoded)
+    for first in (0, 3):  # per eval set: 3 seeds x 2 prompts, 6 different prompts
+        seen = [tuple(p) for prompts in decoded[first : first + 3] for p in prompts]
+        assert len(set(seen)) == 6
+    assert {r.seed for r in read_rows(ctx.work_dir / RESULTS_FILE)} == {5, 6, 7}
+    prompts = [torch.tensor([i]) for i in range(5)]
+    assert repetition_prompts(prompts, [5, 6], 6, 2, True) == prompts[2:4]
+    assert repetition_prompts(prompts, [5, 6], 6, 2, False) == prompts
+    with pytest.raises(ValueError, match="too few for 3 disjoint repetitions of 2"):
+        repetition_prompts(prompts, [5, 6, 7], 7, 2, True)

@@ -50,6 +50,8 @@ def test_summarize_by_hand():
     assert math.isclose(m["token_rate"], 14 / 3.0)
     assert math.isclose(m["overhead_share"], (3.0 - 2.25) / 3.0)
     assert m["eos_stops"] == 1 and m["draft_calls"] == 14
+    # rounds with drafts whose first i+1 drafts were accepted: accepted 4, 1, 2, 2 over 4 rounds
+    assert m["acceptance_per_position"] == [1.0, 3 / 4, 1 / 4, 1 / 4]
 
 
 def test_ar_has_block_efficiency_one_and_no_acceptance():
@@ -59,6 +61,7 @@ def test_ar_has_block_efficiency_one_and_no_acceptance():
     m = summarize([ar], size_ratio=None)
     assert m["block_efficiency"] == 1.0 and m["mbsu"] == 1.0
     assert m["acceptance_rate"] is None and m["hm"] is None and m["mean_draft_length"] is None
+    assert m["acceptance_per_position"] is None
     assert m["overhead_share"] == 1.0  # no forward time recorded in this hand-made trace
 
 

@@ -93,9 +93,52 @@ def test_merge_refuses_an_absent_or_repeated_shard(tmp_path, shards):
         merge_shards(folders, folders[0])
 
 
+def test_merge_names_a_corrupt_record_by_file_and_line(tmp_path, shards):
+    _, folders = shards
+    first, second = _copy(folders, tmp_path)
+    path = record_files(first)[0]
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text(lines[0] + '{"id": "x", "text": "valid JSON, not a record"}\n' + "".join(lines[1:]))
+    bad = record_files(second)[0]
+    bad.write_bytes(bad.read_bytes().replace(b'"response": "', b'"response": "\xff', 1))
+    with pytest.raises(MergeError) as err:
+        merge_shards([first, second], tmp_path / "merged")
+    message = str(err.value)
+    assert f"{path}:2: not a distill record: missing or mistyped prompt_id, pair, prompt" in message
+    assert f"{bad}:1: not UTF-8 (byte 0xff" in message
+    assert not (tmp_path / "merged").exists()
+
+
+def record(index: int) -> dict:
+    return {
+        "id": f"r{index}",
+        "prompt_id": f"p{index}",
+        "pair": "de-en",
+        "prompt": "p",
+        "temperature": 0.0,
+        "sample_index": 0,
+        "response": "r",
+        "finish_reason": "stop",
+        "prompt_tokens": 1,
+        "response_tokens": 1,
+    }
+
+
+def test_store_names_a_record_line_of_the_wrong_shape(tmp_path):
+    store = RecordStore(tmp_path, shard_index=0, records_per_file=5)
+    store.append([record(0), {**record(1), "sample_index": "0"}, [1, 2]])
+    store.close()
+    path = record_files(tmp_path)[0]
+    with pytest.raises(StoreError, match=f"{path}:2: not a distill record: missing or mistyped sample_index"):
+        RecordStore(tmp_path, 0, 5).keys()
+    path.write_text(json.dumps(record(0)) + "\n[1, 2]\n")
+    with pytest.raises(StoreError, match=f"{path}:2: a record is a JSON object, got list"):
+        RecordStore(tmp_path, 0, 5).keys()
+
+
 def test_store_cuts_a_torn_tail_and_refuses_a_key_written_twice(tmp_path):
     store = RecordStore(tmp_path, shard_index=0, records_per_file=2)
-    records = [{"id": f"r{i}", "prompt_id": f"p{i}", "temperature": 0.0, "sample_index": 0} for i in range(3)]
+    records = [record(i) for i in range(3)]
     store.append(records)
     store.close()
     files = record_files(tmp_path)

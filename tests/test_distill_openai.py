@@ -8,7 +8,6 @@ import logging
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -17,19 +16,20 @@ from pathlib import Path
 
 import pytest
 
-from distill.openai_backend import backoff_delay, parse_response, request_kwargs, retryable
+from distill.openai_backend import (
+    MalformedAnswer,
+    backoff_delay,
+    parse_response,
+    request_kwargs,
+    retry_after,
+    retryable,
+)
 from distill.plan import PromptItem, Request
 from distill.store import iter_records, record_key
 from pipelines.stage import StageFailed
-from tests.distill_setup import local_source, make_recipe, run_distill, translation_file
+from tests.distill_setup import free_port, local_source, make_recipe, run_distill, translation_file
 
 SECRET = "sk-polydraft-test-secret-0123456789"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -109,9 +109,12 @@ def test_transformers_serve_two_temperatures_two_samples(tmp_path, served_model,
     keys = [record_key(r) for r in records]
     assert len(keys) == len(set(keys)) == 2 * 2 * 2
     assert {(t, s) for _, t, s in keys} == {(0.7, 0), (0.7, 1), (1.0, 0), (1.0, 1)}
-    assert result.metrics["records_t0.7"] == 4 and result.metrics["records_t1"] == 4
+    assert (
+        result.metrics["records_per_temperature"]["0.7"] == 4
+        and result.metrics["records_per_temperature"]["1"] == 4
+    )
     # the server ignores `n`: the missing samples went as separate requests, with their own seeds
-    assert result.metrics["server_n_fallbacks"] >= 1
+    assert result.metrics["server"]["n_fallbacks"] >= 1
     for prompt_id in {k[0] for k in keys}:
         samples = [r for r in records if r["prompt_id"] == prompt_id and r["temperature"] == 1.0]
         assert samples[0]["seed"] != samples[1]["seed"]
@@ -225,8 +228,14 @@ def test_request_building_and_answer_parsing():
     assert (first.text, first.finish_reason, first.token_ids, first.prompt_tokens) == ("a", "stop", [4, 2], 7)
     assert second.response_tokens == 2
     del payload["choices"][0]["token_ids"]
-    with pytest.raises(ValueError, match="no token_ids"):
+    with pytest.raises(ValueError, match="no token_ids") as err:
         parse_response(payload, "completions", return_token_ids=True)
+    assert not retryable(err.value)  # the recipe asks what the server cannot give: no retry helps
+    # a 200 that is no usable answer is a server fault, retried
+    for broken in ({"choices": []}, {"id": "x"}, {"choices": [{"index": 0, "finish_reason": "stop"}]}):
+        with pytest.raises(MalformedAnswer) as err:
+            parse_response(broken, "completions", return_token_ids=False)
+        assert retryable(err.value)
 
 
 def test_retry_classification_and_backoff():
@@ -235,14 +244,26 @@ def test_retry_classification_and_backoff():
 
     request = httpx.Request("POST", "http://x/v1/completions")
 
+    def status_with(code: int, headers: dict[str, str]) -> openai.APIStatusError:
+        response = httpx.Response(code, request=request, headers=headers)
+        return openai.APIStatusError("e", response=response, body=None)
+
     def status(code: int) -> openai.APIStatusError:
-        return openai.APIStatusError("e", response=httpx.Response(code, request=request), body=None)
+        return status_with(code, {})
 
     assert retryable(openai.APIConnectionError(request=request))
     assert retryable(openai.APITimeoutError(request=request))
     assert all(retryable(status(c)) for c in (408, 429, 500, 503))
     assert not any(retryable(status(c)) for c in (400, 401, 404, 422))
-    assert not retryable(ValueError("unreadable answer"))
+    assert retryable(json.JSONDecodeError("Unterminated string", '{"choices": [{"text": "a', 22))
+    assert not retryable(ValueError("a wrong setting"))
+    limited = (
+        {"Retry-After": "2"},
+        {"retry-after-ms": "150"},
+        {"Retry-After": "Wed, 21 Oct 2026 07:28:00 GMT"},
+    )
+    waits = [retry_after(status_with(429, h)) for h in limited]
+    assert waits == [2.0, 0.15, 0.0] and retry_after(status(500)) == 0.0
     rng = random.Random(0)
     delays = [backoff_delay(a, 1.0, 8.0, rng) for a in range(6)]
     assert all(2**a / 2 <= d <= 2**a for a, d in enumerate(delays[:4]))

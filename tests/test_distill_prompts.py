@@ -67,7 +67,7 @@ def test_distill_block_checks():
     assert DistillConfig().temperatures == [0.0, 0.3, 0.7, 1.0]
     with pytest.raises(ValidationError, match="shard_index 2 must be below num_shards 2"):
         DistillConfig(shard_index=2, num_shards=2)
-    with pytest.raises(ValidationError, match="listed twice"):
+    with pytest.raises(ValidationError, match="0.0 appears twice"):
         DistillConfig(temperatures=[0.0, 0.0])
     with pytest.raises(ValidationError, match="set distill.prompt_format: chat_template"):
         DistillConfig.model_validate({"backend": "openai", "openai": {"endpoint": "chat"}})

@@ -15,7 +15,7 @@ from distill.store import iter_records
 from pipelines.recipe import RecipeError, load_recipe
 from pipelines.stage import PROJECT_ROOT
 from tests.distill_setup import make_recipe, run_distill, write_jsonl
-from train.data import encode_example, encode_rows
+from train.data import encode_rows, encode_texts
 from train.losses import IGNORE_INDEX
 
 DOCUMENTS = [
@@ -74,7 +74,7 @@ def test_open_text_rows_have_an_empty_prompt_and_train_on_every_token(tiny_token
     assert (row["id"], row["pair"], row["origin"]) == ("open0:d0", "chat", "open")
     assert row["prompt"] == "" and row["response"] == DOCUMENTS[0]
 
-    example = encode_example(tok, row["prompt"], row["response"], max_length=512)
+    example = encode_texts(tok, [(row["prompt"], row["response"])], 512)[0]
     text_ids = tok(DOCUMENTS[0], add_special_tokens=False)["input_ids"]
     assert example["input_ids"] == [tok.bos_token_id, *text_ids, tok.eos_token_id]
     # BOS is context only; every token of the document and the EOS carry loss

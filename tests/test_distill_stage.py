@@ -44,7 +44,10 @@ def test_hf_backend_end_to_end(tmp_path, tiny_target_dir):
     keys = keys_of(work)
     assert len(keys) == len(set(keys)) == 4 * 3  # greedy once + 2 samples at T=1
     assert result.metrics["records"] == 12
-    assert result.metrics["records_t0"] == 4 and result.metrics["records_t1"] == 8
+    assert (
+        result.metrics["records_per_temperature"]["0"] == 4
+        and result.metrics["records_per_temperature"]["1"] == 8
+    )
     assert result.metrics["failures"] == 0
     assert result.metrics["response_tokens"] > 0 and result.metrics["tokens_per_s"] > 0
     assert result.metrics["truncated_responses"] + result.metrics["empty_responses"] <= 12
@@ -69,7 +72,7 @@ def test_hf_backend_end_to_end(tmp_path, tiny_target_dir):
     # all samples of a prompt fall on one side of the split
     eval_prompts = {r["id"].split("|")[0] for r in evaluation}
     assert not eval_prompts & {r["id"].split("|")[0] for r in train}
-    assert result.metrics["mix_de-en_train"] == len(train)
+    assert result.metrics["mix"]["de-en"]["train"] == len(train)
 
 
 def test_rerun_skips_done_records_and_open_rows_join_the_mix(tmp_path, tiny_target_dir):

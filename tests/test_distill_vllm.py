@@ -1,17 +1,24 @@
-"""The vllm backend without vLLM: engine and sampling arguments, output parsing, the submission loop
-around a stand-in engine (only vLLM's own `LLM.generate` is not run here), and the install message."""
+"""The vllm backend: engine and sampling arguments, output parsing and the submission loop around a
+stand-in engine, the install message; and the real CPU build of vLLM on the demo target, killed with
+`kill -9` mid-run and rerun."""
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
 
 from distill.plan import PromptItem, Request, request_seed
+from distill.store import RecordStore, iter_records, record_files, record_key
 from distill.vllm_backend import INSTALL_HINT, engine_inputs, engine_kwargs, generate_vllm, parse_output
 from pipelines.stage import StageFailed
 from tests.distill_setup import local_source, make_recipe, run_distill, translation_file
+from tests.vllm_setup import PROJECT_ROOT, demo_target, engine_env, require_vllm, stop_group
 
 
 def _item(name: str, ids: list[int] | None) -> PromptItem:
@@ -32,6 +39,10 @@ def test_engine_arguments_follow_the_recipe():
         "max_model_len": 2048,
     }
     assert "max_model_len" not in engine_kwargs("m", None, "float16", True, 1, None, 0.9, 0)
+    cpu = engine_kwargs("m", None, "auto", False, 1, 512, 0.9, 0, cpu_kv_cache_gib=0.5)
+    assert cpu["dtype"] == "float32" and cpu["kv_cache_memory_bytes"] == 2**29
+    assert cpu["enable_chunked_prefill"] is False and cpu["enforce_eager"] is True
+    assert "gpu_memory_utilization" not in cpu
 
 
 def test_requests_carry_token_ids_and_one_sampling_setting_per_prompt():
@@ -108,3 +119,105 @@ def test_missing_vllm_is_a_clear_error(tmp_path, tiny_target_dir, monkeypatch):
     with pytest.raises(StageFailed) as err:
         run_distill(recipe, tiny_target_dir, tmp_path / "run" / "distill")
     assert str(err.value) == INSTALL_HINT and "pip install -e .[vllm]" in str(err.value)
+
+
+# ----------------------------------------------------------------------------- the real engine (CPU build)
+
+RECORD_FIELDS = {
+    "id", "prompt_id", "source", "pair", "messages", "reference", "prompt", "temperature", "sample_index",
+    "seed", "response", "finish_reason", "prompt_tokens", "response_tokens", "backend", "model",
+    "model_revision", "token_ids",
+}  # fmt: skip
+"""What the hf backend writes (`distill.store.RecordWriter`), token ids included."""
+
+
+def _stage_process(spec_path, multiprocessing: bool) -> subprocess.Popen:
+    code = "import sys; from tests.distill_setup import run_stage_from_json; run_stage_from_json(sys.argv[1])"
+    return subprocess.Popen(
+        [sys.executable, "-c", code, str(spec_path)],
+        env=engine_env(multiprocessing),
+        cwd=PROJECT_ROOT,
+        start_new_session=True,  # its own process group: the engine core and worker die with it
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def test_real_vllm_four_temperatures_kill_and_rerun_gives_every_record_once(tmp_path):
+    """The stage with the real engine in a subprocess (vLLM's engine core and worker in two more), the
+    whole process group killed with SIGKILL once some records are written, then rerun to completion."""
+    require_vllm()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from distill.prompts import encode_prompt
+
+    target = demo_target()
+    data = translation_file(tmp_path, 12)
+    recipe = make_recipe(
+        target,
+        [local_source(data)],
+        backend="vllm",
+        temperatures=[0.0, 0.3, 0.7, 1.0],
+        samples_per_prompt=2,
+        max_new_tokens=24,
+        batch_size=1,
+        vllm={"max_model_len": 512, "submit_size": 3, "cpu_kv_cache_gib": 0.25},
+    )
+    work = tmp_path / "run" / "distill"
+    spec = tmp_path / "spec.json"
+    spec.write_text(
+        json.dumps({"recipe": recipe.model_dump(mode="json"), "target": str(target), "work": str(work)})
+    )
+    expected = {(f"0:local:{data}/train/{i}", t, s) for i in range(12) for t, s in
+                [(0.0, 0), (0.3, 0), (0.3, 1), (0.7, 0), (0.7, 1), (1.0, 0), (1.0, 1)]}  # fmt: skip
+
+    process = _stage_process(spec, multiprocessing=True)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and process.poll() is None:
+            if sum(len(p.read_bytes().splitlines()) for p in record_files(work)) >= 6:
+                break
+            time.sleep(0.05)
+        assert process.poll() is None, "the stage ended before it could be killed"
+    finally:
+        stop_group(process, signal.SIGKILL)
+    assert process.returncode == -signal.SIGKILL
+    RecordStore(work, 0, 1).repair()  # a torn last line, if the kill hit a write
+    before = {record_key(r) for r in iter_records(work)}
+    assert 0 < len(before) < len(expected)
+
+    rerun = _stage_process(spec, multiprocessing=False)
+    try:
+        assert rerun.wait(timeout=300) == 0
+    finally:
+        stop_group(rerun)
+    records = list(iter_records(work))
+    keys = [record_key(r) for r in records]
+    assert len(keys) == len(set(keys)), "a record was written twice"
+    assert set(keys) == expected, "a record is missing"
+
+    # the records of the other backends, with vLLM's token ids
+    assert all(set(r) == RECORD_FIELDS for r in records)
+    assert all(r["backend"] == "vllm" and r["model"] == str(target) for r in records)
+    assert all(r["response_tokens"] == len(r["token_ids"]) <= 24 for r in records)
+    assert {r["finish_reason"] for r in records} <= {"stop", "length"}
+    by_key = {record_key(r): r for r in records}
+    for prompt_id in {k[0] for k in keys}:
+        first, second = by_key[(prompt_id, 1.0, 0)], by_key[(prompt_id, 1.0, 1)]
+        assert first["seed"] != second["seed"]
+    assert (
+        sum(
+            by_key[(p, 1.0, 0)]["token_ids"] != by_key[(p, 1.0, 1)]["token_ids"] for p in {k[0] for k in keys}
+        )
+        >= 6
+    )
+
+    # greedy answers are the target's own greedy tokens as transformers computes them
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target).eval()
+    for record in (r for r in records if r["temperature"] == 0.0):
+        ids = torch.tensor([encode_prompt(tokenizer, record["prompt"])])
+        assert record["prompt_tokens"] == ids.shape[1]
+        out = model.generate(ids, do_sample=False, max_new_tokens=24, pad_token_id=tokenizer.pad_token_id)
+        assert record["token_ids"] == out[0, ids.shape[1] :].tolist()

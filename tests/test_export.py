@@ -29,9 +29,10 @@ def results(run_dir: Path, name: str) -> dict:
     return json.loads((run_dir / "export" / name / "results.json").read_text(encoding="utf-8"))
 
 
-def card_tables(card: str) -> dict[str, dict[tuple[str, str], tuple[float, float]]]:
-    """Markdown tables after `### <title>` headings: (method, column) -> (mean, std) of `m ± s` cells."""
-    tables: dict[str, dict[tuple[str, str], tuple[float, float]]] = {}
+def card_tables(card: str) -> dict[str, dict[tuple[str, str], tuple[float, float | None]]]:
+    """Markdown tables after `### <title>` headings: (method, column) -> (mean, std) of `m ± s` cells,
+    (mean, None) of a single measurement's `m (n=1)`."""
+    tables: dict[str, dict[tuple[str, str], tuple[float, float | None]]] = {}
     for block in card.split("\n### ")[1:]:
         title, _, body = block.partition("\n")
         lines = [line for line in body.splitlines() if line.startswith("|")]
@@ -42,15 +43,15 @@ def card_tables(card: str) -> dict[str, dict[tuple[str, str], tuple[float, float
         for line in lines[2:]:
             values = [c.strip() for c in line.strip("|").split("|")]
             for column, value in zip(header[1:], values[1:]):
-                match = re.fullmatch(r"(-?[\d.]+) ± ([\d.]+)", value)
+                match = re.fullmatch(r"(-?[\d.]+)(?: ± ([\d.]+)| \(n=1\))", value)
                 if match:
-                    cells[(values[0], column)] = (float(match[1]), float(match[2]))
+                    cells[(values[0], column)] = (float(match[1]), float(match[2]) if match[2] else None)
         tables[title.strip()] = cells
     return tables
 
 
-def expected_cells(rows: list[dict], metric: str) -> dict[tuple[str, str], tuple[float, float]]:
-    """Mean and sample std over seeds, recomputed here from results.jsonl rows."""
+def expected_cells(rows: list[dict], metric: str) -> dict[tuple[str, str], tuple[float, float | None]]:
+    """Mean and sample std over seeds (None for one seed), recomputed here from results.jsonl rows."""
     groups: dict[tuple[str, str], list[float]] = {}
     for row in rows:
         groups.setdefault((row["method"], f"{row['dataset']} T={row['temperature']:g}"), []).append(
@@ -59,7 +60,7 @@ def expected_cells(rows: list[dict], metric: str) -> dict[tuple[str, str], tuple
     out = {}
     for key, values in groups.items():
         mean = sum(values) / len(values)
-        std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+        std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else None
         out[key] = (mean, std)
     return out
 
@@ -78,7 +79,7 @@ def test_export_writes_a_smoke_checked_folder_per_drafter_and_head(exported):
         metrics["exported"] == 4 and metrics["smoke_failed"] == [] and metrics["unmeasured"] == ["pretrain"]
     )
     manifest = json.loads((export_dir / "manifest.json").read_text(encoding="utf-8"))
-    assert manifest["metrics"]["de-en/smoke_passed"] is True
+    assert manifest["metrics"]["items"]["de-en"]["smoke_passed"] is True
     index = json.loads((export_dir / "export.json").read_text(encoding="utf-8"))
     assert {i["name"]: i["smoke_passed"] for i in index["items"]} == dict.fromkeys(
         ["de-en", "fr-en", "pretrain", "early_exit"], True
@@ -89,7 +90,7 @@ def test_export_writes_a_smoke_checked_folder_per_drafter_and_head(exported):
         assert {"README.md", "results.json"} <= files
         checks = {c["name"]: c["status"] for c in results(run_dir, name)["smoke"]["checks"]}
         assert checks["reload"] == checks["assisted_generation"] == checks["vllm_vocabulary"] == "pass"
-        assert checks["vllm_generation"] == "skipped"  # no vllm, no GPU here
+        assert checks["vllm_generation"] == "skipped"  # export.vllm_check is off in the tests
     drafter = export_dir / "de-en"  # its calibration model sits apart: vLLM loads every top-level safetensors
     assert [p.name for p in drafter.glob("*.safetensors")] == ["model.safetensors"]
     assert (drafter / "calibration" / "calibration.safetensors").is_file()
@@ -270,5 +271,40 @@ def test_export_reads_what_the_real_measure_stage_writes(tmp_path, tiny_tokenize
     table = card_tables(card)["Speedup over autoregressive decoding"]
     expected = expected_cells(mine, "speedup")
     assert {k: v for k, v in table.items()} == {
-        k: (round(m, 2), round(s, 2)) for k, (m, s) in expected.items()
+        k: (round(m, 2), None if s is None else round(s, 2)) for k, (m, s) in expected.items()
     }
+
+
+def test_a_card_shows_both_engines_and_where_they_differ(exported):
+    """vLLM rows of the drafter (engine `vllm`) appear beside polydraft's, each method naming its engine."""
+    from decoding.results import BatchRate
+    from pipelines.cards import render_card
+    from pipelines.export_info import measurements
+    from pipelines.export_records import ExportResults
+
+    run_dir, _, _ = exported
+    info = ExportResults.model_validate(results(run_dir, "de-en"))
+    # polydraft's sd K=4 accepts the first draft token 0.6 of the time on every seed, vLLM's 0.02
+    rows = [
+        r.model_copy(update={"acceptance_per_position": [0.6]}) if r.method == "sd[de-en] K=4" else r
+        for r in info.measurement.rows
+    ]
+    own = [r for r in rows if r.method == "sd[de-en] K=4"]
+    rate = BatchRate(batch_size=1, without_drafter=100.0, with_drafter=80.0, speedup=0.8)
+    vllm = [
+        r.model_copy(
+            update={"engine": "vllm", "engine_detail": "vLLM 0.32.0 cpu, greedy drafts", "batch_rates": [rate],
+                    "method": "sd[de-en] K=4 (vLLM)", "acceptance_per_position": [0.02], "speedup": 0.8}
+        )
+        for r in own
+        if r.seed == 0
+    ]  # fmt: skip
+    measured = measurements([*rows, *vllm], "de-en", "sd", None)
+    card = render_card(info.model_copy(update={"measurement": measured}), "org/de-en")
+    assert "| sd[de-en] K=4 (vLLM) | vLLM 0.32.0 cpu, greedy drafts | sd | fixed | 4 | - |" in card
+    assert "| sd[de-en] K=4 | polydraft | sd | fixed | 4 | - |" in card
+    assert "### vLLM beside polydraft's engine" in card and "bs 1: 100 -> 80 (x0.80)" in card
+    assert "first draft token accepted 0.02 of the time in vLLM" in card and "issue 55005" in card
+    # polydraft's best K and headline stay polydraft's own
+    assert measured.best_draft_length == info.measurement.best_draft_length
+    assert measured.headline == info.measurement.headline.model_copy(update={"engine": "polydraft"})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -94,60 +95,66 @@ def test_strict_export_stops_on_a_broken_drafter_and_a_rerun_resumes(
     result = run_stage("export", lenient, ctx, tiny_target_dir)
     assert (ctx.work_dir / "de-en" / "results.json").stat().st_mtime_ns == finished  # not redone
     assert not (ctx.work_dir / "fr-en.tmp").exists()
-    assert result.metrics["smoke_failed"] == ["fr-en"] and result.metrics["de-en/smoke_passed"] is True
+    assert (
+        result.metrics["smoke_failed"] == ["fr-en"]
+        and result.metrics["items"]["de-en"]["smoke_passed"] is True
+    )
     info = json.loads((ctx.work_dir / "fr-en" / "results.json").read_text(encoding="utf-8"))
     assert info["smoke"]["passed"] is False
     card = (ctx.work_dir / "fr-en" / "README.md").read_text(encoding="utf-8")
     assert "**FAILED** (do not use this export)" in card and "| vllm_vocabulary | fail |" in card
 
 
-FAKE_VLLM = """
-import json, os
-__version__ = "0.0.fake"
+@pytest.fixture(scope="module")
+def demo_drafters(tmp_path_factory):
+    """A 1-layer drafter with the demo target's tokenizer, and a copy whose config names an architecture
+    vLLM does not have. (vLLM loads a weights file that lacks a tensor without a word, and names no
+    tensor when one has the wrong shape: neither makes a drafter it refuses with a clear cause.)"""
+    from transformers import AutoTokenizer
 
-class SamplingParams:
-    def __init__(self, temperature, max_tokens):
-        self.temperature, self.max_tokens = temperature, max_tokens
+    from tests.vllm_setup import demo_target
 
-class _Completion:
-    def __init__(self, n):
-        self.token_ids = list(range(n))
-
-class _Output:
-    def __init__(self, n):
-        self.outputs = [_Completion(n)]
-
-class LLM:
-    def __init__(self, model, speculative_config, **kwargs):
-        with open(os.environ["FAKE_VLLM_LOG"], "w") as handle:
-            json.dump({"model": model, "speculative_config": speculative_config}, handle)
-
-    def generate(self, prompts, params):
-        return [_Output(params.max_tokens) for _ in prompts]
-"""
+    target = demo_target()
+    root = tmp_path_factory.mktemp("vllm_drafters")
+    # head size 32: vLLM's CPU attention has no kernel for TINY's head size 16 ("Unsupported CPU attention
+    # configuration: head_dim=16")
+    shape = {"hidden_size": 64, "num_layers": 1, "num_heads": 2, "intermediate_size": 128}
+    good = save_drafter(root / "good", AutoTokenizer.from_pretrained(target), seed=1, shape=shape)
+    broken = root / "broken"
+    shutil.copytree(good, broken)
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "architectures": ["PolydraftTestForCausalLM"]}))
+    return target, good, broken
 
 
-def test_vllm_generation_runs_in_a_subprocess_with_the_draft_model_config(tmp_path, monkeypatch):
+def test_real_vllm_runs_the_drafter_with_the_targets_greedy_output(demo_drafters):
+    """The real CPU build of vLLM: target alone, then with the exported drafter as draft model."""
     from pipelines.smoke import vllm_generation_check
+    from tests.vllm_setup import require_vllm
 
-    (tmp_path / "fake" / "vllm").mkdir(parents=True)
-    (tmp_path / "fake" / "vllm" / "__init__.py").write_text(FAKE_VLLM)
-    monkeypatch.syspath_prepend(str(tmp_path / "fake"))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
-    monkeypatch.setenv("FAKE_VLLM_LOG", str(tmp_path / "vllm.json"))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    target = {"path": "org/target", "revision": None, "trust_remote_code": False}
-    check = vllm_generation_check("auto", target, tmp_path / "drafter", 3, [[1, 2, 3], [1, 4]], 5)
-    assert check.status == "pass" and "vLLM 0.0.fake generated 10 tokens for 2 prompts" in check.detail
-    request = json.loads((tmp_path / "vllm.json").read_text())
-    assert request == {
-        "model": "org/target",
-        "speculative_config": {
-            "method": "draft_model",
-            "model": str(tmp_path / "drafter"),
-            "num_speculative_tokens": 3,
-        },
-    }
+    require_vllm()
+    target, good, _ = demo_drafters
+    spec = {"path": str(target), "revision": None, "trust_remote_code": False}
+    prompts = [[1, 319, 13, 612, 29], [1, 402, 77, 1500]]
+    check = vllm_generation_check("require", spec, good, 3, prompts, 12)
+    assert check.status == "pass", check.detail
+    assert (
+        "24 greedy tokens for 2 prompts" in check.detail and "identical to the target alone" in check.detail
+    )
+
+
+def test_real_vllm_names_why_a_drafter_does_not_load(demo_drafters):
+    from pipelines.smoke import vllm_generation_check
+    from tests.vllm_setup import require_vllm
+
+    require_vllm()
+    target, _, broken = demo_drafters
+    spec = {"path": str(target), "revision": None, "trust_remote_code": False}
+    check = vllm_generation_check("auto", spec, broken, 3, [[1, 319, 13]], 4)
+    assert check.status == "fail"
+    assert "the drafter does not load" in check.detail and "PolydraftTestForCausalLM" in check.detail, (
+        check.detail
+    )
 
 
 def test_vllm_generation_is_skipped_or_required(monkeypatch):

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from pipelines.cli import main
 from tests.wandb_log import wait_for_record
@@ -39,7 +40,7 @@ early_exit:
 calibrate: {{num_positions: 12, draft_length: 3, max_steps: 3, loop: {{max_length: 160, per_device_batch_size: 6}}}}
 measure: {{temperatures: [0.0], seeds: [0], num_prompts: 2, max_new_tokens: 6, controls: [fixed, cali_ts],
           include_pretrained: false}}
-export: {{smoke_prompts: 1, smoke_max_new_tokens: 6}}
+export: {{smoke_prompts: 1, smoke_max_new_tokens: 6, vllm_check: "off"}}
 tracking: {{mode: disabled}}
 """
 
@@ -85,6 +86,21 @@ def test_every_stage_produces_its_outputs(tiny_run, capsys):
     assert all(r["matches_ar"] for r in rows if r["decoder"] != "ar")  # lossless at temperature 0
     items = {i["name"]: i for i in json.loads((run_dir / "export" / "export.json").read_text())["items"]}
     assert items["de-en"]["smoke_passed"] and items["fr-en"]["smoke_passed"]
+
+
+def test_show_manifests_and_training_specs_print_the_same_complete_values(tiny_run, capsys):
+    recipe, run_dir = tiny_run
+    assert main(["show", str(recipe)]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown == yaml.safe_load((run_dir / "recipe.yaml").read_text())
+    for stage, block in (("pretrain", "pretrain"), ("finetune", "finetune"), ("early_exit", "early_exit")):
+        config = json.loads((run_dir / stage / "manifest.json").read_text())["config"]
+        spec = json.loads((run_dir / stage / "spec.json").read_text())
+        assert spec["inputs"] == config  # what the training processes ran with
+        assert config[block] == shown[block]  # every value resolved, none left for the stage to decide
+    finetune = shown["finetune"]
+    assert finetune["optim"]["lr"] == 3e-5 and finetune["loop"]["epochs"] == 3.0
+    assert finetune["temperatures"] == [0.0, 1.0]
 
 
 def test_rerun_skips_every_stage_and_prints_the_results_table(tiny_run, capsys):

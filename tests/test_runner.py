@@ -12,11 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.recipe import load_recipe
-from pipelines.runner import run_pipeline
-from pipelines.schema import ResolvedTarget
 from pipelines.stage import StageFailed
-from tests.fake_stages import TOPOLOGY, fake_stages
+from tests.fake_stages import TOPOLOGY, run
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = """
@@ -24,10 +21,11 @@ target:
   path: org/target
 data:
   pairs: [de-en]
+heads:
+  enabled: true
 tracking:
   mode: disabled
 """
-TARGET = ResolvedTarget(path="org/target", revision=None, dtype="auto", trust_remote_code=False)
 
 
 @pytest.fixture
@@ -43,11 +41,6 @@ def ran(log: Path) -> list[str]:
     lines = log.read_text().split() if log.exists() else []
     log.unlink(missing_ok=True)
     return lines
-
-
-def run(recipe_path, run_dir, *overrides, **kwargs):
-    recipe = load_recipe(recipe_path, list(overrides))
-    return run_pipeline(recipe, run_dir, fake_stages(), TARGET, command="test", **kwargs)
 
 
 def test_first_run_produces_exactly_the_expected_files(setup):
@@ -108,10 +101,11 @@ def test_config_change_reruns_that_stage_and_downstream_only(setup):
 
 
 DOWNSTREAM = {
-    "distill": ["distill", "finetune", "early_exit", "calibrate", "measure", "export"],
+    "distill": ["distill", "finetune", "early_exit", "heads", "calibrate", "measure", "export"],
     "pretrain": ["pretrain", "finetune", "calibrate", "measure", "export"],
     "finetune": ["finetune", "calibrate", "measure", "export"],
     "early_exit": ["early_exit", "calibrate", "measure", "export"],
+    "heads": ["heads", "measure", "export"],
     "calibrate": ["calibrate", "measure", "export"],
     "measure": ["measure", "export"],
     "export": ["export"],
@@ -127,12 +121,16 @@ DOWNSTREAM = {
         ("data.pretrain=[{kind: offline, format: text}]", DOWNSTREAM["pretrain"]),
         ("finetune.kd_weight=0.5", DOWNSTREAM["finetune"]),
         ("early_exit.kl_weight=0.5", DOWNSTREAM["early_exit"]),
+        ("heads.num_heads=3", DOWNSTREAM["heads"]),
         ("calibrate.num_positions=7", DOWNSTREAM["calibrate"]),
         ("measure.num_prompts=7", DOWNSTREAM["measure"]),
         ("data.eval=[{kind: offline, format: translation, pair: de-en, split: test}]", DOWNSTREAM["measure"]),
         ("distill.prompt_format=chat_template", DOWNSTREAM["distill"]),  # measure's prompts too
         ("export.license=mit", DOWNSTREAM["export"]),
-        ("launch.num_processes=2", ["pretrain", "finetune", "early_exit", "calibrate", "measure", "export"]),
+        (
+            "launch.num_processes=2",
+            ["pretrain", "finetune", "early_exit", "heads", "calibrate", "measure", "export"],
+        ),
         # values a stage does not read leave it alone (calibrate runs as one process whatever launch says)
         ("tracking.project=elsewhere", []),
         ("tracking.model_artifacts=true", []),
@@ -150,16 +148,15 @@ def test_a_stage_reruns_exactly_when_a_value_it_reads_changes(setup, override, e
 
 def test_calibrate_ignores_the_launch_config_it_overrides(setup):
     recipe_path, run_dir, log = setup
-    run(recipe_path, run_dir, "early_exit.enabled=false", "finetune.enabled=false", "pretrain.enabled=false")
-    ran(log)
-    run(
-        recipe_path,
-        run_dir,
+    off = (
         "early_exit.enabled=false",
+        "heads.enabled=false",
         "finetune.enabled=false",
         "pretrain.enabled=false",
-        "launch.accelerate_config=recipes/accelerate/ddp.yaml",
     )
+    run(recipe_path, run_dir, *off)
+    ran(log)
+    run(recipe_path, run_dir, *off, "launch.accelerate_config=recipes/accelerate/ddp.yaml")
     assert ran(log) == []
 
 
@@ -205,6 +202,7 @@ def test_failed_stage_leaves_no_complete_folder_and_rerun_resumes(setup, monkeyp
     assert ran(log) == [
         "finetune",
         "early_exit",
+        "heads",
         "calibrate",
         "measure",
         "export",
@@ -216,7 +214,7 @@ def test_failed_stage_leaves_no_complete_folder_and_rerun_resumes(setup, monkeyp
 def test_killed_stage_leaves_no_manifest_and_rerun_resumes_from_partial(setup):
     recipe_path, run_dir, log = setup
     script = (
-        "import sys; from pathlib import Path; from tests.test_runner import run; "
+        "import sys; from pathlib import Path; from tests.fake_stages import run; "
         "run(Path(sys.argv[1]), Path(sys.argv[2]))"
     )
     env = {**os.environ, "FAKE_STAGE_HANG": "early_exit", "PYTHONPATH": str(ROOT)}
@@ -236,7 +234,7 @@ def test_killed_stage_leaves_no_manifest_and_rerun_resumes_from_partial(setup):
     assert (run_dir / "distill" / "manifest.json").exists()  # completed before the kill, kept
     ran(log)
     outcomes = run(recipe_path, run_dir)
-    assert ran(log) == ["early_exit", "calibrate", "measure", "export"]
+    assert ran(log) == ["early_exit", "heads", "calibrate", "measure", "export"]
     assert [o.metrics["resumed"] for o in outcomes if o.name == "early_exit"] == [True]
 
 
@@ -249,3 +247,45 @@ def test_partial_left_by_another_config_is_discarded(setup, monkeypatch):
     monkeypatch.delenv("FAKE_STAGE_FAIL")
     outcomes = run(recipe_path, run_dir, "distill.seed=5")
     assert [o.metrics["resumed"] for o in outcomes if o.name == "distill"] == [False]
+
+
+def test_corrupt_or_lost_manifest_is_reported_not_silently_rerun(setup):
+    recipe_path, run_dir, log = setup
+    run(recipe_path, run_dir)
+    ran(log)
+    manifest = run_dir / "distill" / "manifest.json"
+    good = manifest.read_text()
+    manifest.write_text(good[: len(good) // 2])  # torn
+    with pytest.raises(StageFailed, match=f"{manifest}: corrupt manifest .*--only distill --force"):
+        run(recipe_path, run_dir)
+    manifest.unlink()
+    with pytest.raises(StageFailed, match="distill is complete but its manifest.json is missing"):
+        run(recipe_path, run_dir)
+    assert ran(log) == [] and (run_dir / "distill").is_dir()  # nothing redone over the outputs
+    run(recipe_path, run_dir, only="distill", force=True)
+    assert ran(log) == ["distill"] and json.loads(manifest.read_text())["key"]
+
+
+def test_a_failed_run_leaves_the_previous_recipe_yaml(setup, monkeypatch):
+    recipe_path, run_dir, log = setup
+    run(recipe_path, run_dir)
+    before = (run_dir / "recipe.yaml").read_text()
+    recipe_path.write_text(RECIPE + "distill:\n  max_new_tokens: 7\n")
+    monkeypatch.setenv("FAKE_STAGE_FAIL", "distill")
+    with pytest.raises(RuntimeError, match="distill failed on purpose"):
+        run(recipe_path, run_dir)
+    assert (run_dir / "recipe.yaml").read_text() == before
+    monkeypatch.delenv("FAKE_STAGE_FAIL")
+    run(recipe_path, run_dir)
+    assert "max_new_tokens: 7" in (run_dir / "recipe.yaml").read_text()
+
+
+def test_a_failed_forced_rerun_leaves_the_previous_folder_whole(setup, monkeypatch):
+    recipe_path, run_dir, log = setup
+    run(recipe_path, run_dir)
+    before = {p.relative_to(run_dir): p.read_bytes() for p in (run_dir / "export").rglob("*") if p.is_file()}
+    monkeypatch.setenv("FAKE_STAGE_FAIL", "export")
+    with pytest.raises(RuntimeError, match="export failed on purpose"):
+        run(recipe_path, run_dir, only="export", force=True)
+    after = {p.relative_to(run_dir): p.read_bytes() for p in (run_dir / "export").rglob("*") if p.is_file()}
+    assert after == before

@@ -117,9 +117,9 @@ def test_rerun_of_a_finished_finetune_trains_nothing_again(pf_run, tiny_target_d
 
 def test_kd_adds_the_weighted_kl_to_the_targets_top_k(tiny_target, tiny_tokenizer):
     from models.drafters import build_drafter
-    from train.data import collate, encode_example
+    from train.data import collate, encode_texts
 
-    example = encode_example(tiny_tokenizer, "USER: Hallo ASSISTANT:", " Hello there", 64)
+    example = encode_texts(tiny_tokenizer, [("USER: Hallo ASSISTANT:", " Hello there")], 64)[0]
     batch = collate([example], tiny_tokenizer.pad_token_id)
     drafter = build_drafter(
         "custom", len(tiny_tokenizer), bos_token_id=1, eos_token_id=2, pad_token_id=3,

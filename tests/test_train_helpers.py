@@ -7,10 +7,17 @@ import math
 import pytest
 import torch
 
-from train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
-from train.data import collate, encode_example, encode_texts, epoch_order, micro_batch_indices
+from train.checkpoint import (
+    STATE_FILE,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    resume_checkpoint,
+    save_checkpoint,
+)
+from train.data import collate, encode_texts, epoch_order, micro_batch_indices
 from train.losses import IGNORE_INDEX, ce_sum, scale_for_step, top1_matches, topk_kl_sum
-from train.packing import PackedStream, PackPosition, pack_documents
+from train.packing import PackedStream, PackPosition
 from train.runtime import NonFiniteLoss, check_finite
 from train.schedule import build_scheduler, lr_multiplier, warmup_steps_for
 
@@ -28,12 +35,13 @@ def _docs(count: int, seed: int = 0) -> list[list[int]]:
 
 def test_packing_loses_and_duplicates_no_token():
     docs = _docs(50)
-    sequences = list(pack_documents(docs, seq_len=16, eos_id=2))
-    assert all(len(s) == 16 for s in sequences[:-1]) and 0 < len(sequences[-1]) <= 16
-    flat = [t for s in sequences for t in s]
     expected = [t for d in docs for t in [*d, 2]]
-    assert flat == expected
-    assert flat.count(2) == len(docs)
+    stream = PackedStream(lambda epoch, start: iter(docs[start:] if epoch == 0 else []), seq_len=16, eos_id=2)
+    sequences = stream.take(len(expected) // 16)
+    assert all(len(s) == 16 for s in sequences)
+    flat = [t for s in sequences for t in s]
+    assert flat == expected[: len(flat)] and len(expected) - len(flat) < 16
+    assert flat.count(2) == sum(1 for t in expected[: len(flat)] if t == 2)
 
 
 def test_packed_stream_resumes_at_the_same_sequence_across_epochs():
@@ -63,7 +71,7 @@ def test_packed_stream_of_an_empty_corpus_is_an_error():
 def test_only_response_tokens_carry_loss(tiny_tokenizer):
     prompt = "A chat. USER: Translate German to English: Guten Morgen ASSISTANT:"
     response = " Good morning, my friend"
-    example = encode_example(tiny_tokenizer, prompt, response, max_length=512)
+    example = encode_texts(tiny_tokenizer, [(prompt, response)], 512)[0]
     ids, labels = example["input_ids"], example["labels"]
     assert ids[0] == tiny_tokenizer.bos_token_id and ids[-1] == tiny_tokenizer.eos_token_id
     supervised = [i for i, label in enumerate(labels) if label != IGNORE_INDEX]
@@ -77,14 +85,14 @@ def test_only_response_tokens_carry_loss(tiny_tokenizer):
 def test_batched_encoding_equals_one_by_one_and_never_doubles_bos(tiny_tokenizer):
     pairs = [("USER: Hallo ASSISTANT:", " Hello"), ("<s>USER: Merci ASSISTANT:", " Thanks"), ("x" * 80, " y")]
     batched = encode_texts(tiny_tokenizer, pairs, max_length=64, chunk=2)
-    assert batched == [encode_example(tiny_tokenizer, p, r, 64) for p, r in pairs]
+    assert batched == [encode_texts(tiny_tokenizer, [(p, r)], 64)[0] for p, r in pairs]
     with_bos = batched[1]["input_ids"]
     assert with_bos[0] == tiny_tokenizer.bos_token_id and with_bos[1] != tiny_tokenizer.bos_token_id
 
 
 def test_truncation_that_leaves_no_response_drops_the_row(tiny_tokenizer):
-    assert encode_example(tiny_tokenizer, "word " * 50, " answer", max_length=8) is None
-    kept = encode_example(tiny_tokenizer, "short", " a long answer " * 20, max_length=16)
+    assert encode_texts(tiny_tokenizer, [("word " * 50, " answer")], 8)[0] is None
+    kept = encode_texts(tiny_tokenizer, [("short", " a long answer " * 20)], 16)[0]
     assert len(kept["input_ids"]) == 16
 
 
@@ -205,3 +213,31 @@ def test_checkpoints_restore_model_optimizer_scheduler_rng_and_keep_the_last_k(t
     assert scheduler.last_epoch == 3
     step()  # same RNG draws, same optimizer moments, same lr: the same update as before
     assert torch.allclose(model.weight, after_one_more)
+
+
+def test_resume_names_a_truncated_latest_checkpoint_and_falls_back_to_the_previous(
+    tmp_path, accelerator, caplog
+):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    root = tmp_path / "checkpoints"
+    weights = []
+    for n in (1, 2):
+        model(torch.randn(2, 4)).pow(2).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        weights.append(model.weight.detach().clone())
+        save_checkpoint(accelerator, root, n, {"position": n}, keep=2)
+    latest = root / "step-00000002" / "model.safetensors"
+    latest.write_bytes(latest.read_bytes()[:-10])  # a disk that filled up while saving
+    with caplog.at_level("WARNING", logger="train.checkpoint"):
+        checkpoint, state = resume_checkpoint(accelerator, root)
+    assert checkpoint.name == "step-00000001" and state == {"step": 1, "position": 1}
+    assert torch.equal(model.weight, weights[0])
+    assert f"step-00000002 is damaged ({latest}: truncated" in caplog.text
+    (root / "step-00000001" / STATE_FILE).write_text("{")
+    with pytest.raises(ValueError, match=f"no checkpoint under {root} can be loaded"):
+        resume_checkpoint(accelerator, root)
+    assert resume_checkpoint(accelerator, tmp_path / "none") is None

@@ -1,86 +1,71 @@
-"""A real launched run killed mid-way resumes with the same losses; a NaN loss stops the run cleanly."""
+"""Drafter training (pretrain, finetune) killed with SIGKILL mid-run and rerun resumes: the same later
+losses and the same final weights, bit for bit, as a run never interrupted, and the steps before the
+checkpoint are not trained again (tests/resume_check.py); a NaN loss stops the run cleanly."""
 
 from __future__ import annotations
 
-import os
-import pickle
-import signal
-import subprocess
-import sys
-import time
-
 import pytest
 
-from pipelines.stage import PROJECT_ROOT, StageFailed
-from tests.drafter_setup import context, run_stage, tiny_recipe
+from pipelines.stage import StageFailed
+from tests.drafter_setup import context, run_stage, tiny_recipe, write_tiny_mix
+from tests.resume_check import assert_resumed, assert_same_weights, killed_then_resumed
 from train.checkpoint import list_checkpoints, read_state
-from train.steplog import read_log
 
-STEPS = 300
-
-
-def _start_in_background(recipe, ctx, target_dir) -> subprocess.Popen:
-    """The pretrain stage in a process of its own session, so that the launcher and its worker die together."""
-    code = (
-        "import pickle, sys; from tests.drafter_setup import run_stage; "
-        "run_stage('pretrain', *pickle.load(sys.stdin.buffer))"
-    )
-    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
-    process = subprocess.Popen(
-        [sys.executable, "-c", code],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-        env=env,
-    )
-    process.stdin.write(pickle.dumps((recipe, ctx, target_dir)))
-    process.stdin.close()
-    return process
+STEPS = 60
 
 
-def test_killed_pretraining_resumes_with_the_same_losses(tmp_path, tiny_target_dir):
+def test_killed_pretraining_resumes_like_an_uninterrupted_run(tmp_path, tiny_target_dir):
     recipe = tiny_recipe(
         tiny_target_dir, pretrain={"loop": {"max_steps": STEPS, "checkpoint_every": 10, "log_every": 50}}
     )
-    ctx = context(tmp_path, "pretrain")
-    ctx.quiet = False  # keep the worker's log lines (the resume message) in pretrain.log
-    log_path = ctx.work_dir / "model.train_log.jsonl"
-    checkpoints = ctx.work_dir / "model.checkpoints"
-
-    process = _start_in_background(recipe, ctx, tiny_target_dir)
-    deadline = time.monotonic() + 240
-    try:
-        while time.monotonic() < deadline and process.poll() is None:
-            saved = list_checkpoints(checkpoints)
-            if saved and len(read_log(log_path)) >= read_state(saved[-1])["step"] + 3:
-                break
-            time.sleep(0.05)
-    finally:
-        os.killpg(process.pid, signal.SIGKILL)  # the launcher and the training worker, mid-step
-        process.wait()
-    killed_log = read_log(log_path)
-    resumed_from = read_state(list_checkpoints(checkpoints)[-1])["step"]
-    assert not (ctx.work_dir / "model").exists(), "the run finished before it could be killed"
-    assert resumed_from < len(killed_log) < STEPS
-
-    result = run_stage("pretrain", recipe, ctx, tiny_target_dir)
-
-    assert (
-        f"resuming from {checkpoints / f'step-{resumed_from:08d}'}"
-        in (ctx.work_dir / "pretrain.log").read_text()
+    whole = context(tmp_path / "whole", "pretrain")
+    assert run_stage("pretrain", recipe, whole, tiny_target_dir).metrics["drafter"]["steps"] == STEPS
+    ctx = context(tmp_path / "killed", "pretrain")
+    work = ctx.work_dir
+    step, checkpoint = killed_then_resumed(
+        "pretrain",
+        recipe,
+        ctx,
+        tiny_target_dir,
+        work / "model.checkpoints",
+        work / "model.train_log.jsonl",
+        work / "model",
     )
-    final_log = read_log(log_path)
-    assert [e["step"] for e in final_log] == list(range(1, STEPS + 1))
-    redone = [e for e in killed_log if e["step"] > resumed_from]
-    assert redone
-    for before, after in zip(killed_log, final_log, strict=False):
-        assert after["step"] == before["step"]
-        assert after["loss"] == pytest.approx(before["loss"], rel=1e-6, abs=1e-7)
-        assert after["lr"] == pytest.approx(before["lr"], rel=1e-9)
-        assert after["grad_norm"] == pytest.approx(before["grad_norm"], rel=1e-5, abs=1e-7)
-        assert after["tokens"] == before["tokens"]
-    assert result.metrics["drafter"]["steps"] == STEPS
+    assert 0 < step < STEPS
+    log = "model.train_log.jsonl"
+    assert_resumed(ctx.work_dir / log, ctx.work_dir / "pretrain.log", checkpoint, step, whole.work_dir / log)
+    assert_same_weights(
+        ctx.work_dir / "model" / "model.safetensors", whole.work_dir / "model" / "model.safetensors"
+    )
+
+
+def test_killed_finetuning_resumes_like_an_uninterrupted_run(tmp_path, tiny_target_dir):
+    """Killed while training its first pair: that pair resumes, the second trains after it."""
+    distill = write_tiny_mix(tmp_path / "distill", ["de-en", "fr-en"], train_rows=24, eval_rows=4)
+    recipe = tiny_recipe(
+        tiny_target_dir,
+        pretrain={"enabled": False},
+        finetune={"loop": {"max_steps": 20, "checkpoint_every": 5, "per_device_batch_size": 2}},
+    )
+    whole = context(tmp_path / "whole", "finetune", {"distill": distill})
+    run_stage("finetune", recipe, whole, tiny_target_dir)
+    ctx = context(tmp_path / "killed", "finetune", {"distill": distill})
+    work = ctx.work_dir
+    step, checkpoint = killed_then_resumed(
+        "finetune",
+        recipe,
+        ctx,
+        tiny_target_dir,
+        work / "de-en.checkpoints",
+        work / "de-en.train_log.jsonl",
+        work / "de-en",
+    )
+    assert 0 < step < 20
+    log = "de-en.train_log.jsonl"
+    assert_resumed(ctx.work_dir / log, ctx.work_dir / "finetune.log", checkpoint, step, whole.work_dir / log)
+    for pair in ("de-en", "fr-en"):
+        weights = f"{pair}/model.safetensors"
+        assert_same_weights(ctx.work_dir / weights, whole.work_dir / weights)
 
 
 def test_a_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path, tiny_target_dir):

@@ -3,6 +3,11 @@
 For offline demos and tests only. The model answers `Translate X to English: ...` prompts in the
 Vicuna v1.1 format (seed 003 F.2), like the real targets of the recipes, so every stage downstream runs
 exactly as it would on a real target. Builds are cached by the hash of their settings.
+
+A build saves its state (tokenizer, model, optimizer, schedule, data order, losses) every
+`checkpoint_every` steps into `.<key>.partial/` beside the cache folder; a build that was stopped
+(killed, or run under `timeout` in slices on a shared machine) continues from there with the same data
+order, so slices add up to the same model as one uninterrupted build.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from models.tiny import build_llama, train_tokenizer
 log = logging.getLogger(__name__)
 
 DONE = "bootstrap.json"
+STATE = "state.pt"
 
 
 def conversations(
@@ -92,20 +98,29 @@ def build_bootstrap_target(
     samples_per_pair: int,
     kind_weights: dict[str, float],
     show_progress: bool = True,
+    checkpoint_every: int = 25,
 ) -> dict[str, Any]:
     """Train a tokenizer and a small Llama on the offline corpus and save them as a Hugging Face folder.
 
-    Written into a temporary sibling folder and renamed at the end, so `out_dir` is complete or absent.
+    Written into a temporary sibling folder and renamed at the end, so `out_dir` is complete or absent;
+    resumed from `.<name>.partial/` when an earlier build of the same folder was stopped.
     """
     from tqdm.auto import tqdm
+    from transformers import AutoTokenizer
 
     started = time.perf_counter()
     torch.manual_seed(seed)
     rng = random.Random(seed)
+    partial = out_dir.with_name(f".{out_dir.name}.partial")
     langs = [pair.split("-")[0] for pair in pairs]
     examples = conversations(pairs, samples_per_pair, entries_per_sample, test_fraction, seed, kind_weights)
-    tokenizer_texts = [row["text"] for row in offline_texts(langs, 2000, seed)] + [p + a for p, a in examples]
-    tokenizer = train_tokenizer(tokenizer_texts, vocab_size, VICUNA_CHAT_TEMPLATE)
+    if (partial / STATE).is_file():
+        tokenizer = AutoTokenizer.from_pretrained(partial)
+    else:
+        texts = [row["text"] for row in offline_texts(langs, 2000, seed)] + [p + a for p, a in examples]
+        tokenizer = train_tokenizer(texts, vocab_size, VICUNA_CHAT_TEMPLATE)
+        partial.mkdir(parents=True, exist_ok=True)
+        tokenizer.save_pretrained(partial)
     encoded = _encode(tokenizer, examples, seq_len)
     model = build_llama(
         vocab_size=len(tokenizer),
@@ -130,7 +145,17 @@ def build_bootstrap_target(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
     order: list[int] = []
     losses: list[float] = []
-    bar = tqdm(range(steps), desc="bootstrap target", disable=not show_progress, dynamic_ncols=True)
+    first, spent, slices = 0, 0.0, 0
+    if (partial / STATE).is_file():
+        state = torch.load(partial / STATE, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        rng.setstate(state["rng"])
+        order, losses, first = state["order"], state["losses"], state["step"]
+        spent, slices = state["seconds"], state["slices"]
+        log.info("bootstrap target: resuming at step %d of %d from %s", first, steps, partial)
+    bar = tqdm(range(first, steps), desc="bootstrap target", disable=not show_progress, dynamic_ncols=True)
     for step in bar:
         if len(order) < batch_size:
             order += rng.sample(range(len(encoded)), len(encoded))
@@ -145,6 +170,20 @@ def build_bootstrap_target(
         losses.append(loss.item())
         if step % 10 == 0:
             bar.set_postfix(loss=f"{sum(losses[-10:]) / len(losses[-10:]):.3f}")
+        if (step + 1) % checkpoint_every == 0 and step + 1 < steps:
+            state = {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "rng": rng.getstate(),
+                "order": order,
+                "losses": losses,
+                "step": step + 1,
+                "seconds": spent + time.perf_counter() - started,
+                "slices": slices + 1,
+            }
+            torch.save(state, partial / f"{STATE}.tmp")
+            (partial / f"{STATE}.tmp").replace(partial / STATE)
 
     model.eval()
     model.generation_config = GenerationConfig(
@@ -164,13 +203,15 @@ def build_bootstrap_target(
         "examples": len(encoded),
         "steps": steps,
         "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
-        "seconds": round(time.perf_counter() - started, 1),
+        "seconds": round(spent + time.perf_counter() - started, 1),
+        "slices": slices + 1,
     }
     (tmp / DONE).write_text(json.dumps(stats, indent=2) + "\n")
     try:
         tmp.rename(out_dir)
     except OSError:  # another process finished the same build first: keep theirs
         shutil.rmtree(tmp)
+    shutil.rmtree(partial, ignore_errors=True)
     log.info(
         "bootstrap target ready in %s (loss %.3f after %d steps, %.0f s)",
         out_dir,

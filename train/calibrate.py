@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from models.calibration import acceptance_labels
-from train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from train.checkpoint import resume_checkpoint, save_checkpoint
 from train.data import epoch_order, micro_batch_indices
 from train.losses import IGNORE_INDEX, scale_for_step
 from train.runtime import check_finite, configure_deepspeed
@@ -201,9 +201,10 @@ def fit(
     model, optimizer = accelerator.prepare(model, optimizer)
     folder.mkdir(parents=True, exist_ok=True)
     checkpoints, log_path = folder / "checkpoints", folder / "train_log.jsonl"
-    step, last_checkpoint = 0, latest_checkpoint(checkpoints)
-    if last_checkpoint is not None:
-        step = load_checkpoint(accelerator, last_checkpoint, {"scheduler": scheduler})["step"]
+    step, resumed = 0, resume_checkpoint(accelerator, checkpoints, {"scheduler": scheduler})
+    last_checkpoint = resumed[0] if resumed else None
+    if resumed is not None:
+        step = resumed[1]["step"]
         log.info("calibrate %s: resuming from %s (step %d of %d)", name, last_checkpoint, step, total_steps)
     if accelerator.is_main_process:
         truncate_log(log_path, step)

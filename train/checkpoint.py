@@ -15,6 +15,7 @@ and replaced, so `latest_checkpoint` always returns a complete checkpoint. Only 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -23,12 +24,12 @@ from typing import Any
 
 import torch
 
+from models.folders import safetensors_problem
+
+log = logging.getLogger(__name__)
+
 STATE_FILE = "state.json"
 _NAME = re.compile(r"^step-(\d+)$")
-
-
-def checkpoints_root(work_dir: Path) -> Path:
-    return Path(work_dir) / "checkpoints"
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -95,6 +96,44 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def checkpoint_problem(checkpoint: Path) -> str | None:
+    """Why a complete-looking checkpoint cannot be loaded (a torn state.json, a truncated weights file
+    left by a disk that filled up or a copy cut short), or None."""
+    try:
+        read_state(checkpoint)
+    except (OSError, ValueError) as err:
+        return f"{checkpoint / STATE_FILE}: unreadable ({err})"
+    for file in sorted(checkpoint.rglob("*.safetensors")):
+        problem = safetensors_problem(file)
+        if problem:
+            return problem
+    return None
+
+
+def resume_checkpoint(
+    accelerator: Any, root: Path, stateful: dict[str, Any] | None = None
+) -> tuple[Path, dict[str, Any]] | None:
+    """Load the newest checkpoint under `root` that loads; one that does not is named in a warning and
+    the previous one is tried. Returns (checkpoint, state), or None when there is none. Raises ValueError
+    when checkpoints exist but none loads."""
+    checkpoints = list_checkpoints(root)
+    for checkpoint in reversed(checkpoints):
+        problem = checkpoint_problem(checkpoint)
+        if problem is None:
+            try:
+                return checkpoint, load_checkpoint(accelerator, checkpoint, stateful)
+            except Exception as err:  # a truncated optimizer or RNG file fails inside torch.load
+                problem = f"{checkpoint}: cannot be loaded ({type(err).__name__}: {err})"
+        log.warning(
+            "checkpoint %s is damaged (%s); falling back to the previous one", checkpoint.name, problem
+        )
+    if checkpoints:
+        raise ValueError(
+            f"no checkpoint under {root} can be loaded (see the warnings); delete {root} to start over"
+        )
+    return None
 
 
 def load_checkpoint(

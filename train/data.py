@@ -61,13 +61,6 @@ def encode_texts(
     return out
 
 
-def encode_example(
-    tokenizer: Any, prompt: str, response: str, max_length: int
-) -> dict[str, list[int]] | None:
-    """One prompt and response, as `encode_texts` encodes them."""
-    return encode_texts(tokenizer, [(prompt, response)], max_length)[0]
-
-
 def encode_rows(
     tokenizer: Any, rows: Sequence[dict[str, Any]], max_length: int
 ) -> tuple[list[dict[str, list[int]]], int]:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from models.drafters import build_drafter, export_drafter, load_drafter
-from train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from train.checkpoint import resume_checkpoint, save_checkpoint
 from train.data import MixBatches, PackedBatches, tokenized_documents
 from train.evaluation import eval_log, evaluate
 from train.losses import ce_sum, topk_kl_sum
@@ -150,9 +150,10 @@ def train_drafter(
     checkpoints = job_dir.with_name(job_dir.name + ".checkpoints")
     log_path = job_dir.with_name(job_dir.name + ".train_log.jsonl")
     step, tokens_seen = 0, 0
-    last_checkpoint = latest_checkpoint(checkpoints)
-    if last_checkpoint is not None:
-        state = load_checkpoint(accelerator, last_checkpoint, {"scheduler": scheduler})
+    resumed = resume_checkpoint(accelerator, checkpoints, {"scheduler": scheduler})
+    last_checkpoint = resumed[0] if resumed else None
+    if resumed is not None:
+        state = resumed[1]
         step, tokens_seen = state["step"], state["tokens"]
         data.restore(state["data"])
         log.info("[%s] resuming from %s (step %d of %d)", name, last_checkpoint, step, loop.total_steps)

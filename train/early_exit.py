@@ -27,7 +27,7 @@ import torch
 
 from models.early_exit import EarlyExitDrafter, attention_masks, run_layers
 from models.partial_load import decoder_parts
-from train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from train.checkpoint import resume_checkpoint, save_checkpoint
 from train.data import MixBatches, collate, encode_rows
 from train.losses import IGNORE_INDEX, ce_sum, topk_kl_sum
 from train.results import HeadEval
@@ -216,10 +216,11 @@ def fit(
 
     device, main_process = accelerator.device, accelerator.is_main_process
     checkpoints, log_path = work_dir / "checkpoints", work_dir / LOG_FILE
-    step, last_checkpoint = 0, latest_checkpoint(checkpoints)
+    step, resumed = 0, resume_checkpoint(accelerator, checkpoints, {"scheduler": scheduler})
+    last_checkpoint = resumed[0] if resumed else None
     initial: HeadEval | None = None
-    if last_checkpoint is not None:
-        state = load_checkpoint(accelerator, last_checkpoint, {"scheduler": scheduler})
+    if resumed is not None:
+        state = resumed[1]
         step = state["step"]
         initial = HeadEval.model_validate(state["initial_eval"]) if state["initial_eval"] else None
         log.info("early_exit: resuming from %s (step %d of %d)", last_checkpoint, step, total_steps)

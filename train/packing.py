@@ -7,25 +7,10 @@ the next one. Every token of every document appears exactly once, in order.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 _END = object()
-
-
-def pack_documents(documents: Iterable[Sequence[int]], seq_len: int, eos_id: int) -> Iterator[list[int]]:
-    """Sequences of `seq_len` tokens cut from `doc + [eos]` for every doc; the last, shorter one too."""
-    if seq_len < 1:
-        raise ValueError(f"seq_len must be positive, got {seq_len}")
-    buffer: list[int] = []
-    for doc in documents:
-        buffer.extend(doc)
-        buffer.append(eos_id)
-        while len(buffer) >= seq_len:
-            yield buffer[:seq_len]
-            buffer = buffer[seq_len:]
-    if buffer:
-        yield buffer
 
 
 @dataclass

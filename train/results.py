@@ -68,6 +68,36 @@ class EarlyExitMetrics(Launched):
     """GPU only."""
 
 
+class HeadScore(Metrics):
+    """One proposal head on held-out rows (head i predicts the token i + 2 positions ahead)."""
+
+    loss: float
+    top1: float
+    """Agreement of the head's argmax with the data's token."""
+    top1_target: float
+    """Agreement with the target's own greedy token at that position, given the true prefix."""
+
+
+class HeadsEval(Metrics):
+    """Blockwise proposal heads on held-out rows."""
+
+    eval_loss: float
+    """The mean of the heads' losses."""
+    heads: list[HeadScore]
+    target_top1: float
+    """The target's own next-token agreement with the data, for scale."""
+
+
+class HeadsMetrics(Launched):
+    steps: int
+    train_loss: float | None
+    initial: HeadsEval | None
+    """The heads as initialised (identity blocks on the target's lm head): the baseline training must beat."""
+    final: HeadsEval | None
+    peak_memory_gib: float | None = None
+    """GPU only."""
+
+
 class CalibrationScores(Metrics):
     """A calibration model's predictions of draft acceptance against the labels, and the base rate's."""
 

@@ -7,6 +7,7 @@ from pydantic import Field, model_validator
 from pipelines.schema.common import (
     BootstrapConfig,
     DataConfig,
+    FieldError,
     LaunchConfig,
     ResolvedTarget,
     SourceConfig,
@@ -21,6 +22,7 @@ from pipelines.schema.train import (
     DrafterConfig,
     EarlyExitConfig,
     FinetuneConfig,
+    HeadsConfig,
     LoopConfig,
     OptimConfig,
     PretrainConfig,
@@ -36,6 +38,7 @@ class Recipe(StrictModel):
     pretrain: PretrainConfig = Field(default_factory=PretrainConfig)
     finetune: FinetuneConfig = Field(default_factory=FinetuneConfig)
     early_exit: EarlyExitConfig = Field(default_factory=EarlyExitConfig)
+    heads: HeadsConfig = Field(default_factory=HeadsConfig)
     calibrate: CalibrateConfig = Field(default_factory=CalibrateConfig)
     measure: MeasureConfig = Field(default_factory=MeasureConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
@@ -48,10 +51,23 @@ class Recipe(StrictModel):
         loaded recipe (and in `polydraft show`, the manifests and the wandb config)."""
         finetune = self.finetune
         if self.pretrain.enabled and finetune.drafter != DrafterConfig():
-            raise ValueError(
+            raise FieldError(
                 "finetune.drafter is only used without pretraining; with pretrain.enabled the finetune "
-                "starts from the pretrained drafter (set pretrain.drafter instead, or pretrain.enabled: false)"
+                "starts from the pretrained drafter (set pretrain.drafter instead, or pretrain.enabled: false)",
+                "finetune.drafter",
+                "pretrain.enabled",
             )
+        distilled = self.distill.temperatures
+        for block in ("finetune", "early_exit"):
+            chosen = getattr(self, block)
+            never = [t for t in chosen.temperatures or () if t not in distilled]
+            if chosen.enabled and never:
+                raise FieldError(
+                    f"{block}.temperatures {never} were never distilled, so no distilled row would be "
+                    f"kept: choose among distill.temperatures {distilled}, or add them there",
+                    f"{block}.temperatures",
+                    "distill.temperatures",
+                )
         # seed 003 App. F.3: lr 2e-5 for vicuna-68m, 3e-5 otherwise; 3 epochs after P, 5 without (F)
         arch = self.pretrain.drafter.arch if self.pretrain.enabled else finetune.drafter.arch
         optim, loop = finetune.optim, finetune.loop
@@ -66,28 +82,43 @@ class Recipe(StrictModel):
         early_exit = self.early_exit.model_copy(
             update={"temperatures": self.early_exit.temperatures or temperatures}
         )
+        heads = self.heads.model_copy(update={"temperatures": self.heads.temperatures or temperatures})
         # set on the frozen model once, while it is being validated (a validator must return `self`)
         object.__setattr__(self, "finetune", finetune)
         object.__setattr__(self, "early_exit", early_exit)
+        object.__setattr__(self, "heads", heads)
         return self
 
     @model_validator(mode="after")
     def _blocks_agree(self) -> Recipe:
         if self.finetune.enabled and not self.data.pairs:
-            raise ValueError(
+            raise FieldError(
                 "data.pairs is empty, but finetune trains one drafter per language pair: "
-                "list the pairs or set finetune.enabled: false"
+                "list the pairs or set finetune.enabled: false",
+                "data.pairs",
+                "finetune.enabled",
             )
+        for block in ("distill", "open", "eval"):
+            for index, source in enumerate(getattr(self.data, block)):
+                if source.pair is not None and source.pair not in self.data.pairs:
+                    raise FieldError(
+                        f"data.{block}[{index}] ({source.path or source.kind}) serves pair {source.pair}, "
+                        f"which is not in data.pairs {self.data.pairs}: add it there or drop the source",
+                        f"data.{block}.{index}.pair",
+                        "data.pairs",
+                    )
         # a raw prompt is the text itself: a translation would lose its task prefix and a conversation
         # its turns, so such sources need a chat format
         for block in ("distill", "open", "eval") if self.distill.prompt_format == "raw" else ():
             for index, source in enumerate(getattr(self.data, block)):
                 if source.format in ("translation", "chat"):
-                    raise ValueError(
+                    raise FieldError(
                         f"distill.prompt_format `raw` sends a text as it is, for `text` and `prompts` "
                         f"sources only, but data.{block}[{index}] ({source.path or source.kind}) is a "
                         f"`{source.format}` source: use prompt_format vicuna or chat_template for "
-                        f"translation and chat data"
+                        f"translation and chat data",
+                        f"data.{block}.{index}.format",
+                        "distill.prompt_format",
                     )
         return self
 
@@ -99,8 +130,10 @@ __all__ = [
     "DistillConfig",
     "DrafterConfig",
     "EarlyExitConfig",
+    "FieldError",
     "ExportConfig",
     "FinetuneConfig",
+    "HeadsConfig",
     "LaunchConfig",
     "LoopConfig",
     "MeasureConfig",

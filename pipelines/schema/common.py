@@ -5,14 +5,42 @@ Every field's default lives here and is documented once, in the docstring under 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from distill.prompts import PAIRS
 
 LanguagePair = Literal[PAIRS]  # type: ignore[valid-type]
 """A translation direction, source language first (`distill.prompts.PAIRS`)."""
+
+
+class FieldError(ValueError):
+    """A check across fields that blames particular keys (dotted paths below the block that checks, the
+    offending one first), so that the recipe loader names the file or override that set that value rather
+    than the file that declared the block."""
+
+    def __init__(self, message: str, *keys: str) -> None:
+        super().__init__(message)
+        self.keys = keys
+
+
+Item = TypeVar("Item")
+
+
+def _no_duplicates(values: list[Item]) -> list[Item]:
+    twice = [v for i, v in enumerate(values) if v in values[:i]]
+    if twice:
+        raise ValueError(f"lists a set, each value once: {twice[0]!r} appears twice in {values}")
+    return values
+
+
+UniqueList = Annotated[list[Item], AfterValidator(_no_duplicates)]
+"""A list field that names a set (temperatures, seeds, pairs, decoders, ...): a duplicate is an error,
+never a silently repeated measurement or a doubled share of the data."""
+
+PositiveInt = Annotated[int, Field(ge=1)]
+Temperature = Annotated[float, Field(ge=0)]
 
 
 class StrictModel(BaseModel):
@@ -38,22 +66,32 @@ class BootstrapConfig(StrictModel):
     reuse it instead of training again.
     """
 
-    vocab_size: int = 2048
+    vocab_size: int = Field(default=2048, ge=1)
     """Size of the byte-level BPE vocabulary trained on the offline corpus."""
-    hidden_size: int = 128
-    num_layers: int = 12
+    hidden_size: int = Field(default=128, ge=1)
+    num_layers: int = Field(default=12, ge=1)
     """Deep and narrow on purpose: on a CPU, batch-1 decode latency grows with depth, not width."""
-    num_heads: int = 4
-    intermediate_size: int = 384
-    max_position_embeddings: int = 512
-    steps: int = 300
+    num_heads: int = Field(default=4, ge=1)
+    intermediate_size: int = Field(default=384, ge=1)
+    max_position_embeddings: int = Field(default=512, ge=1)
+    steps: int = Field(default=300, ge=1)
     """Optimizer steps of the brief training run on the offline corpus."""
-    batch_size: int = 32
-    seq_len: int = 256
-    lr: float = 3e-3
+    batch_size: int = Field(default=32, ge=1)
+    seq_len: int = Field(default=256, ge=1)
+    lr: float = Field(default=3e-3, gt=0)
     seed: int = 0
     cache_dir: str = "~/.cache/polydraft/bootstrap"
-    """Folder of cached builds, one sub-folder per config hash (relative paths: from the working directory)."""
+    """Folder of cached builds, one sub-folder per config hash. A relative path is relative to the recipe
+    file that sets it (to the working directory when set by a command-line override)."""
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> BootstrapConfig:
+        if self.hidden_size % self.num_heads:
+            raise FieldError(
+                f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads}",
+                "hidden_size",
+            )
+        return self
 
 
 class TargetConfig(StrictModel):
@@ -74,7 +112,7 @@ class TargetConfig(StrictModel):
     @model_validator(mode="after")
     def _one_source(self) -> TargetConfig:
         if (self.path is None) == (self.bootstrap is None):
-            raise ValueError("set exactly one of target.path and target.bootstrap")
+            raise FieldError("set exactly one of target.path and target.bootstrap", "path", "bootstrap")
         return self
 
 
@@ -88,7 +126,8 @@ class SourceConfig(StrictModel):
     """`translation`: a source sentence and its reference; `chat`: ShareGPT-style conversations;
     `text`: plain documents (pretraining); `prompts`: one prompt per row."""
     path: str | None = None
-    """`hf`: the dataset name (e.g. `wmt16`); `local`: the file or folder. Unused for `offline`."""
+    """`hf`: the dataset name (e.g. `wmt16`); `local`: the file or folder (a relative path is relative to
+    the recipe file that lists the source). Unused for `offline`."""
     name: str | None = None
     """`hf`: the dataset config (e.g. `de-en`)."""
     split: str = "train"
@@ -101,7 +140,7 @@ class SourceConfig(StrictModel):
     text `text`; prompts `prompt`. Missing roles use the role name itself as the field."""
     pair: LanguagePair | None = None
     """The language pair a `translation` source serves (required for translation)."""
-    limit: int | None = None
+    limit: int | None = Field(default=None, ge=1)
     """Keep at most this many rows, after shuffling with `data.seed`."""
     skip_invalid: bool = False
     """Count and report rows with a missing or empty field instead of failing on the first one."""
@@ -121,9 +160,9 @@ class OfflineCorpusConfig(StrictModel):
     entries_per_sample: list[int] = Field(default_factory=lambda: [2, 4])
     """Each sample joins between these many catalog entries, names, dates and numbers (inclusive),
     so that answers are long enough for drafting to matter."""
-    test_fraction: float = 0.1
+    test_fraction: float = Field(default=0.1, gt=0, lt=1)
     """Share of entries held out for the `test` split (chosen by a hash of the entry, so stable)."""
-    samples_per_pair: int = 4000
+    samples_per_pair: int = Field(default=4000, ge=1)
     """Number of composite samples generated per language pair and split `train` (a tenth for `test`)."""
     kind_weights: dict[Literal["catalog", "name", "date", "number"], float] = Field(
         default_factory=lambda: {"catalog": 1.0, "name": 1.0, "date": 1.0, "number": 1.0}
@@ -173,7 +212,7 @@ def reader_args(source: SourceConfig, seed: int, offline: OfflineCorpusConfig | 
 class DataConfig(StrictModel):
     """Where prompts, training text and evaluation sets come from."""
 
-    pairs: list[LanguagePair] = Field(default_factory=list)
+    pairs: UniqueList[LanguagePair] = Field(default_factory=list)
     """Language pairs of this run; finetune trains one drafter per pair (EESD-only runs may leave it empty)."""
     seed: int = 0
     """Seed of every shuffle and subsample of the data."""
@@ -194,7 +233,7 @@ class LaunchConfig(StrictModel):
     accelerate_config: str = "recipes/accelerate/single.yaml"
     """An accelerate config file (single process, DDP, FSDP, DeepSpeed ZeRO-2/3, multi-node).
     A relative path is looked up from the working directory, then from the package's recipes."""
-    num_processes: int | None = None
+    num_processes: int | None = Field(default=None, ge=1)
     """Overrides the config file's `num_processes` when set."""
     cpu: bool = False
     """Train on the CPU even when a GPU exists. Multi-process CPU runs use gloo DDP."""
@@ -209,7 +248,7 @@ class TrackingConfig(StrictModel):
     entity: str | None = None
     run_name: str | None = None
     """Name of the run group; defaults to the run directory's name."""
-    tags: list[str] = Field(default_factory=list)
+    tags: UniqueList[str] = Field(default_factory=list)
     mode: Literal["online", "offline", "disabled"] = "offline"
     """`offline` writes a local run folder under `<run_dir>/wandb` that `wandb sync` can upload later."""
     model_artifacts: bool = False

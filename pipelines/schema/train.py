@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from pipelines.schema.common import StrictModel
+from pipelines.schema.common import FieldError, StrictModel, Temperature, UniqueList
 
 DrafterArch = Literal["llama-68m", "vicuna-68m", "gemma-250m", "custom"]
 
@@ -32,7 +32,7 @@ class OptimConfig(StrictModel):
     @model_validator(mode="after")
     def _betas(self) -> OptimConfig:
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"betas: two values in [0, 1) (beta1, beta2), got {self.betas}")
+            raise FieldError(f"two values in [0, 1) (beta1, beta2), got {self.betas}", "betas")
         return self
 
 
@@ -134,12 +134,12 @@ class DrafterConfig(StrictModel):
     Its vocabulary size (and tokenizer, when it ships one) must be the target's, or training stops."""
     revision: str | None = None
     """Hub revision of `init`."""
-    hidden_size: int | None = None
+    hidden_size: int | None = Field(default=None, ge=1)
     """custom: hidden size (also overrides a named arch when set)."""
-    num_layers: int | None = None
-    num_heads: int | None = None
-    num_kv_heads: int | None = None
-    intermediate_size: int | None = None
+    num_layers: int | None = Field(default=None, ge=1)
+    num_heads: int | None = Field(default=None, ge=1)
+    num_kv_heads: int | None = Field(default=None, ge=1)
+    intermediate_size: int | None = Field(default=None, ge=1)
 
     def shape(self) -> dict[str, int | None]:
         """The shape fields, which replace the named architecture's when set."""
@@ -159,7 +159,19 @@ class DrafterConfig(StrictModel):
             self.num_heads,
             self.intermediate_size,
         ):
-            raise ValueError("arch `custom` needs hidden_size, num_layers, num_heads and intermediate_size")
+            raise FieldError(
+                "arch `custom` needs hidden_size, num_layers, num_heads and intermediate_size", "arch"
+            )
+        if self.hidden_size and self.num_heads and self.hidden_size % self.num_heads:
+            raise FieldError(
+                f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads}",
+                "hidden_size",
+            )
+        if self.num_heads and self.num_kv_heads and self.num_heads % self.num_kv_heads:
+            raise FieldError(
+                f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}",
+                "num_kv_heads",
+            )
         return self
 
 
@@ -168,7 +180,7 @@ class PretrainConfig(StrictModel):
 
     enabled: bool = True
     drafter: DrafterConfig = Field(default_factory=DrafterConfig)
-    token_budget: int = 1_000_000_000
+    token_budget: int = Field(default=1_000_000_000, ge=1)
     """Tokens of packed generic text to train on (the loop stops when it is spent, or earlier after
     `loop.epochs` passes over corpora that are not streamed)."""
     optim: PretrainOptim = Field(default_factory=PretrainOptim)
@@ -181,24 +193,18 @@ class FinetuneConfig(StrictModel):
     enabled: bool = True
     drafter: DrafterConfig = Field(default_factory=DrafterConfig)
     """Used as is when pretrain is disabled (the seed's F-only baseline); else the pretrained drafter."""
-    temperatures: list[float] | None = None
+    temperatures: UniqueList[Temperature] | None = Field(default=None, min_length=1)
     """Keep only records distilled at these temperatures. Unset: every `distill.temperatures` value,
     filled in when the recipe is loaded."""
     loss: Literal["ce", "kd"] = "ce"
     """`ce`: hard-label cross-entropy on the assistant tokens; `kd`: that cross-entropy plus `kd_weight`
     times the forward KL from the target's distribution (the target is loaded beside the drafter)."""
-    kd_top_k: int = 64
+    kd_top_k: int = Field(default=64, ge=1)
     """`kd` compares the two distributions on the target's k most likely tokens plus one bucket for all
     the others (a true KL of (k+1)-way distributions, far cheaper than the full vocabulary)."""
-    kd_weight: float = 1.0
+    kd_weight: float = Field(default=1.0, ge=0)
     optim: FinetuneOptim = Field(default_factory=FinetuneOptim)
     loop: FinetuneLoop = Field(default_factory=FinetuneLoop)
-
-    @model_validator(mode="after")
-    def _kd_options(self) -> FinetuneConfig:
-        if self.kd_top_k < 1:
-            raise ValueError("kd_top_k must be at least 1")
-        return self
 
 
 class EarlyExitConfig(StrictModel):
@@ -227,7 +233,7 @@ class EarlyExitConfig(StrictModel):
     plain-text rows with an empty prompt, like SlimPajama, are trained whole either way); `all`: the
     prompt too, as seed 001 trains on whole ShareGPT sequences (the prompt's fixed system text then
     weighs in the loss and the top-1 agreement)."""
-    temperatures: list[float] | None = None
+    temperatures: UniqueList[Temperature] | None = Field(default=None, min_length=1)
     """Keep only distilled rows of these temperatures (open-source rows always stay). Unset: every
     `distill.temperatures` value, filled in when the recipe is loaded."""
     optim: EarlyExitOptim = Field(default_factory=EarlyExitOptim)
@@ -261,3 +267,43 @@ class CalibrateConfig(StrictModel):
     report accuracy, Brier score, calibration error and the base rate."""
     optim: CalibrateOptim = Field(default_factory=CalibrateOptim)
     loop: CalibrateLoop = Field(default_factory=CalibrateLoop)
+
+
+class HeadsOptim(OptimConfig):
+    """Medusa-1's training command (FasterDecoding/Medusa README): lr 1e-3, no weight decay, warmup ratio
+    0.1, cosine schedule."""
+
+    lr: float = Field(default=1e-3, gt=0)
+    warmup_ratio: float = Field(default=0.1, ge=0, le=1)
+
+
+class HeadsLoop(LoopConfig):
+    """Medusa-1: 2 epochs, 8 rows per device with 4 accumulation steps (128 rows a step on 4 GPUs)."""
+
+    epochs: float = Field(default=2.0, gt=0)
+    per_device_batch_size: int = Field(default=8, ge=1)
+    grad_accum_steps: int = Field(default=4, ge=1)
+
+
+class HeadsConfig(StrictModel):
+    """Blockwise proposal heads on the frozen target's last hidden state (seed 000): Medusa-1 heads (a
+    residual SiLU block and an lm head initialised from the target's, each) or BPD heads (residual blocks
+    on the target's own lm head, shared and frozen). Head i at position t learns token t+2+i, on the
+    response tokens of the distill stage's mix. Output: `heads/` (`heads.safetensors`, `heads.json`).
+
+    Off by default: a recipe that measures `bpd` / `medusa` (and their `+rescore` variants) enables it.
+    """
+
+    enabled: bool = False
+    kind: Literal["medusa", "bpd"] = "medusa"
+    num_heads: int = Field(default=5, ge=1)
+    """Medusa-1: 5 heads."""
+    num_layers: int = Field(default=1, ge=1)
+    """Residual SiLU layers per head (Medusa-1: 1)."""
+    loss_decay: float = Field(default=0.8, gt=0)
+    """Head i's loss weight is loss_decay**i (Medusa-1: 0.8^i)."""
+    temperatures: list[float] | None = None
+    """Keep only distilled rows of these temperatures (open-source rows always stay). Unset: every
+    `distill.temperatures` value, filled in when the recipe is loaded."""
+    optim: HeadsOptim = Field(default_factory=HeadsOptim)
+    loop: HeadsLoop = Field(default_factory=HeadsLoop)

@@ -13,6 +13,7 @@ from pipelines.schema.inputs import (
     EarlyExitInputs,
     ExportInputs,
     FinetuneInputs,
+    HeadsInputs,
     MeasureInputs,
     PretrainInputs,
 )
@@ -20,14 +21,15 @@ from pipelines.stage import Stage
 
 
 def default_stages() -> list[Stage]:
-    """distill -> pretrain -> finetune -> early_exit -> calibrate -> measure -> export."""
-    from pipelines.stages import calibrate, distill, early_exit, export, finetune, measure, pretrain
+    """distill -> pretrain -> finetune -> early_exit -> heads -> calibrate -> measure -> export."""
+    from pipelines.stages import calibrate, distill, early_exit, export, finetune, heads, measure, pretrain
 
     return [
         Stage("distill", distill.run, DistillInputs.of),
         Stage("pretrain", pretrain.run, PretrainInputs.of),
         Stage("finetune", finetune.run, FinetuneInputs.of, upstream=("distill", "pretrain")),
         Stage("early_exit", early_exit.run, EarlyExitInputs.of, upstream=("distill",)),
+        Stage("heads", heads.run, HeadsInputs.of, upstream=("distill",)),
         Stage(
             "calibrate",
             calibrate.run,
@@ -38,7 +40,7 @@ def default_stages() -> list[Stage]:
             "measure",
             measure.run,
             MeasureInputs.of,
-            upstream=("pretrain", "finetune", "early_exit", "calibrate"),
+            upstream=("pretrain", "finetune", "early_exit", "heads", "calibrate"),
         ),
         Stage(
             "export",

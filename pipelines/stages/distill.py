@@ -31,7 +31,14 @@ from distill.plan import (
     shard_of,
 )
 from distill.prompts import encode_prompt
-from distill.report import NOT_REACHED, build_mix, choose_open_rows, record_stats, write_failures
+from distill.report import (
+    NOT_REACHED,
+    DistillMetrics,
+    build_mix,
+    choose_open_rows,
+    record_stats,
+    write_failures,
+)
 from distill.sources import SourceError, read_source
 from distill.store import RecordStore, RecordWriter, StoreError
 from models.loading import load_tokenizer
@@ -54,7 +61,7 @@ OPERATIONAL_FIELDS = {
 (`shard_index` is left out so that all shards of one distillation share the fingerprint; the plan
 records it separately.)"""
 OPERATIONAL_SUBFIELDS = {
-    "vllm": {"gpu_memory_utilization", "submit_size", "tensor_parallel_size"},
+    "vllm": {"gpu_memory_utilization", "submit_size", "tensor_parallel_size", "cpu_kv_cache_gib"},
     "openai": {
         "base_urls",
         "api_key_env",
@@ -236,7 +243,7 @@ def generate(
         )
         return {}
     if cfg.backend == "vllm":
-        from distill.vllm_backend import engine_kwargs, generate_vllm, import_vllm
+        from distill.vllm_backend import engine_kwargs, generate_vllm, import_vllm, on_cpu
 
         try:
             vllm = import_vllm()
@@ -253,6 +260,7 @@ def generate(
                 v.max_model_len,
                 v.gpu_memory_utilization,
                 cfg.seed,
+                v.cpu_kv_cache_gib if on_cpu() else None,
             )
         )
         generate_vllm(
@@ -280,7 +288,7 @@ def generate(
         return_token_ids=o.return_token_ids,
     )
     stats = generate_openai(requests, settings, emit=writer.emit, fail=writer.fail, **sampling)
-    return {f"server_{k}": v for k, v in stats.items()}
+    return dict(stats)
 
 
 def run(inputs: DistillInputs, ctx: StageContext) -> StageResult:
@@ -298,6 +306,13 @@ def run(inputs: DistillInputs, ctx: StageContext) -> StageResult:
     )
     limit = context_limit(inputs) if tokenizer is not None else None
     items, counts = collect_prompts(inputs, tokenizer, limit)
+    if not items:
+        raise StageFailed(
+            f"distill: data.distill yields no prompt for shard {cfg.shard_index} of {cfg.num_shards} "
+            f"({counts['invalid_rows']} invalid rows skipped, {counts['long_prompts']} prompts over the "
+            "length limit): check the sources' path, split, fields and limit, their skip_invalid, and "
+            "distill.max_prompt_tokens"
+        )
     # read now: a bad open source fails before hours of generation
     open_candidates = collect_open_rows(inputs, tokenizer)
     slots = sample_slots(cfg.temperatures, cfg.samples_per_prompt)
@@ -372,22 +387,25 @@ def run(inputs: DistillInputs, ctx: StageContext) -> StageResult:
         cfg.shard_index,
         cfg.num_shards,
     )
-    mix_counts = build_mix(ctx.work_dir, chosen, cfg.eval_fraction, inputs.data_seed)
-    metrics = {
-        "prompts": len(items),
-        "records": len(expected),
-        **stats["per_temperature"],
-        "failures": 0,
-        "empty_responses": stats["empty"],
-        "truncated_responses": stats["truncated"],
-        "prompt_tokens": stats["prompt_tokens"],
-        "response_tokens": stats["response_tokens"],
-        "generated_this_run": writer.written,
-        "wall_time_s": round(time.time() - started, 3),
-        "tokens_per_s": round(writer.response_tokens / generation_time, 2) if writer.written else 0.0,
-        **counts,
-        **mix_counts,
-        **backend_stats,
-    }
+    mix = build_mix(ctx.work_dir, chosen, cfg.eval_fraction, inputs.data_seed)
+    metrics = DistillMetrics(
+        prompts=len(items),
+        records=len(expected),
+        records_per_temperature=stats["per_temperature"],
+        records_per_pair=stats["records_per_pair"],
+        failures=0,
+        empty_responses=stats["empty"],
+        truncated_responses=stats["truncated"],
+        prompt_tokens=stats["prompt_tokens"],
+        response_tokens=stats["response_tokens"],
+        generated_this_run=writer.written,
+        wall_time_s=round(time.time() - started, 3),
+        tokens_per_s=round(writer.response_tokens / generation_time, 2) if writer.written else 0.0,
+        invalid_rows=counts["invalid_rows"],
+        long_prompts=counts["long_prompts"],
+        mix=mix,
+        mix_open_rows=len(chosen),
+        server=backend_stats,
+    ).model_dump()
     ctx.tracker.log(metrics)
     return StageResult(metrics=metrics)

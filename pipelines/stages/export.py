@@ -47,7 +47,9 @@ from pipelines.export_records import (
     INDEX_FILE,
     RESULTS_FILE,
     ArchitectureCard,
+    ExportedItemMetrics,
     ExportIndex,
+    ExportMetrics,
     ExportRecord,
     ExportResults,
     GitState,
@@ -429,18 +431,21 @@ def write_index(work_dir: Path, names: list[str], target: PublicTarget) -> Expor
 
 
 def stage_metrics(index: ExportIndex) -> dict[str, Any]:
-    metrics: dict[str, Any] = {
-        "exported": len(index.items),
-        "smoke_failed": [i.name for i in index.items if not i.smoke_passed],
-        "unmeasured": [i.name for i in index.items if not i.measured],
+    items = {
+        item.name: ExportedItemMetrics(
+            smoke_passed=item.smoke_passed,
+            best_k=item.best_draft_length,
+            speedup=item.headline.speedup.mean if item.headline else None,
+            block_efficiency=item.headline.block_efficiency.mean if item.headline else None,
+        )
+        for item in index.items
     }
-    for item in index.items:
-        metrics[f"{item.name}/smoke_passed"] = item.smoke_passed
-        if item.headline is not None:
-            metrics[f"{item.name}/best_k"] = item.best_draft_length
-            metrics[f"{item.name}/speedup"] = item.headline.speedup.mean
-            metrics[f"{item.name}/block_efficiency"] = item.headline.block_efficiency.mean
-    return metrics
+    return ExportMetrics(
+        exported=len(index.items),
+        smoke_failed=[i.name for i in index.items if not i.smoke_passed],
+        unmeasured=[i.name for i in index.items if not i.measured],
+        items=items,
+    ).model_dump()
 
 
 def flat_summary(measurement: Measurement) -> list[dict[str, Any]]:

@@ -100,9 +100,13 @@ def finetune(spec: StageSpec, inputs: FinetuneInputs, accelerator: Any, tracker:
     for pair in inputs.pairs:
         out_dir = work_dir / pair
         try:
-            train_rows = read_mix(distill_dir, pair, "train", block.temperatures)
+            train_rows = read_mix(distill_dir, pair, "train", block.temperatures, need_distilled=True)
         except FileNotFoundError as err:
             raise StageFailed(f"finetune: {err}") from err
+        except ValueError as err:
+            raise StageFailed(
+                f"finetune {pair}: {err}; check finetune.temperatures and that distill answered this pair"
+            ) from err
         examples, dropped = encode_rows(tokenizer, train_rows, loop.max_length)
         batches = MixBatches(
             examples, inputs.data_seed, loop.per_device_batch_size, accelerator.process_index,

@@ -3,22 +3,29 @@
 Drafters are found upstream (`decoding.inputs.discover_drafters`); for each (eval set, temperature, seed)
 group every method decodes the same prompts in one process (`decoding.measure.measure_group`) and the
 group's typed rows are appended to `results.jsonl` (`decoding.results`), so a killed run resumes with the
-groups it has not finished. Ends with `summary.md` and PNG plots (`decoding.report`).
+groups it has not finished. With `measure.vllm` the standalone drafters are then measured inside vLLM too
+(`decoding.vllm_rows`), rows of engine `vllm` beside polydraft's. Ends with `summary.md` and PNG plots
+(`decoding.report`).
 """
 
 from __future__ import annotations
 
 import datetime
 import functools
+import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from decoding.assisted import assisted
+from decoding.blockwise import HeadsDraft, Rescoring, blockwise_chain, blockwise_tree
 from decoding.control import BetaTS, CaliTS, FixedK
 from decoding.engine import autoregressive
-from decoding.inputs import EvalSet, discover_drafters, load_eval_sets
+from decoding.inputs import EvalSet, discover_drafters, load_eval_sets, repetition_prompts
+from decoding.latency import RunLatencies, chain_cost, run_latencies, tree_cost
+from decoding.lattice import CandidateTree
 from decoding.lm import CachedLM
 from decoding.measure import (
     Drafter,
@@ -32,11 +39,12 @@ from decoding.measure import (
     measure_group,
 )
 from decoding.report import write_report
-from decoding.results import RESULTS_FILE, ResultsError, append_rows, read_rows, write_rows
+from decoding.results import RESULTS_FILE, ResultRow, ResultsError, append_rows, read_rows, write_rows
 from decoding.rsd import recursive_speculative
 from decoding.sampling import Sampling
 from decoding.sd import speculative
 from decoding.tree import TreeShape
+from decoding.vllm_rows import VllmMeasureFailed, measure_subprocess, vllm_rows, vllm_unavailable
 from models.drafters import DrafterMismatch
 from pipelines.schema import MeasureConfig
 from pipelines.schema.common import reader_args
@@ -44,6 +52,8 @@ from pipelines.schema.inputs import EvalPrompts, MeasureInputs
 from pipelines.stage import StageContext, StageFailed, StageResult
 
 log = logging.getLogger(__name__)
+
+LATENCY_FILE = "latency.json"
 
 
 def eval_sets_of(
@@ -67,17 +77,27 @@ def run(inputs: MeasureInputs, ctx: StageContext) -> StageResult:
     target = load_causal_lm(spec.path, spec.revision, spec.dtype, spec.trust_remote_code, device)
     tokenizer = load_tokenizer(spec.path, spec.revision, spec.trust_remote_code)
     eos_ids = eos_ids_of(target, tokenizer)
+    # disjoint prompts: each seed (repetition) decodes its own num_prompts prompts
+    per_set = cfg.num_prompts * (len(cfg.seeds) if cfg.disjoint_prompts else 1)
     try:
-        eval_sets = eval_sets_of(inputs.eval, cfg.num_prompts, cfg.max_prompt_tokens, tokenizer)
+        eval_sets = eval_sets_of(inputs.eval, per_set, cfg.max_prompt_tokens, tokenizer)
         sources = discover_drafters(ctx.upstream, cfg.extra_drafters, cfg.include_pretrained)
         drafters = load_drafters(sources, target, tokenizer, device, cfg.profile)
     except (ValueError, DrafterMismatch) as err:
         raise StageFailed(f"measure: {err}") from err
+    try:
+        CandidateTree.from_paths(cfg.medusa_tree)
+    except ValueError as err:
+        raise StageFailed(f"measure.medusa_tree: {err}") from err
     if not drafters:
         log.warning(
             "measure: no drafter found upstream (finetune/pretrain) nor in measure.extra_drafters: only `ar` runs"
         )
     target_lm = CachedLM(target, cfg.profile)
+    latencies = measure_latencies(cfg, target_lm, drafters, eval_sets[0].prompts[0])
+    (ctx.work_dir / LATENCY_FILE).write_text(
+        json.dumps(latencies.as_json(), indent=2) + "\n", encoding="utf-8"
+    )
     context = {
         "target": spec.path,
         "device": device.type,
@@ -95,15 +115,18 @@ def run(inputs: MeasureInputs, ctx: StageContext) -> StageResult:
     groups = [(s, t, seed) for s in eval_sets for t in cfg.temperatures for seed in cfg.seeds]
     warmed: set[str] = set()
     for eval_set, temperature, seed in ctx.progress(groups, desc="groups", unit="group"):
-        if (eval_set.name, temperature, seed) in done:
+        if ("polydraft", eval_set.name, temperature, seed) in done:
             continue
         sampling = Sampling(temperature, cfg.top_p if temperature > 0 else 1.0)
         build = functools.partial(
-            build_methods, cfg, eval_set, sampling, seed, target, target_lm, drafters, eos_ids
+            build_methods, cfg, eval_set, sampling, seed, target, target_lm, drafters, eos_ids, latencies
         )
         try:
-            methods = measure_group(build, eval_set.prompts, warmed)
-        except UnsupportedDecoder as err:
+            prompts = repetition_prompts(
+                eval_set.prompts, cfg.seeds, seed, cfg.num_prompts, cfg.disjoint_prompts
+            )
+            methods = measure_group(build, prompts, warmed)
+        except (UnsupportedDecoder, ValueError) as err:
             raise StageFailed(f"measure: {err}") from err
         context["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         new_rows = group_rows(
@@ -115,15 +138,74 @@ def run(inputs: MeasureInputs, ctx: StageContext) -> StageResult:
             cfg.max_new_tokens,
             {d.name: d for d in sources},
             context,
+            latencies.target.chain[1],
         )
         append_rows(path, new_rows)
         rows += new_rows
         ctx.tracker.log(
             {f"{eval_set.name}/T{temperature}/{r.method}/speedup": r.speedup for r in new_rows if r.speedup}
         )
+    if cfg.vllm != "off":
+        context["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        rows = add_vllm_rows(cfg, spec.path, eval_sets, drafters, rows, context, path)
     write_report(rows, ctx.work_dir)
     ctx.tracker.log_table("measure/results", [row.model_dump() for row in rows])
-    return StageResult(metrics=headline(rows))
+    return StageResult(metrics=headline(rows).model_dump())
+
+
+def measured_on(cfg: MeasureConfig, drafter: Drafter, eval_set: EvalSet) -> bool:
+    """A language-specific drafter is measured on another pair's eval set only with `cross_pairs`."""
+    pair = drafter.source.pair
+    return cfg.cross_pairs or not (pair and eval_set.pair and pair != eval_set.pair)
+
+
+def add_vllm_rows(
+    cfg: MeasureConfig,
+    target: str,
+    eval_sets: list[EvalSet],
+    drafters: list[Drafter],
+    rows: list[ResultRow],
+    context: dict[str, Any],
+    path: Path,
+) -> list[ResultRow]:
+    """`rows` with the standalone drafters' rows of engine `vllm` (`measure.vllm`); a results file that
+    already has all of them is kept, one with some of them is measured in vLLM again."""
+    missing = vllm_unavailable()
+    if missing is not None:
+        if cfg.vllm == "require":
+            raise StageFailed(f"measure.vllm is `require`, but {missing}")
+        log.warning("measure.vllm is `auto`: no vLLM rows, %s", missing)
+        return rows
+    plan = [(d, [s for s in eval_sets if measured_on(cfg, d, s)]) for d in drafters if d.lm is not None]
+    plan = [(d, sets) for d, sets in plan if sets]
+    wanted = {("vllm", s.name, t, cfg.seeds[0]) for _, sets in plan for s in sets for t in cfg.temperatures}
+    if wanted == {row.group for row in rows if row.engine == "vllm"}:
+        return rows
+    rows = [row for row in rows if row.engine != "vllm"]
+    write_rows(path, rows)
+    measured = []
+    for drafter, sets in plan:
+        log.info("measure: %s inside vLLM on %s", drafter.source.name, ", ".join(s.name for s in sets))
+        request = {
+            "target": target,
+            "drafter": drafter.source.path,
+            "prompt_sets": {s.name: [p.tolist() for p in s.prompts] for s in sets},
+            "temperatures": cfg.temperatures,
+            "num_speculative_tokens": cfg.draft_length,
+            "max_new_tokens": cfg.max_new_tokens,
+            "top_p": cfg.top_p,
+            "batch_sizes": cfg.vllm_batch_sizes,
+            "seed": cfg.seeds[0],
+            "draft_sample_method": cfg.vllm_draft_sample_method,
+        }
+        try:
+            results = measure_subprocess(request)
+        except VllmMeasureFailed as err:
+            raise StageFailed(f"measure.vllm: {err}") from err
+        measured += [(drafter.source, drafter.size_ratio, result) for result in results]
+    new_rows = vllm_rows(measured, {s.name: s for s in eval_sets}, cfg.max_new_tokens, context)
+    append_rows(path, new_rows)
+    return rows + new_rows
 
 
 def controls_for(cfg: MeasureConfig, seed: int, predict: Any) -> list[tuple[str, int, Any]]:
@@ -147,6 +229,67 @@ def controls_for(cfg: MeasureConfig, seed: int, predict: Any) -> list[tuple[str,
     return out
 
 
+def blockwise_methods(
+    cfg: MeasureConfig,
+    heads: Drafter,
+    rescorers: list[Drafter],
+    sampling: Sampling,
+    target_lm: CachedLM,
+    new: int,
+    generator: Any,
+    eos_ids: set[int],
+) -> list[Method]:
+    """`bpd`, `medusa` with the heads alone, and their `+rescore` variants with each standalone drafter."""
+    draft = HeadsDraft(heads.model, target_lm, cfg.profile)
+    shape = CandidateTree.from_paths(cfg.medusa_tree)
+    base = {"drafter": heads.source.name, "size_ratio": heads.size_ratio}
+    methods = []
+    if "bpd" in cfg.decoders:
+        methods.append(
+            Method(
+                {**base, "decoder": "bpd", "control": "fixed", "draft_length": draft.num_heads},
+                lambda p, i: blockwise_chain(target_lm, draft, p, new, sampling, generator(i), eos_ids),
+            )
+        )
+    if "medusa" in cfg.decoders:
+        methods.append(
+            Method(
+                {**base, "decoder": "medusa", "tree": f"{len(shape.paths)} nodes"},
+                lambda p, i: blockwise_tree(
+                    target_lm, draft, p, new, sampling, generator(i), eos_ids, shape=shape
+                ),
+            )
+        )
+    beams = f"{cfg.rescore_beam_width}x{draft.num_heads}"
+    for d in rescorers:
+        rescoring = Rescoring(d.lm, cfg.rescore_weight, cfg.rescore_top_k, cfg.rescore_beam_width)
+        fields = {
+            "drafter": heads.source.name,
+            "size_ratio": heads.size_ratio + d.size_ratio,
+            "rescorer": d.source.name,
+            "rescore_weight": cfg.rescore_weight,
+        }
+        if "bpd+rescore" in cfg.decoders:
+            methods.append(
+                Method(
+                    {**fields, "decoder": "bpd+rescore", "control": "fixed", "draft_length": draft.num_heads},
+                    lambda p, i, r=rescoring: blockwise_chain(
+                        target_lm, draft, p, new, sampling, generator(i), eos_ids, rescoring=r
+                    ),
+                )
+            )
+        if "medusa+rescore" in cfg.decoders:
+            methods.append(
+                Method(
+                    {**fields, "decoder": "medusa+rescore", "tree": beams},
+                    lambda p, i, r=rescoring: blockwise_tree(
+                        target_lm, draft, p, new, sampling, generator(i), eos_ids, rescoring=r
+                    ),
+                )
+            )
+    return methods
+
+
 def build_methods(
     cfg: MeasureConfig,
     eval_set: EvalSet,
@@ -156,8 +299,9 @@ def build_methods(
     target_lm: CachedLM,
     drafters: list[Drafter],
     eos_ids: set[int],
+    latencies: RunLatencies,
 ) -> list[Method]:
-    """Every method measured in one group, `ar` first."""
+    """Every method measured in one group, `ar` first, each with its round cost from `latencies`."""
     device, new = target_lm.device, cfg.max_new_tokens
 
     def generator(index: int) -> torch.Generator:
@@ -165,14 +309,25 @@ def build_methods(
 
     methods = [
         Method(
-            {"decoder": "ar"}, lambda p, i: autoregressive(target_lm, p, new, sampling, generator(i), eos_ids)
+            {"decoder": "ar"},
+            lambda p, i: autoregressive(target_lm, p, new, sampling, generator(i), eos_ids),
+            chain_cost(latencies.target, latencies.target),
         )
     ]
+    standalone = []
     for d in drafters:
         pair = d.source.pair
         if pair and eval_set.pair and pair != eval_set.pair and not cfg.cross_pairs:
             continue
+        if d.lm is not None:
+            standalone.append(d)
+    for d in drafters:
+        if not measured_on(cfg, d, eval_set):
+            continue
         base = {"drafter": d.source.name, "size_ratio": d.size_ratio}
+        if d.source.kind == "heads":
+            methods += blockwise_methods(cfg, d, standalone, sampling, target_lm, new, generator, eos_ids)
+            continue
         if d.self_speculative is not None:
             if "eesd" in cfg.decoders:
                 from decoding.eesd import self_speculative
@@ -184,6 +339,7 @@ def build_methods(
                             lambda p, i, c=controller, d=d: self_speculative(
                                 d.self_speculative, p, new, sampling, c, generator(i), eos_ids
                             ),
+                            chain_cost(*latencies.self_speculative[d.source.name]),
                         )
                     )
             continue
@@ -195,6 +351,7 @@ def build_methods(
                         lambda p, i, c=controller, d=d: speculative(
                             target_lm, d.lm, p, new, sampling, c, generator(i), eos_ids
                         ),
+                        chain_cost(latencies.target, latencies.drafters[d.source.name]),
                     )
                 )
         shapes = {
@@ -209,6 +366,7 @@ def build_methods(
                         lambda p, i, s=shape, d=d: recursive_speculative(
                             target_lm, d.lm, p, new, sampling, s, generator(i), eos_ids
                         ),
+                        tree_cost(latencies.target, latencies.drafters[d.source.name], shape),
                     )
                 )
         if "assisted" in cfg.decoders:
@@ -230,3 +388,34 @@ def build_methods(
                 )
             )
     return methods
+
+
+def measure_latencies(
+    cfg: MeasureConfig, target_lm: CachedLM, drafters: list[Drafter], prompt: torch.Tensor
+) -> RunLatencies:
+    """The forward latencies of every model the run's decoders call, on a context as long as a prompt
+    plus half an answer."""
+    lengths = [cfg.draft_length, *cfg.k_sweep]
+    if "beta_ts" in cfg.controls or "cali_ts" in cfg.controls:
+        lengths.append(cfg.max_draft_length)
+    shapes = []
+    if "rsd_c" in cfg.decoders:
+        shapes.append(TreeShape.constant(cfg.branching))
+    if "rsd_s" in cfg.decoders:
+        shapes.append(TreeShape.beam(cfg.beam_width, cfg.beam_depth))
+    size = max([max(lengths) + 1, *(shape.max_nodes + 1 for shape in shapes)])
+    length = max(prompt.numel() + cfg.max_new_tokens // 2, size + 1)
+    context = prompt.repeat(-(-length // prompt.numel()))[:length].view(1, -1)
+    try:
+        return run_latencies(
+            target_lm,
+            {d.source.name: d.lm for d in drafters if d.lm is not None},
+            {d.source.name: d.self_speculative for d in drafters if d.self_speculative is not None},
+            context,
+            max(lengths),
+            shapes,
+            cfg.latency_repeats,
+        )
+    except NotImplementedError as err:  # trees past a sliding window
+        trees = " and ".join(f"`{d}`" for d in ("rsd_c", "rsd_s") if d in cfg.decoders)
+        raise StageFailed(f"measure: {err}; remove {trees} from measure.decoders for this target") from err

@@ -1,0 +1,218 @@
+"""Drafter depth x draft length on the demo's task: block efficiency, wall-clock speedup and ideal speedup.
+
+For each depth, the pipeline itself trains the drafters (`polydraft run` of the recipe with
+`pretrain.drafter.num_layers=<depth>` and any extra overrides, up to finetune; the distill stage is run
+once and shared). Then, in ONE process, `ar` and `sd` with every (depth, K) decode each pair's held-out
+eval prompts with the pair's own drafter at temperature 0, the methods rotating prompt by prompt, in
+`--repetitions` disjoint prompt subsets. The ideal speedup is the one the measured forward latencies
+allow (`decoding.latency`): BE x t_T(1) / (t_T(K + 1) + K t_D(1)).
+
+    python -m bench.drafter_depth --out-dir /tmp/depth [--depths 1 2 3] [--ks 1 2 3 4 6 8] \
+        [--prompts 8] [--repetitions 3] [--skip-train] [--record bench/results/drafter_depth.md] \
+        [key.path=value ...]
+
+Training takes a few minutes per depth on 2 CPU cores; `--skip-train` measures drafters trained before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from decoding.control import FixedK  # noqa: E402
+from decoding.engine import autoregressive  # noqa: E402
+from decoding.latency import chain_cost, ideal_speedup, lm_latencies  # noqa: E402
+from decoding.lm import CachedLM  # noqa: E402
+from decoding.measure import eos_ids_of, hardware  # noqa: E402
+from decoding.metrics import summarize  # noqa: E402
+from decoding.sampling import Sampling  # noqa: E402
+from decoding.sd import speculative  # noqa: E402
+
+TRAIN_ONLY = [
+    "early_exit.enabled=false",
+    "calibrate.enabled=false",
+    "measure.enabled=false",
+    "export.enabled=false",
+]
+
+
+def train(recipe: str, out_dir: Path, depths: list[int], overrides: list[str]) -> None:
+    """Distill once, then pretrain + finetune one drafter per pair for each depth."""
+    first = out_dir / f"depth{depths[0]}"
+    for depth in depths:
+        run_dir = out_dir / f"depth{depth}"
+        if run_dir != first and not (run_dir / "distill").exists() and (first / "distill").exists():
+            shutil.copytree(first / "distill", run_dir / "distill")
+        command = [
+            sys.executable,
+            "-m",
+            "pipelines.cli",
+            "run",
+            recipe,
+            "--run-dir",
+            str(run_dir),
+            "--quiet",
+            f"pretrain.drafter.num_layers={depth}",
+            *TRAIN_ONLY,
+            *overrides,
+        ]
+        started = time.perf_counter()
+        subprocess.run(command, cwd=ROOT, check=True)
+        print(f"depth {depth}: trained in {time.perf_counter() - started:.0f} s", flush=True)
+
+
+def measure(args: argparse.Namespace) -> list[str]:
+    """Decode and return the result table's lines."""
+    from transformers import AutoModelForCausalLM
+
+    from models.loading import load_tokenizer
+    from pipelines.recipe import load_recipe
+    from pipelines.schema.inputs import EvalPrompts
+    from pipelines.stages.measure import eval_sets_of
+    from pipelines.target import resolve_target
+
+    recipe = load_recipe(Path(args.recipe), args.overrides)
+    spec = resolve_target(recipe.target, recipe.data, show_progress=False)
+    target = AutoModelForCausalLM.from_pretrained(spec.path).eval()
+    tokenizer = load_tokenizer(spec.path, None, False)
+    eos_ids = eos_ids_of(target, tokenizer)
+    count = args.prompts * args.repetitions
+    eval_sets = eval_sets_of(EvalPrompts.of(recipe), count, recipe.measure.max_prompt_tokens, tokenizer)
+    target_lm = CachedLM(target)
+    drafters = {
+        (depth, s.pair): CachedLM(
+            AutoModelForCausalLM.from_pretrained(args.out_dir / f"depth{depth}" / "finetune" / s.pair).eval()
+        )
+        for depth in args.depths
+        for s in eval_sets
+    }
+    prompt = eval_sets[0].prompts[0]
+    length = prompt.numel() + args.max_new_tokens // 2
+    context = prompt.repeat(-(-length // prompt.numel()))[:length].view(1, -1)
+    target_latency = lm_latencies(target_lm, context, range(1, max(args.ks) + 2), [], args.latency_repeats)
+    draft_latency = {
+        key: lm_latencies(lm, context, [1], [], args.latency_repeats) for key, lm in drafters.items()
+    }
+    step = target_latency.chain[1]
+    lines = [
+        f"target step {step * 1e3:.2f} ms; verify K+1 tokens: "
+        + ", ".join(f"{n}: {s / step:.2f}" for n, s in sorted(target_latency.chain.items()) if n > 1)
+        + " target steps; drafter step: "
+        + ", ".join(
+            f"depth {d} {draft_latency[(d, eval_sets[0].pair)].chain[1] * 1e3:.2f} ms" for d in args.depths
+        ),
+        "",
+        "| pair | depth | K | block efficiency | speedup | ideal speedup | measured / ideal |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    greedy = Sampling(0.0, 1.0)
+    for eval_set in eval_sets:
+        results: dict[tuple[int, int], list[tuple[float, float, float]]] = {}
+        for rep in range(args.repetitions):
+            prompts = eval_set.prompts[rep * args.prompts : (rep + 1) * args.prompts]
+            methods = [("ar", 0, 0)] + [("sd", d, k) for d in args.depths for k in args.ks]
+            generations: dict[tuple[str, int, int], list] = {m: [] for m in methods}
+            for index, p in enumerate([prompts[0], *prompts]):  # the first decode of each is a warm-up
+                shift = index % len(methods)
+                for method in methods[shift:] + methods[:shift]:
+                    generator = torch.Generator().manual_seed(index)
+                    if method[0] == "ar":
+                        out = autoregressive(target_lm, p, args.max_new_tokens, greedy, generator, eos_ids)
+                    else:
+                        drafter = drafters[(method[1], eval_set.pair)]
+                        out = speculative(
+                            target_lm,
+                            drafter,
+                            p,
+                            args.max_new_tokens,
+                            greedy,
+                            FixedK(method[2]),
+                            generator,
+                            eos_ids,
+                        )
+                    if index:
+                        generations[method].append(out)
+            ar_rate = summarize(generations[("ar", 0, 0)], None)["token_rate"]
+            for _, depth, k in methods[1:]:
+                outs = generations[("sd", depth, k)]
+                metrics = summarize(outs, None)
+                cost = chain_cost(target_latency, draft_latency[(depth, eval_set.pair)])
+                results.setdefault((depth, k), []).append(
+                    (
+                        metrics["block_efficiency"],
+                        metrics["token_rate"] / ar_rate,
+                        ideal_speedup(outs, step, cost),
+                    )
+                )
+        for (depth, k), values in sorted(results.items()):
+            be, speed, ideal = ([v[i] for v in values] for i in range(3))
+            lines.append(
+                f"| {eval_set.pair} | {depth} | {k} | {_mean_std(be)} | {_mean_std(speed)} | "
+                f"{statistics.mean(ideal):.2f} | {statistics.mean(speed) / statistics.mean(ideal):.2f} |"
+            )
+    return lines
+
+
+def _mean_std(values: list[float]) -> str:
+    if len(values) < 2:
+        return f"{values[0]:.2f} (n=1)"
+    return f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key.path=value", help="recipe overrides (training and measuring)"
+    )
+    parser.add_argument("--recipe", default="recipes/demo/demo.yaml")
+    parser.add_argument("--out-dir", type=Path, required=True, help="run directories, one per depth")
+    parser.add_argument("--depths", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8])
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per pair and repetition")
+    parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--latency-repeats", type=int, default=20)
+    parser.add_argument("--skip-train", action="store_true")
+    parser.add_argument("--record", type=Path, help="append the command and table to this markdown file")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    if not args.skip_train:
+        train(args.recipe, args.out_dir, args.depths, args.overrides)
+    lines = measure(args)
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
+    header = [
+        f"## {date} — {hardware(torch.device('cpu'))}, {platform.machine()}, torch {torch.__version__}",
+        "",
+        "```",
+        "$ python -m bench.drafter_depth " + " ".join(sys.argv[1:]),
+        "```",
+        "",
+        f"T=0, {args.prompts} held-out prompts x {args.repetitions} disjoint repetitions per pair, up to "
+        f"{args.max_new_tokens} new tokens, in-domain drafters; cells mean ± std over repetitions "
+        f"({time.perf_counter() - started:.0f} s in all).",
+        "",
+    ]
+    text = "\n".join(header + lines) + "\n"
+    print(text)
+    if args.record:
+        with open(args.record, "a", encoding="utf-8") as handle:
+            handle.write("\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""`bpd`, `medusa` and their `+rescore` variants: blockwise drafts from proposal heads (seed 000).
+
+The heads read the target's final hidden state at the last accepted position, which the verification
+forward already computes: after a round, the hidden state of the accepted node gives both the target's
+next token (the correction or bonus token, committed) and, through the heads, the distributions of the
+m positions after it, from which the next round drafts. So a round costs one target forward plus the
+heads on one row (and, with rescoring, the drafter's forwards); the first round is a plain target step
+on the prompt, which yields the first hidden state.
+
+- `bpd` (chain): the heads' argmaxes at temperature 0; when sampling, one token per head drawn from h_j
+  (independent of the tokens before it, so h_j is its exact conditional), verified by speculative
+  sampling (`decoding.sd.accept_sampled`, i.e. `verify_chain`) against q = h_j.
+- `bpd+rescore`: the best path of the drafter-rescored lattice (`decoding.lattice`): beam search of
+  width W at temperature 0; when sampling, one path drawn from r (stochastic beam search of width 1,
+  an exact draw), verified by speculative sampling against the rows r_j(. | y_<j) it was drawn from.
+- `medusa` (tree): a candidate tree from the heads' top tokens (`CandidateTree`), children drawn without
+  replacement when sampling, verified in one target forward with the tree mask and recursive rejection
+  sampling (`decoding.tree.verify_tree`), exactly as `rsd_c` / `rsd_s` trees are.
+- `medusa+rescore`: the tree of every beam of a width-W beam search over the rescored lattice (all W
+  nodes of each level, as `rsd_s` keeps them), stochastic beam search when sampling.
+At temperature 0 every variant's output is `ar`'s, token for token: greedy verification keeps exactly
+the target's argmaxes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from decoding.engine import Generation, Output, Round, finish, next_token
+from decoding.lattice import CandidateTree, best_path, candidate_tree, head_log_probs, rescorer
+from decoding.lm import CachedLM
+from decoding.sampling import Sampling, sample
+from decoding.sd import accept_greedy, accept_sampled
+from decoding.tree import TreeShape, check_window, draft_tree, tree_inputs, verify_rows, verify_tree
+
+
+class HeadsDraft:
+    """Proposal heads on the target's hidden states, timed like a model (`seconds`, `calls`)."""
+
+    def __init__(self, heads: torch.nn.Module, target: CachedLM, profile: bool = True) -> None:
+        self.heads = heads
+        self.shared_head = target.head if heads.kind == "bpd" else None
+        self.num_heads = heads.num_heads
+        self.sync = profile and target.device.type == "cuda"
+        self.device = target.device
+        self.reset()
+
+    def reset(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+
+    def log_probs(self, hidden: Tensor, sampling: Sampling) -> Tensor:
+        """Log-distributions [m, V] of the m positions after the token that `hidden` [H] predicts."""
+        start = time.perf_counter()
+        dtype = next(self.heads.parameters()).dtype
+        logp = head_log_probs(self.heads(hidden.to(dtype), self.shared_head), sampling)
+        if self.sync:
+            torch.cuda.synchronize(self.device)
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        return logp
+
+
+@dataclass(frozen=True)
+class Rescoring:
+    """Local rescoring of the heads' top-k lattice by a drafter LM (`decoding.lattice`)."""
+
+    drafter: CachedLM
+    weight: float
+    """lambda: 0 is the heads alone, 1 the drafter alone (over the lattice's candidates)."""
+    top_k: int
+    """Candidates per lattice position."""
+    beam_width: int
+    """Beams kept per level (the tree of `medusa+rescore` has up to beam_width x depth nodes)."""
+
+    def __post_init__(self) -> None:
+        if self.top_k < 1 or self.beam_width < 1:
+            raise ValueError(f"top_k and beam_width must be >= 1, got {self.top_k}, {self.beam_width}")
+
+
+def _finish(
+    out: Output, start: float, target: CachedLM, heads: HeadsDraft, rescoring: Rescoring | None, rounds
+) -> Generation:
+    drafter = rescoring.drafter if rescoring is not None else None
+    gen = finish(out, start, target, drafter, rounds)
+    gen.draft_calls += heads.calls
+    gen.draft_seconds += heads.seconds
+    gen.rescore_seconds = drafter.seconds if drafter is not None else 0.0
+    return gen
+
+
+def _start(target: CachedLM, heads: HeadsDraft, rescoring: Rescoring | None) -> float:
+    target.reset()
+    heads.reset()
+    if rescoring is not None:
+        rescoring.drafter.reset()
+    return time.perf_counter()
+
+
+@torch.inference_mode()
+def blockwise_chain(
+    target: CachedLM,
+    heads: HeadsDraft,
+    prompt: Tensor,
+    max_new_tokens: int,
+    sampling: Sampling,
+    generator: torch.Generator,
+    eos_ids: set[int],
+    rescoring: Rescoring | None = None,
+) -> Generation:
+    """Decode one prompt with `bpd` (`rescoring` None) or `bpd+rescore`."""
+    start = _start(target, heads, rescoring)
+    out = Output(prompt.to(target.device), max_new_tokens, eos_ids, slack=heads.num_heads + 1)
+    greedy = sampling.greedy
+    head_logp: Tensor | None = None  # none before the first target call
+    rounds: list[Round] = []
+    while not out.done:
+        n = out.length
+        k = min(heads.num_heads, out.remaining - 1) if head_logp is not None else 0
+        drafts, draft_probs, path, fed = out.ids[:0], None, [], 0
+        if k > 0 and rescoring is None:
+            if greedy:
+                drafts = head_logp[:k].argmax(-1)
+            else:
+                draft_probs = head_logp[:k].exp()
+                drafts = sample(draft_probs, generator)
+        elif k > 0:
+            drafter = rescoring.drafter
+            width = rescoring.beam_width if greedy else 1  # sampling: one exact draw from r
+            tree, dists = draft_tree(
+                drafter, out.pending(drafter.length), TreeShape.beam(width, k), k, sampling, generator,
+                rescorer(head_logp, rescoring.top_k, rescoring.weight, sampling),
+            )  # fmt: skip
+            path, fed = best_path(tree), tree.fed
+            drafts = torch.tensor([tree.tokens[node] for node in path], device=target.device)
+            if dists is not None:  # the rows each drafted token was drawn from: root, then its ancestors
+                draft_probs = dists[torch.tensor([0] + [node + 1 for node in path[:-1]], device=dists.device)]
+        verify_input = torch.cat([out.ids[target.length : n], drafts]).view(1, -1)
+        logits, hidden = target.forward(verify_input, num_logits=k + 1)
+        if greedy:
+            predicted = logits.argmax(-1)
+            accepted, new = accept_greedy(predicted, drafts)
+            new_device = predicted[: accepted + 1]
+        else:
+            probs = list(draft_probs) if draft_probs is not None else []
+            accepted, new_device = accept_sampled(logits, drafts, probs, sampling, generator)
+            new = new_device.tolist()
+        target.crop(n + accepted)
+        if rescoring is not None and k > 0:
+            rescoring.drafter.keep(n, [node for node in path[:accepted] if node < fed])
+        head_logp = heads.log_probs(hidden[accepted], sampling)
+        kept = out.commit(new, new_device)
+        rounds.append(Round(k, k, min(accepted, kept)))
+    return _finish(out, start, target, heads, rescoring, rounds)
+
+
+@torch.inference_mode()
+def blockwise_tree(
+    target: CachedLM,
+    heads: HeadsDraft,
+    prompt: Tensor,
+    max_new_tokens: int,
+    sampling: Sampling,
+    generator: torch.Generator,
+    eos_ids: set[int],
+    shape: CandidateTree | None = None,
+    rescoring: Rescoring | None = None,
+) -> Generation:
+    """Decode one prompt with `medusa` (a candidate tree of `shape`) or `medusa+rescore` (`rescoring`)."""
+    if (shape is None) == (rescoring is None):
+        raise ValueError("blockwise_tree takes a candidate tree shape (medusa) or a rescoring, not both")
+    start = _start(target, heads, rescoring)
+    depth_limit = min(shape.depth, heads.num_heads) if shape is not None else heads.num_heads
+    max_nodes = len(shape.paths) if shape is not None else rescoring.beam_width * depth_limit
+    out = Output(prompt.to(target.device), max_new_tokens, eos_ids, slack=depth_limit + 1)
+    models = [target] if rescoring is None else [target, rescoring.drafter]
+    head_logp: Tensor | None = None
+    rounds: list[Round] = []
+    while not out.done:
+        n = out.length
+        check_window(models, n, max_nodes)
+        depth = min(depth_limit, out.remaining - 1) if head_logp is not None else 0
+        pending = out.pending(target.length)
+        if depth == 0:  # the prompt (no hidden state yet) or one token left: a plain target step
+            logits, hidden = target.forward(pending)
+            token = next_token(logits[-1], sampling, generator)
+            head_logp = heads.log_probs(hidden[-1], sampling)
+            out.commit([int(token)], token)
+            rounds.append(Round(0, 0, 0))
+            continue
+        if rescoring is None:
+            tree, dists = candidate_tree(head_logp, shape, depth, sampling, generator)
+        else:
+            drafter = rescoring.drafter
+            tree, dists = draft_tree(
+                drafter, out.pending(drafter.length), TreeShape.beam(rescoring.beam_width, depth), depth,
+                sampling, generator, rescorer(head_logp, rescoring.top_k, rescoring.weight, sampling),
+            )  # fmt: skip
+        inputs, positions, mask = tree_inputs(target, pending, n, tree)
+        logits, hidden = target.forward(inputs, len(tree) + 1, positions, mask)
+        path, token = verify_tree(
+            tree, dists, verify_rows(tree, logits, sampling), sampling.greedy, generator
+        )
+        target.keep(n, path)
+        if rescoring is not None:
+            rescoring.drafter.keep(n, [node for node in path if node < tree.fed])
+        head_logp = heads.log_probs(hidden[path[-1] + 1 if path else 0], sampling)
+        kept = out.commit([tree.tokens[node] for node in path] + [token])
+        rounds.append(Round(depth, len(tree), min(len(path), kept)))
+    return _finish(out, start, target, heads, rescoring, rounds)

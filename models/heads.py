@@ -1,0 +1,273 @@
+"""Medusa-1 and BPD heads on a frozen target's last hidden state, saved in two formats.
+
+Both kinds put `num_heads` proposal heads on the target's final hidden state h_t (the final-norm output,
+the input of its lm head). The target's own head gives token t+1; proposal head i (0-based) predicts
+token t+2+i. This is Medusa's convention (its k-th head predicts the token k+1 positions after the
+next one) and Stern et al. 2018's blockwise parallel decoding with k = num_heads + 1, whose first
+head is the base model's own: only the k-1 proposal heads are trained here, the target stays frozen.
+
+Each proposal head starts with a residual block, `x + SiLU(W x + b)` (`num_layers` of them in a row),
+initialised to the identity (W = 0, b = 0, as Medusa does), so that training starts from the target's
+next-token prediction. Then:
+- `medusa` (Medusa-1, Cai et al. 2024): each head has its own lm head, initialised from the target's;
+- `bpd` (Stern et al. 2018): every head goes through the target's own lm head, shared and frozen, as
+  Stern et al. share the base model's output projection. Stern et al.'s per-head layer is a residual
+  feed-forward layer; here it is the same one-matrix residual block as Medusa's, so that both kinds
+  load in vLLM's `medusa` method (BPD with `original_lm_head`), and the two differ only in the lm head.
+
+Formats:
+- polydraft's own: `heads.safetensors` (the trainable tensors only: a BPD folder holds no lm head,
+  it is the target's) and `heads.json` (kind, shape, the target it was trained on, training metrics);
+- vLLM's `medusa` speculative method: `config.json` (`model_type: medusa`, `num_heads`,
+  `num_hidden_layers` = residual layers per head, `medusa_fc_bias`, `original_lm_head`) and
+  `model.safetensors` with `blocks.{i}.layers.{j}.weight|bias` and `lm_heads.{i}.weight`, or one shared
+  `lm_head.weight` (a copy of the target's) with `original_lm_head: true`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+HeadKind = Literal["medusa", "bpd"]
+KINDS: tuple[str, ...] = ("medusa", "bpd")
+WEIGHTS_FILE = "heads.safetensors"
+CONFIG_FILE = "heads.json"
+FORMAT = "polydraft-heads/1"
+VLLM_WEIGHTS_FILE = "model.safetensors"
+VLLM_CONFIG_FILE = "config.json"
+
+
+class ResidualBlock(nn.Module):
+    """`num_layers` times x <- x + SiLU(W x + b), initialised to the identity."""
+
+    def __init__(self, hidden_size: int, num_layers: int, bias: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(hidden_size, hidden_size, bias=bias) for _ in range(num_layers))
+        self.act = nn.SiLU()
+        with torch.no_grad():
+            for layer in self.layers:
+                layer.weight.zero_()
+                if layer.bias is not None:
+                    layer.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + self.act(layer(x))
+        return x
+
+
+class Heads(nn.Module):
+    """`num_heads` proposal heads; head i predicts token t+2+i from the target's final hidden state h_t."""
+
+    def __init__(
+        self,
+        kind: str,
+        num_heads: int,
+        hidden_size: int,
+        vocab_size: int,
+        num_layers: int = 1,
+        bias: bool = True,
+    ) -> None:
+        super().__init__()
+        if kind not in KINDS:
+            raise ValueError(f"unknown head kind {kind!r}; expected one of {KINDS}")
+        if num_heads < 1 or num_layers < 1:
+            raise ValueError(f"num_heads and num_layers must be >= 1, got {num_heads}, {num_layers}")
+        self.kind = kind
+        self.num_heads, self.num_layers, self.bias = num_heads, num_layers, bias
+        self.hidden_size, self.vocab_size = hidden_size, vocab_size
+        self.blocks = nn.ModuleList(ResidualBlock(hidden_size, num_layers, bias) for _ in range(num_heads))
+        # BPD heads have no lm head of their own: the target's is passed to `forward`
+        self.lm_heads = nn.ModuleList(
+            nn.Linear(hidden_size, vocab_size, bias=False)
+            for _ in range(num_heads if kind == "medusa" else 0)
+        )
+
+    def forward(self, hidden: torch.Tensor, shared_head: nn.Module | None = None) -> torch.Tensor:
+        """hidden [..., H] -> logits [num_heads, ..., V]. `shared_head`: the target's lm head (BPD only)."""
+        if self.kind == "bpd":
+            if shared_head is None:
+                raise ValueError("BPD heads project through the target's lm head: pass it as shared_head")
+            return torch.stack([shared_head(block(hidden)) for block in self.blocks])
+        return torch.stack([head(block(hidden)) for block, head in zip(self.blocks, self.lm_heads)])
+
+    def init_lm_heads(self, target_head: nn.Module) -> None:
+        """Copy the target's lm head into every Medusa head (Medusa-1's initialisation)."""
+        if getattr(target_head, "bias", None) is not None:
+            raise ValueError("the target's lm head has a bias; Medusa heads (and vLLM's) have none")
+        with torch.no_grad():
+            for head in self.lm_heads:
+                head.weight.copy_(target_head.weight)
+
+    def shape(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "num_heads": self.num_heads,
+            "num_layers": self.num_layers,
+            "bias": self.bias,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+        }
+
+
+def target_sizes(config: Any) -> tuple[int, int]:
+    """(hidden size, vocabulary size) of a transformers config."""
+    text = config.get_text_config(decoder=True)
+    return text.hidden_size, text.vocab_size
+
+
+def heads_for_target(
+    target: nn.Module, kind: str, num_heads: int, num_layers: int = 1, bias: bool = True
+) -> Heads:
+    """New heads for a loaded causal LM, fp32, on its device; Medusa heads start from its lm head."""
+    hidden_size, vocab_size = target_sizes(target.config)
+    target_head = target.get_output_embeddings()
+    heads = Heads(kind, num_heads, hidden_size, vocab_size, num_layers, bias)
+    heads.to(target_head.weight.device)
+    if kind == "medusa":
+        heads.init_lm_heads(target_head)
+    return heads
+
+
+# ----------------------------------------------------------------------------- polydraft's format
+
+
+def save_heads(
+    heads: Heads,
+    folder: str | Path,
+    target: dict[str, str | None],
+    extra: dict[str, Any] | None = None,
+    state: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """Write `heads.safetensors` and `heads.json`. `target`: {"path", "revision"} of the target;
+    `state`: the heads' state dict when it lives elsewhere (gathered from FSDP / ZeRO-3 shards)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in (state or heads.state_dict()).items()}
+    save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": FORMAT})
+    dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    config = {
+        "format": FORMAT,
+        **heads.shape(),
+        "predicts": "head i predicts token t+2+i from the target's final hidden state at t",
+        "target": target,
+        "dtype": dtype,
+        **(extra or {}),
+    }
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return folder
+
+
+def read_heads_config(folder: str | Path) -> dict[str, Any]:
+    path = Path(folder) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder}: no {CONFIG_FILE}; is this a heads folder?")
+    config = json.loads(path.read_text(encoding="utf-8"))
+    if config.get("format") != FORMAT:
+        raise ValueError(f"{path}: format {config.get('format')!r}, expected {FORMAT!r}")
+    return config
+
+
+def load_heads(folder: str | Path, device: torch.device | str = "cpu") -> Heads:
+    """Heads saved by `save_heads`, in the dtype they were saved in."""
+    from safetensors.torch import load_file
+
+    config = read_heads_config(folder)
+    heads = Heads(
+        config["kind"], config["num_heads"], config["hidden_size"], config["vocab_size"],
+        config["num_layers"], config["bias"],
+    )  # fmt: skip
+    state = load_file(str(Path(folder) / WEIGHTS_FILE), device=str(device))
+    heads.to(device=device, dtype=next(iter(state.values())).dtype)
+    heads.load_state_dict(state)
+    return heads.eval()
+
+
+def check_heads_fit(heads: Heads, target: nn.Module, where: str) -> None:
+    """Refuse heads trained for a target of another hidden or vocabulary size."""
+    hidden_size, vocab_size = target_sizes(target.config)
+    if (heads.hidden_size, heads.vocab_size) != (hidden_size, vocab_size):
+        raise ValueError(
+            f"{where}: heads for hidden size {heads.hidden_size} and vocabulary {heads.vocab_size}, "
+            f"but the target has {hidden_size} and {vocab_size}"
+        )
+
+
+def attach_heads(target: nn.Module, folder: str | Path) -> Heads:
+    """Load heads for decoding with a loaded target: on its device, in its dtype, shapes checked."""
+    heads = load_heads(folder)
+    check_heads_fit(heads, target, str(folder))
+    reference = target.get_output_embeddings().weight
+    return heads.to(device=reference.device, dtype=reference.dtype).eval()
+
+
+# ----------------------------------------------------------------------------- vLLM's medusa format
+
+
+def export_vllm_medusa(heads: Heads, folder: str | Path, target_head: nn.Module | None = None) -> Path:
+    """Write the folder vLLM's `medusa` speculative method loads (see the module docstring).
+
+    BPD heads need the target's lm head (`target_head`): vLLM's medusa model holds its own copy.
+    """
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}
+    if heads.kind == "bpd":
+        if target_head is None:
+            raise ValueError("exporting BPD heads needs the target's lm head (vLLM keeps a copy)")
+        if getattr(target_head, "bias", None) is not None:
+            raise ValueError("the target's lm head has a bias, which vLLM's medusa lm head cannot hold")
+        dtype = next(iter(tensors.values())).dtype
+        tensors["lm_head.weight"] = target_head.weight.detach().to("cpu", dtype).contiguous()
+    save_file(tensors, str(folder / VLLM_WEIGHTS_FILE), metadata={"format": "pt"})
+    config = {
+        "model_type": "medusa",
+        "architectures": ["MedusaModel"],
+        "hidden_size": heads.hidden_size,
+        "vocab_size": heads.vocab_size,
+        "truncated_vocab_size": heads.vocab_size,
+        "num_heads": heads.num_heads,
+        "num_hidden_layers": heads.num_layers,
+        "medusa_fc_bias": heads.bias,
+        "original_lm_head": heads.kind == "bpd",
+        "dtype": str(next(iter(tensors.values())).dtype).removeprefix("torch."),
+    }
+    (folder / VLLM_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return folder
+
+
+def load_vllm_medusa(folder: str | Path) -> tuple[Heads, torch.Tensor | None]:
+    """Read a vLLM `medusa` folder back: (heads, the shared lm head weight of an `original_lm_head` folder).
+
+    An `original_lm_head` folder becomes BPD heads (they project through one shared head); the caller
+    checks that weight against the target's.
+    """
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    config = json.loads((folder / VLLM_CONFIG_FILE).read_text(encoding="utf-8"))
+    if config.get("model_type") != "medusa":
+        raise ValueError(f"{folder}: model_type {config.get('model_type')!r}, expected 'medusa'")
+    shared = bool(config.get("original_lm_head", False))
+    heads = Heads(
+        "bpd" if shared else "medusa", config["num_heads"], config["hidden_size"], config["vocab_size"],
+        config.get("num_hidden_layers", 1), bool(config.get("medusa_fc_bias", False)),
+    )  # fmt: skip
+    state = {
+        k.removeprefix("medusa_heads."): v for k, v in load_file(str(folder / VLLM_WEIGHTS_FILE)).items()
+    }
+    shared_weight = state.pop("lm_head.weight", None) if shared else None
+    if shared and shared_weight is None:
+        shared_weight = state.pop("lm_heads.0.weight", None)
+    heads.to(dtype=next(iter(state.values())).dtype)
+    heads.load_state_dict(state)
+    return heads.eval(), shared_weight

@@ -1,0 +1,131 @@
+"""Stage `heads` (seed 000): Medusa-1 or BPD proposal heads on the frozen target's last hidden states,
+trained on the distill stage's mix of every pair.
+
+Runner side: `run` launches `main` through `accelerate launch`. Subprocess side: `train_heads` loads the
+frozen target (bf16 on a GPU), builds the heads (`models.heads.heads_for_target`) and trains them with
+`train.heads.fit`. Output: `heads/` (`heads.safetensors`, `heads.json`, whose `training` holds the
+metrics), which the measure stage decodes with (`bpd`, `medusa` and their `+rescore` variants).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.heads import Heads, heads_for_target, save_heads
+from models.loading import load_causal_lm, load_tokenizer
+from pipelines.schema.inputs import HeadsInputs
+from pipelines.stage import (
+    StageContext,
+    StageFailed,
+    StageResult,
+    StageSpec,
+    launch_training,
+    optim_settings,
+    training_main,
+)
+from pipelines.tracking import Tracker
+from train.data import MixBatches, pad_id_of
+from train.early_exit import eval_set, load_examples
+from train.heads import HEADS_DIR, fit
+from train.results import HeadsMetrics
+from train.runtime import configure_deepspeed
+from train.schedule import build_optimizer, build_scheduler
+
+
+def run(inputs: HeadsInputs, ctx: StageContext) -> StageResult:
+    """Launch the training subprocess, return its metrics."""
+    if "distill" not in ctx.upstream:
+        raise StageFailed("heads trains on the distill stage's mix: enable the distill stage")
+    metrics = launch_training(inputs, inputs.launch, ctx, "pipelines.stages.heads")
+    return StageResult(metrics=HeadsMetrics.model_validate(metrics).model_dump())
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m pipelines.stages.heads SPEC.json`, started by `accelerate launch` on every process."""
+
+    def job(spec: StageSpec, inputs: HeadsInputs, accelerator: Any, tracker: Tracker) -> dict[str, Any]:
+        return train_heads(spec, inputs, accelerator, tracker)[1].model_dump()
+
+    training_main(argv, HeadsInputs, lambda inputs: inputs.heads.loop, job)
+
+
+def train_heads(
+    spec: StageSpec, inputs: HeadsInputs, accelerator: Any, tracker: Tracker
+) -> tuple[Heads, HeadsMetrics]:
+    """Load the frozen target, train the heads, write `heads/`; returns the heads and their metrics."""
+    from accelerate.utils import set_seed
+
+    target_spec, work_dir, block = inputs.target, Path(spec.work_dir), inputs.heads
+    loop, optim = block.loop, optim_settings(block.optim)
+    device = accelerator.device
+    set_seed(loop.seed)
+    tokenizer = load_tokenizer(target_spec.path, target_spec.revision, target_spec.trust_remote_code)
+    distill_dir = Path(spec.upstream["distill"])
+    options = {"temperatures": block.temperatures, "loss_on": "response", "max_length": loop.max_length}
+    try:
+        train_examples = load_examples(distill_dir, tokenizer, "train", **options)
+        eval_examples = load_examples(distill_dir, tokenizer, "eval", **options)
+    except (FileNotFoundError, ValueError) as err:
+        raise StageFailed(f"heads: {err}") from err
+    batches = MixBatches(
+        train_examples, loop.seed, loop.per_device_batch_size, accelerator.process_index,
+        accelerator.num_processes, accelerator.gradient_accumulation_steps, pad_id_of(tokenizer),
+    )  # fmt: skip
+    if batches.steps_per_epoch == 0:
+        raise StageFailed(
+            f"heads: {len(train_examples)} training examples are fewer than one global batch of "
+            f"{batches.global_batch} (per_device_batch_size x processes x grad_accum_steps)"
+        )
+    total_steps = loop.max_steps or max(1, int(loop.epochs * batches.steps_per_epoch))
+
+    target = load_causal_lm(
+        target_spec.path, target_spec.revision, target_spec.dtype, target_spec.trust_remote_code, device
+    )
+    target.requires_grad_(False)
+    heads = heads_for_target(target, block.kind, block.num_heads, block.num_layers)
+    shared_head = target.get_output_embeddings() if block.kind == "bpd" else None
+    evals = eval_set(
+        eval_examples, loop.per_device_batch_size, loop.eval_batches, accelerator, pad_id_of(tokenizer)
+    )
+    optimizer = build_optimizer(heads, optim.lr, optim.weight_decay, optim.betas, optim.eps)
+    scheduler = build_scheduler(
+        optimizer, total_steps, optim.warmup_ratio, optim.schedule, optim.min_lr_ratio
+    )
+    configure_deepspeed(accelerator, loop.per_device_batch_size, optim.max_grad_norm)
+    prepared, optimizer = accelerator.prepare(heads, optimizer)
+    prepared.train()
+    steps, train_loss, initial, final = fit(
+        accelerator, target, prepared, shared_head, optimizer, scheduler, batches, evals, tracker,
+        num_heads=block.num_heads, loss_decay=block.loss_decay, total_steps=total_steps,
+        max_grad_norm=optim.max_grad_norm, log_every=loop.log_every, eval_every=loop.eval_every,
+        checkpoint_every=loop.checkpoint_every, keep_checkpoints=loop.keep_checkpoints,
+        work_dir=work_dir, quiet=spec.quiet,
+    )  # fmt: skip
+    metrics = HeadsMetrics(
+        steps=steps,
+        train_loss=train_loss,
+        initial=initial,
+        final=final,
+        peak_memory_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+    )
+    state = accelerator.get_state_dict(prepared)  # every process: FSDP / ZeRO-3 gather the shards
+    if accelerator.is_main_process:
+        out, partial = work_dir / HEADS_DIR, work_dir / f"{HEADS_DIR}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        origin = {"path": target_spec.path, "revision": target_spec.revision}
+        save_heads(heads, partial, origin, extra={"training": metrics.model_dump()}, state=state)
+        shutil.rmtree(out, ignore_errors=True)
+        partial.rename(out)
+        shutil.rmtree(
+            work_dir / "checkpoints", ignore_errors=True
+        )  # the heads are written: nothing to resume
+    accelerator.wait_for_everyone()
+    return heads, metrics
+
+
+if __name__ == "__main__":
+    main()

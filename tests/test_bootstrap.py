@@ -1,0 +1,46 @@
+"""The bootstrap target build: a stopped build resumes to the same model as an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from train import bootstrap
+
+SETTINGS = dict(
+    pairs=["de-en"], vocab_size=300, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
+    max_position_embeddings=256, steps=6, batch_size=5, seq_len=256, lr=3e-3, seed=0,
+    entries_per_sample=(1, 2), test_fraction=0.1, samples_per_pair=12, kind_weights={"date": 1.0},
+    show_progress=False, checkpoint_every=2,
+)  # fmt: skip
+# 12 examples in batches of 5: the data order is drawn again at steps 0, 2 and 4, so a build resumed at
+# step 4 (its last checkpoint) must restore the order's random state too
+
+
+def test_a_stopped_build_resumes_to_the_same_model(tmp_path, monkeypatch):
+    whole = bootstrap.build_bootstrap_target(tmp_path / "whole", **SETTINGS)
+    clip = torch.nn.utils.clip_grad_norm_
+    calls = []
+
+    def stopping(*args, **kwargs):  # a kill after step 5's backward pass (checkpoints after steps 2 and 4)
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return clip(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", stopping)
+    with pytest.raises(KeyboardInterrupt):
+        bootstrap.build_bootstrap_target(tmp_path / "sliced", **SETTINGS)
+    assert not (tmp_path / "sliced").exists() and (tmp_path / ".sliced.partial" / bootstrap.STATE).is_file()
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    sliced = bootstrap.build_bootstrap_target(tmp_path / "sliced", **SETTINGS)
+    assert not (tmp_path / ".sliced.partial").exists()
+    assert sliced["final_loss"] == whole["final_loss"] and (sliced["slices"], whole["slices"]) == (2, 1)
+    first, second = (load_file(tmp_path / name / "model.safetensors") for name in ("whole", "sliced"))
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    assert json.loads((tmp_path / "sliced" / bootstrap.DONE).read_text())["steps"] == 6
+    tokens = (tmp_path / "whole" / "tokenizer.json").read_text()
+    assert (tmp_path / "sliced" / "tokenizer.json").read_text() == tokens

@@ -1,0 +1,125 @@
+"""Forward latencies and the ideal speedup they imply (`decoding.latency`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decoding.engine import Generation, Round
+from decoding.latency import (
+    Latencies,
+    chain_cost,
+    ideal_speedup,
+    lm_latencies,
+    run_latencies,
+    self_speculative_latencies,
+    tree_cost,
+)
+from decoding.lm import CachedLM
+from decoding.tree import TreeShape
+from models.tiny import build_llama
+from tests.decoding_helpers import single_thread_fixture
+
+single_thread = single_thread_fixture()
+
+TARGET = Latencies(chain={1: 10.0, 2: 11.0, 3: 12.0, 4: 13.0, 5: 14.0}, tree={3: 20.0, 5: 22.0, 7: 25.0})
+DRAFTER = Latencies(chain={1: 2.0}, tree={2: 3.0, 4: 5.0})
+
+
+def generation(tokens: int, rounds: list[Round]) -> Generation:
+    return Generation(tokens=list(range(tokens)), stop="length", rounds=rounds, target_calls=len(rounds))
+
+
+def test_ideal_speedup_of_a_fixed_k_chain_is_the_closed_form():
+    # 3 rounds of K=4 that produced 5 + 2 + 3 tokens: BE = 10 / 3
+    gens = [generation(7, [Round(4, 4, 4), Round(4, 4, 1)]), generation(3, [Round(4, 4, 2)])]
+    ideal = ideal_speedup(gens, TARGET.chain[1], chain_cost(TARGET, DRAFTER))
+    assert ideal == pytest.approx((10 / 3) * 10.0 / (14.0 + 4 * 2.0))
+
+
+def test_ideal_speedup_sums_the_cost_of_every_round_and_is_one_for_ar():
+    # Thompson sampling drafts a different k each round; k = 0 is a plain target step
+    gens = [generation(6, [Round(2, 2, 2), Round(0, 0, 0), Round(3, 3, 1)])]
+    costs = (12.0 + 2 * 2.0) + 10.0 + (13.0 + 3 * 2.0)
+    assert ideal_speedup(gens, 10.0, chain_cost(TARGET, DRAFTER)) == pytest.approx(6 * 10.0 / costs)
+    ar = [generation(5, [Round(0, 0, 0)] * 5)]
+    assert ideal_speedup(ar, 10.0, chain_cost(TARGET, TARGET)) == 1.0
+    assert ideal_speedup([generation(0, [])], 10.0, chain_cost(TARGET, DRAFTER)) is None
+
+
+def test_tree_rounds_cost_the_masked_verification_the_root_call_and_every_level_but_the_last():
+    beam = TreeShape.beam(
+        2, 2
+    )  # levels of 2 nodes: verify 4 nodes + 1, drafter calls on the root and level 1
+    cost = tree_cost(TARGET, DRAFTER, beam)
+    assert cost(Round(2, 4, 1)) == 22.0 + 2.0 + 3.0
+    assert cost(Round(1, 2, 0)) == 20.0 + 2.0  # a depth-1 tree near the end: no level call
+    assert cost(Round(0, 0, 0)) == 10.0
+    constant = TreeShape.constant([2, 2])  # levels of 2 and 4 nodes
+    assert constant.level_sizes(2) == [2, 4] and constant.max_nodes == 6
+    assert tree_cost(TARGET, DRAFTER, constant)(Round(2, 6, 2)) == 25.0 + 2.0 + 3.0
+
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    return CachedLM(build_llama(64, 32, 2, 4, 64, seed=1))
+
+
+def test_lm_latencies_time_each_size_from_the_same_cached_context(tiny_lm, monkeypatch):
+    context = torch.arange(3, 15).view(1, -1)
+    seen = []
+    forward = tiny_lm.forward
+
+    def recording(input_ids, num_logits=1, position_ids=None, attention_mask=None):
+        seen.append((tiny_lm.length, input_ids.shape[1], attention_mask is not None))
+        return forward(input_ids, num_logits, position_ids, attention_mask)
+
+    monkeypatch.setattr(tiny_lm, "forward", recording)
+    latencies = lm_latencies(tiny_lm, context, [1, 3], [2, 4], repeats=2)
+    assert sorted(latencies.chain) == [1, 3] and sorted(latencies.tree) == [2, 4]
+    assert all(s > 0 for s in [*latencies.chain.values(), *latencies.tree.values()])
+    # the context once, then every timed call starts from it (the cache is cropped back each time)
+    assert seen[0] == (0, 12, False)
+    assert seen[1:] == [(12, 1, False), (12, 3, False), (12, 2, True), (12, 4, True)] * 2
+    assert tiny_lm.length == 0
+    with pytest.raises(ValueError, match="latency sizes"):
+        lm_latencies(tiny_lm, context, [12], [], repeats=1)
+
+
+def test_run_latencies_cover_every_round_the_decoders_can_make(tiny_lm):
+    from decoding.eesd import SelfSpeculative
+    from models.early_exit import from_target
+
+    target = build_llama(64, 32, 4, 4, 64, seed=2)
+    eesd = SelfSpeculative(target, from_target(target, 2, 1))
+    shapes = [TreeShape.constant([2, 2, 1]), TreeShape.beam(3, 3)]
+    run = run_latencies(
+        CachedLM(target), {"d": tiny_lm}, {"ee": eesd}, torch.arange(3, 23).view(1, -1), 5, shapes, 1
+    )
+    assert sorted(run.target.chain) == list(range(1, 7))
+    assert sorted(run.target.tree) == list(range(2, 12))  # trees of up to 10 nodes (2 + 4 + 4)
+    assert sorted(run.drafters["d"].chain) == [1] and sorted(run.drafters["d"].tree) == [1, 2, 3, 4]
+    verify, draft = run.self_speculative["ee"]
+    assert sorted(verify.chain) == list(range(1, 7)) and sorted(draft.chain) == [1]
+    assert set(run.as_json()) == {"target", "drafters", "self_speculative"}
+
+
+def test_self_speculative_latencies_restore_every_slot_group():
+    from decoding.eesd import SelfSpeculative
+    from models.early_exit import from_target
+
+    target = build_llama(64, 32, 4, 4, 64, seed=2)
+    model = SelfSpeculative(target, from_target(target, 2, 1))
+    lengths = []
+    verify = model.verify
+
+    def recording(pending, num_logits):
+        lengths.append((model.length(model.shared_slots), model.length(model.deep_slots), num_logits))
+        return verify(pending, num_logits)
+
+    model.verify = recording
+    self_speculative_latencies(model, torch.arange(3, 13).view(1, -1), [1, 3], repeats=2)
+    # after the context's own verification, a verification of n positions finds n - 1 drafts in the
+    # shared layers and the deeper layers still at the context
+    assert lengths == [(10, 0, 1)] + [(10, 10, 1), (12, 10, 3)] * 2
+    assert model.length(model.shared_slots) == 0

@@ -1,0 +1,90 @@
+"""The report's cells: repetitions, ideal speedups, and the in-domain vs out-of-domain verdict."""
+
+from __future__ import annotations
+
+import math
+
+from decoding.report import domain_table, pooled_std, repetitions, speedup_table, table
+from decoding.results import ResultRow
+
+CONTEXT = {"target": "t", "device": "cpu", "hardware": "cpu", "date": "d", "torch": "2", "transformers": "4"}
+METRICS = {
+    "prompts": 8,
+    "new_tokens": 64,
+    "target_calls": 10,
+    "draft_calls": 30,
+    "mean_accepted_length": None,
+    "mean_draft_length": None,
+    "acceptance_rate": None,
+    "draft_proportion": None,
+    "hm": None,
+    "mbsu": None,
+    "token_rate": 100.0,
+    "wall_seconds": 1.0,
+    "target_seconds": 0.5,
+    "draft_seconds": 0.2,
+    "overhead_share": 0.3,
+    "eos_stops": 0,
+}
+
+
+def row(dataset: str, seed: int, be: float, speedup: float, ideal: float | None = None) -> ResultRow:
+    pair = dataset.split("-test")[0]
+    return ResultRow(
+        engine="polydraft",
+        engine_detail=None,
+        acceptance_per_position=None,
+        batch_rates=None,
+        decoder="sd",
+        method="sd[de-en] K=4",
+        drafter="de-en",
+        drafter_kind="finetune",
+        drafter_pair="de-en",
+        dataset=dataset,
+        dataset_pair=pair,
+        in_domain=pair == "de-en",
+        temperature=0.0,
+        top_p=1.0,
+        seed=seed,
+        draft_length=4,
+        control="fixed",
+        tree=None,
+        max_new_tokens=64,
+        size_ratio=0.1,
+        block_efficiency=be,
+        speedup=speedup,
+        ideal_speedup=ideal,
+        matches_ar=True,
+        group_rows=2,
+        **METRICS,
+        **CONTEXT,
+    )
+
+
+def test_one_repetition_shows_its_count_not_a_zero_spread():
+    rows = [row("de-en-test", 0, 2.5, 1.2, 1.5)]
+    text = table(rows, "block_efficiency")
+    assert "2.50 (n=1)" in text and "±" not in text
+    assert "1.20 (n=1) (ideal 1.50, 80%)" in speedup_table(rows)
+    assert repetitions(rows) == "1"
+    assert repetitions(rows + [row("de-en-test", 1, 2.7, 1.3), row("fr-en-test", 0, 2.0, 1.0)]) == "1-2"
+
+
+def test_speedup_cells_carry_the_mean_ideal_and_the_share_reached():
+    rows = [row("de-en-test", 0, 2.5, 1.2, 1.5), row("de-en-test", 1, 2.5, 1.4, 1.5)]
+    assert "| sd[de-en] K=4 | 1.30 ± 0.14 (ideal 1.50, 87%) |" in speedup_table(rows)
+    assert "(ideal" not in speedup_table([row("de-en-test", 0, 2.5, 1.2)])
+
+
+def test_domain_table_calls_a_difference_beyond_noise_only_past_twice_the_pooled_std():
+    assert pooled_std([1.0], [2.0, 3.0]) is None
+    assert math.isclose(pooled_std([1.0, 3.0], [2.0, 4.0, 6.0]), math.sqrt((2 + 8) / 3))
+    inside = [row("de-en-test", s, be, 1.0) for s, be in enumerate([3.0, 3.1, 2.9])]
+    far = [row("fr-en-test", s, be, 0.8) for s, be in enumerate([2.0, 2.1, 1.9])]
+    near = [row("fr-en-test", s, be, 0.8) for s, be in enumerate([2.85, 2.95, 2.75])]
+    # pooled std 0.1 in both cases: a difference of 1.0 is beyond noise, one of 0.15 (1.5 std) is not
+    assert "| sd[de-en] K=4 | 0 | 3.00 ± 0.10 | 2.00 ± 0.10 | +1.00 | 0.20 | yes |" in domain_table(
+        inside + far
+    )
+    assert "| +0.15 | 0.20 | no |" in domain_table(inside + near)
+    assert "| - | - |" in domain_table(inside[:1] + far[:1])

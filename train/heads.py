@@ -1,0 +1,257 @@
+"""The heads trainer: Medusa-1 or BPD proposal heads on the frozen target's last hidden states.
+
+The whole target is loaded (bf16 on a GPU) and frozen; only its decoder runs, without autograd, to give
+the final hidden states h_t; only the heads are handed to accelerate (DDP / FSDP / DeepSpeed wrap just
+them; every process keeps its own frozen target). Proposal head i at position t learns token t+2+i
+(`models.heads`), with cross-entropy on the response tokens of the distill stage's mix, every pair
+together. The loss is Medusa-1's weighted sum over heads, sum_i decay^i * CE_i, each CE_i the exact
+token mean over the optimizer step's global batch: the shared step (`train.step.train_step`) scales a
+micro-batch's loss sum by 1 / (the step's loss tokens), so each head's sum is weighted by
+decay^i * (step loss tokens) / (head i's step tokens) before it.
+
+Held out, per head: loss, top-1 accuracy against the data (`top1`) and top-1 agreement with the target's
+own greedy token at that position given the true prefix (`top1_target`: the argmax of the target's head
+on h_{t+1+i}, which the same forward already gives), the quantity that decides acceptance at
+temperature 0.
+
+The stage entry point is `pipelines.stages.heads`. Outputs in the work dir: `heads/`
+(`models.heads.save_heads`), the per-step log `train_log.jsonl`; checkpoints (`checkpoints/step-N/`)
+let a killed run resume with the same data order, RNG and optimizer states, and are removed once the
+heads are written.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from train.data import MixBatches
+from train.losses import IGNORE_INDEX
+from train.results import HeadScore, HeadsEval
+from train.runtime import check_finite
+from train.step import StepLog, token_counts, train_step
+from train.steplog import mean_loss, truncate_log
+
+log = logging.getLogger(__name__)
+
+HEADS_DIR = "heads"
+LOG_FILE = "train_log.jsonl"
+
+
+# ----------------------------------------------------------------------------- the heads' loss
+
+
+def head_labels(labels: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[num_heads, B, T]: entry (i, b, t) is the label head i learns at position t, labels[b, t+2+i]."""
+    out = torch.full((num_heads, *labels.shape), IGNORE_INDEX, dtype=labels.dtype, device=labels.device)
+    for i in range(num_heads):
+        out[i, :, : -(2 + i)] = labels[:, 2 + i :]
+    return out
+
+
+def label_counts(labels: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Tokens carrying loss for each head, [num_heads] (float64 for exact reductions)."""
+    return (head_labels(labels, num_heads) != IGNORE_INDEX).flatten(1).sum(1).double()
+
+
+@torch.no_grad()
+def last_hidden(target: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The frozen target's final hidden states [B, T, H] (the input of its lm head), no autograd."""
+    return target.base_model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+    ).last_hidden_state
+
+
+def heads_forward(
+    heads: torch.nn.Module, shared_head: torch.nn.Module | None, hidden: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits [num_heads, N, V], labels [num_heads, N]) on the N positions where some head has a label.
+
+    The heads run on those rows only: the prompt's positions and the padding never reach the lm heads.
+    """
+    rows = (labels != IGNORE_INDEX).any(0)
+    selected = hidden[rows].to(next(heads.parameters()).dtype)
+    logits = heads(selected, shared_head)
+    return logits, labels[:, rows]
+
+
+def ce_sums(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy per head [num_heads] (fp32)."""
+    return torch.stack(
+        [
+            F.cross_entropy(logits[i].float(), labels[i], ignore_index=IGNORE_INDEX, reduction="sum")
+            for i in range(labels.shape[0])
+        ]
+    )
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def evaluate(
+    accelerator: Any,
+    target: torch.nn.Module,
+    heads: torch.nn.Module,
+    shared_head: torch.nn.Module | None,
+    evals: list[dict[str, torch.Tensor]],
+    num_heads: int,
+) -> HeadsEval:
+    """Held-out loss, top-1 vs the data and top-1 vs the target's greedy token, per head; and the target's
+    own next-token top-1 vs the data (`target_top1`), for scale."""
+    heads.eval()
+    device = accelerator.device
+    target_head = target.get_output_embeddings()
+    # per head: loss sum, count, hits vs labels, hits vs target; then the target's hits and count
+    sums = torch.zeros(4 * num_heads + 2, dtype=torch.float64, device=device)
+    for batch in evals:
+        batch = {k: v.to(device) for k, v in batch.items()}
+        hidden = last_hidden(target, batch)
+        greedy = target_head(hidden).argmax(-1)  # the target's greedy token for position t + 1
+        labels = head_labels(batch["labels"], num_heads)
+        reference = head_labels(torch.cat([greedy[:, :1], greedy[:, :-1]], 1), num_heads)
+        rows = (labels != IGNORE_INDEX).any(0)
+        logits, selected = heads_forward(heads, shared_head, hidden, labels)
+        predicted = logits.argmax(-1)
+        mask = selected != IGNORE_INDEX
+        reference = reference[:, rows]
+        per_head = torch.stack(
+            [
+                ce_sums(logits, selected).double(),
+                mask.sum(1).double(),
+                ((predicted == selected) & mask).sum(1).double(),
+                ((predicted == reference) & mask).sum(1).double(),
+            ]
+        )
+        next_labels = batch["labels"][:, 1:]
+        next_mask = next_labels != IGNORE_INDEX
+        target_hits = ((greedy[:, :-1] == next_labels) & next_mask).sum().double()
+        sums += torch.cat([per_head.flatten(), torch.stack([target_hits, next_mask.sum().double()])])
+    totals = accelerator.reduce(sums, "sum").view(-1).tolist()
+    heads.train()
+    scores = []
+    for i in range(num_heads):
+        loss, count, hits, agree = (totals[k * num_heads + i] for k in range(4))
+        count = max(count, 1.0)
+        scores.append(HeadScore(loss=loss / count, top1=hits / count, top1_target=agree / count))
+    return HeadsEval(
+        eval_loss=sum(score.loss for score in scores) / num_heads,
+        heads=scores,
+        target_top1=totals[-2] / max(totals[-1], 1.0),
+    )
+
+
+def eval_log(metrics: HeadsEval) -> dict[str, float]:
+    out = {"eval/loss": metrics.eval_loss, "eval/target_top1": metrics.target_top1}
+    for i, score in enumerate(metrics.heads):
+        out |= {f"eval/head{i}_{k}": v for k, v in score.model_dump().items()}
+    return out
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def fit(
+    accelerator: Any,
+    target: torch.nn.Module,
+    heads: torch.nn.Module,
+    shared_head: torch.nn.Module | None,
+    optimizer: Any,
+    scheduler: Any,
+    batches: MixBatches,
+    evals: list[dict[str, torch.Tensor]],
+    tracker: Any,
+    *,
+    num_heads: int,
+    loss_decay: float,
+    total_steps: int,
+    max_grad_norm: float,
+    log_every: int,
+    eval_every: int,
+    checkpoint_every: int,
+    keep_checkpoints: int,
+    work_dir: Path,
+    quiet: bool,
+) -> tuple[int, float | None, HeadsEval | None, HeadsEval | None]:
+    """The explicit loop: resume, steps with exact per-head token means, logs, evals, checkpoints. Returns
+    (steps, train loss, held-out metrics of the initial heads, held-out metrics at the end)."""
+    from tqdm.auto import tqdm
+
+    device, main_process = accelerator.device, accelerator.is_main_process
+    weights = torch.tensor([loss_decay**i for i in range(num_heads)], dtype=torch.float64, device=device)
+    checkpoints, log_path = work_dir / "checkpoints", work_dir / LOG_FILE
+    step, last_checkpoint = 0, latest_checkpoint(checkpoints)
+    initial: HeadsEval | None = None
+    if last_checkpoint is not None:
+        state = load_checkpoint(accelerator, last_checkpoint, {"scheduler": scheduler})
+        step = state["step"]
+        initial = HeadsEval.model_validate(state["initial_eval"]) if state["initial_eval"] else None
+        log.info("heads: resuming from %s (step %d of %d)", last_checkpoint, step, total_steps)
+    elif evals:  # the heads as initialised: the baseline training must beat
+        initial = evaluate(accelerator, target, heads, shared_head, evals, num_heads)
+        if main_process:
+            tracker.log(eval_log(initial), step=0)
+    if main_process:
+        truncate_log(log_path, step)
+    # the target runs forward only (2 FLOPs a parameter and token), the heads forward and backward
+    frozen = sum(p.numel() for p in target.parameters())
+    trained = sum(p.numel() for p in heads.parameters())
+    steplog = StepLog(
+        tracker, log_path, prefix="", log_every=log_every, flops_per_token=2.0 * frozen + 6.0 * trained,
+        peak_flops=None, world=accelerator.num_processes, main_process=main_process,
+    )  # fmt: skip
+    current: dict[str, torch.Tensor] = {}  # this step's per-head loss factors and detached loss sums
+
+    def loss_sum(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits, labels = heads_forward(
+            heads, shared_head, last_hidden(target, batch), head_labels(batch["labels"], num_heads)
+        )
+        sums = ce_sums(logits, labels)
+        current["sums"] = current["sums"] + sums.detach().double()
+        return (sums * current["factors"].to(sums.dtype)).sum()
+
+    progress = tqdm(total=total_steps, initial=step, desc="heads", disable=quiet or not main_process)
+    tokens_seen = 0
+    while step < total_steps:
+        micro_batches = [{k: v.to(device) for k, v in b.items()} for b in batches.micro_batches(step)]
+        step_tokens, _ = token_counts(micro_batches, accelerator)
+        local = sum(label_counts(b["labels"], num_heads) for b in micro_batches)
+        head_tokens = accelerator.reduce(local, "sum")
+        # train_step divides every loss sum by `step_tokens`; this makes head i's a decay^i-weighted
+        # share of its own token mean (a head with no token in the step gets no loss)
+        current["factors"] = torch.where(
+            head_tokens > 0, weights * step_tokens / head_tokens.clamp(min=1), 0.0
+        )
+        current["sums"] = torch.zeros(num_heads, dtype=torch.float64, device=device)
+        stats = train_step(accelerator, heads, optimizer, scheduler, micro_batches, loss_sum, max_grad_norm)
+        check_finite(stats.loss, step + 1, str(last_checkpoint) if last_checkpoint else None)
+        step += 1
+        tokens_seen += stats.input_tokens
+        steplog.record(step, total_steps, stats, tokens_seen)
+        if step % log_every == 0 or step == total_steps:  # every process joins the reduction
+            losses = (accelerator.reduce(current["sums"], "sum") / head_tokens.clamp(min=1)).tolist()
+            if main_process:
+                tracker.log({f"train/head{i}_loss": loss for i, loss in enumerate(losses)}, step=step)
+        if evals and eval_every and step % eval_every == 0 and step < total_steps:
+            metrics = evaluate(accelerator, target, heads, shared_head, evals, num_heads)
+            if main_process:
+                tracker.log(eval_log(metrics), step=step)
+        if step % checkpoint_every == 0 or step == total_steps:
+            saved = {"initial_eval": initial.model_dump() if initial else None}
+            last_checkpoint = save_checkpoint(
+                accelerator, checkpoints, step, saved, keep_checkpoints, {"scheduler": scheduler}
+            )
+        progress.update(1)
+        progress.set_postfix(loss=f"{stats.loss:.4f}")
+    progress.close()
+    final = None
+    if evals:
+        final = evaluate(accelerator, target, heads, shared_head, evals, num_heads)
+        if main_process:
+            tracker.log(eval_log(final), step=step)
+    return step, mean_loss(log_path, log_every), initial, final
