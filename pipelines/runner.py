@@ -193,6 +193,9 @@ def run_pipeline(
             result = stage.run(inputs, ctx)
         except BaseException as err:
             tracker.finish(failed=True)
+            stage_log = work_dir / f"{stage.name}.log"
+            with open(stage_log, "a", encoding="utf-8") as handle:
+                handle.write(f"\n--- {stage.name} failed ---\n{traceback.format_exc()}")
             write_json_atomic(
                 work_dir / "failure.json",
                 {
@@ -204,6 +207,8 @@ def run_pipeline(
                     "failed_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                 },
             )
+            if isinstance(err, StageFailed) and str(stage_log) not in str(err):
+                raise StageFailed(f"{err}\n  details: {stage_log}") from err
             raise
         tracker.finish()
         duration = time.perf_counter() - clock

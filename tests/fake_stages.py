@@ -10,7 +10,7 @@ from pathlib import Path
 from pipelines.recipe import load_recipe
 from pipelines.runner import StageOutcome, run_pipeline
 from pipelines.schema import ResolvedTarget
-from pipelines.stage import Stage, StageResult
+from pipelines.stage import Stage, StageFailed, StageResult
 from pipelines.stages import default_stages
 
 
@@ -28,7 +28,7 @@ def _make(name: str):
         resumed = (ctx.work_dir / "hanging").exists()
         (ctx.work_dir / "out.json").write_text(json.dumps({"stage": name, "inputs": sorted(inputs)}))
         if os.environ.get("FAKE_STAGE_FAIL") == name:
-            raise RuntimeError(f"{name} failed on purpose")
+            raise StageFailed(f"{name} failed on purpose")
         return StageResult(metrics={"resumed": resumed, "value": 1.5})
 
     return run

@@ -190,8 +190,11 @@ def test_only_and_from_and_force(setup):
 def test_failed_stage_leaves_no_complete_folder_and_rerun_resumes(setup, monkeypatch):
     recipe_path, run_dir, log = setup
     monkeypatch.setenv("FAKE_STAGE_FAIL", "finetune")
-    with pytest.raises(RuntimeError, match="finetune failed on purpose"):
+    with pytest.raises(StageFailed, match="finetune failed on purpose") as failed:
         run(recipe_path, run_dir)
+    stage_log = run_dir / "finetune.partial" / "finetune.log"
+    assert f"details: {stage_log}" in str(failed.value)
+    assert "Traceback (most recent call last)" in stage_log.read_text()
     assert not (run_dir / "finetune").exists()
     assert not (run_dir / "finetune.partial" / "manifest.json").exists()
     failure = json.loads((run_dir / "finetune.partial" / "failure.json").read_text())
