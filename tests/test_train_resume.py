@@ -11,7 +11,7 @@ from tests.drafter_setup import context, run_stage, tiny_recipe, write_tiny_mix
 from tests.resume_check import assert_resumed, assert_same_weights, killed_then_resumed
 from train.checkpoint import list_checkpoints, read_state
 
-STEPS = 60
+STEPS = 60  # per pair: a wide margin after the first checkpoint for the kill, as tiny steps take ms
 
 
 def test_killed_pretraining_resumes_like_an_uninterrupted_run(tmp_path, tiny_target_dir):
@@ -45,7 +45,7 @@ def test_killed_finetuning_resumes_like_an_uninterrupted_run(tmp_path, tiny_targ
     recipe = tiny_recipe(
         tiny_target_dir,
         pretrain={"enabled": False},
-        finetune={"loop": {"max_steps": 20, "checkpoint_every": 5, "per_device_batch_size": 2}},
+        finetune={"loop": {"max_steps": STEPS, "checkpoint_every": 5, "per_device_batch_size": 2}},
     )
     whole = context(tmp_path / "whole", "finetune", {"distill": distill})
     run_stage("finetune", recipe, whole, tiny_target_dir)
@@ -60,7 +60,7 @@ def test_killed_finetuning_resumes_like_an_uninterrupted_run(tmp_path, tiny_targ
         work / "de-en.train_log.jsonl",
         work / "de-en",
     )
-    assert 0 < step < 20
+    assert 0 < step < STEPS
     log = "de-en.train_log.jsonl"
     assert_resumed(ctx.work_dir / log, ctx.work_dir / "finetune.log", checkpoint, step, whole.work_dir / log)
     for pair in ("de-en", "fr-en"):
