@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--quick", action="store_true", help="tiny models and data: every part of the report, in a minute"
     )
     study.add_argument(
+        "--only", action="append", default=[], metavar="VARIANT",
+        help="run only this variant (repeatable); the report reads the others where they are up to date",
+    )  # fmt: skip
+    study.add_argument(
         "--reuse", type=Path, action="append", default=[], metavar="RUN_DIR",
         help="also copy complete stage folders with matching keys from this run directory (repeatable)",
     )  # fmt: skip
@@ -101,7 +105,8 @@ def _study(args: argparse.Namespace) -> int:
     report = run_study(
         StudyOptions(
             recipe=args.recipe, overrides=args.overrides, study_dir=args.study_dir,
-            command=shlex.join(["polydraft", *sys.argv[1:]]), quick=args.quick, reuse=args.reuse,
+            command=shlex.join(["polydraft", *sys.argv[1:]]), quick=args.quick, only=args.only,
+            reuse=args.reuse,
             quiet=args.quiet, verbose=args.verbose,
         )
     )  # fmt: skip

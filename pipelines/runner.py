@@ -322,6 +322,22 @@ def reuse_outputs(
     return copied
 
 
+def stale_stages(recipe: Recipe, run_dir: Path, stages: list[Stage], target: ResolvedTarget) -> list[str]:
+    """The enabled stages `run_pipeline` would run in `run_dir` (missing or out of date), found with the
+    same keys, without running or copying anything."""
+    enabled = [s for s in stages if _enabled(recipe, s.name)]
+    names = {s.name for s in enabled}
+    fresh: set[str] = set()
+    for stage in enabled:
+        upstream = [u for u in stage.upstream if u in names]
+        if all(u in fresh for u in upstream):
+            config = stage.inputs(recipe, target).model_dump(mode="json")
+            key = stage_key(config, {u: file_hash(run_dir / u / MANIFEST) for u in upstream})
+            if _complete_key(run_dir / stage.name) == key:
+                fresh.add(stage.name)
+    return [s.name for s in enabled if s.name not in fresh]
+
+
 def flat_metrics(metrics: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """Nested metrics as `a/b/c` keys, for display; empty and None values left out."""
     out: dict[str, Any] = {}

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from pipelines.recipe import load_recipe
+from pipelines.runner import stale_stages
 from pipelines.stage import StageFailed
-from tests.fake_stages import TOPOLOGY, reuse, run
+from tests.fake_stages import TARGET, TOPOLOGY, fake_stages, reuse, run
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = """
@@ -369,3 +371,18 @@ def test_reuse_leaves_a_folder_with_a_corrupt_manifest_for_the_runner_to_refuse(
     assert (run_dir / "finetune" / "manifest.json").read_text() == "{not json"
     with pytest.raises(StageFailed, match="corrupt manifest"):
         run(recipe_path, run_dir, "finetune.kd_weight=0.5")
+
+
+def test_stale_stages_are_those_a_run_would_run(setup):
+    recipe_path, run_dir, log = setup
+
+    def stale(*overrides: str) -> list[str]:
+        return stale_stages(load_recipe(recipe_path, list(overrides)), run_dir, fake_stages(), TARGET)
+
+    assert stale() == TOPOLOGY
+    run(recipe_path, run_dir)
+    assert stale() == []
+    assert stale("heads.num_heads=3") == DOWNSTREAM["heads"]
+    (run_dir / "calibrate" / "manifest.json").unlink()
+    assert stale() == DOWNSTREAM["calibrate"]
+    assert ran(log) == TOPOLOGY  # nothing ran while asking

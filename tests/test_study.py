@@ -67,12 +67,29 @@ def test_the_report_has_every_finding_with_a_verdict_and_numbers_with_std_and_n(
 
 def test_variants_share_identical_stages_and_a_rerun_runs_nothing(quick):
     variants = json.loads((quick / "study.json").read_text())["variants"]
-    made = [stage for v in variants for stage in v["stages"]]
+    made = [stage for v in variants for stage in v["made"]]
     assert made.count("distill") == 1 and made.count("pretrain") == 1  # made once, copied everywhere else
-    assert sum(v["reused"].get("distill") is not None for v in variants) == len(variants) - 1
+    assert sum(v["shared"].get("distill") == "pf" for v in variants) == len(variants) - 1
+    assert all(v["ran"] == list(v["made"]) for v in variants)
     assert main(["study", str(DEMO), "--quick", "--study-dir", str(quick), "--quiet"]) == 0
     again = json.loads((quick / "study.json").read_text())["variants"]
-    assert [v["stages"] for v in again] == [{}] * len(variants)
+    assert [v["ran"] for v in again] == [[]] * len(variants)
+    assert [v["made"] for v in again] == [v["made"] for v in variants]  # the accounting reads manifests
+
+
+def test_only_runs_one_variant_and_reads_the_others_where_up_to_date(quick):
+    (quick / "heads" / "measure" / "manifest.json").unlink()  # its measure is no longer complete
+    assert main(["study", str(DEMO), "--quick", "--study-dir", str(quick), "--only", "trees", "--quiet"]) == 0
+    study = json.loads((quick / "study.json").read_text())
+    status = {v["name"]: v["status"] for v in study["variants"]}
+    assert status["trees"] == "ok" and status["pf"] == "ok"
+    assert status["heads"].startswith("not run: not in --only, and measure not up to date")
+    findings = {f["key"]: f for f in study["findings"]}
+    assert (
+        findings["rescoring"]["verdict"] == "not run" and "`heads` not run" in findings["rescoring"]["reason"]
+    )
+    assert findings["trees"]["verdict"] != "not run"
+    assert main(["study", str(DEMO), "--quick", "--study-dir", str(quick), "--only", "nope", "--quiet"]) == 2
 
 
 # ----------------------------------------------------------------------------- the rule, on plain numbers

@@ -32,12 +32,13 @@ class VariantRecord:
     """The `polydraft run` command that reproduces this variant alone."""
     status: str = "ok"
     seconds: float = 0.0
-    stages: dict[str, float] = field(default_factory=dict)
-    """Seconds of each stage that ran (not skipped, not reused)."""
-    skipped: list[str] = field(default_factory=list)
-    """Stages already complete and up to date (in its own run directory, or copied there)."""
-    reused: dict[str, str] = field(default_factory=dict)
-    """Stage -> the folder it was copied from."""
+    """Wall time of this variant in this invocation."""
+    ran: list[str] = field(default_factory=list)
+    """Stages that ran in this invocation (the others were up to date, or copied from another variant)."""
+    made: dict[str, float] = field(default_factory=dict)
+    """Stage -> seconds (its manifest's duration) of each stage folder this variant made itself."""
+    shared: dict[str, str] = field(default_factory=dict)
+    """Stage -> the variant whose folder this variant holds a copy of."""
 
 
 def _number(value: float | None) -> str:
@@ -146,20 +147,14 @@ def section(number: int, finding: Finding, plot: str | None) -> str:
 
 def variants_table(records: list[VariantRecord]) -> str:
     lines = [
-        "| variant | what | status | seconds | stages run (s) | reused or up to date |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| variant | what | status | stages it made (s, from their manifests) | stages copied from |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for r in records:
-        ran = ", ".join(f"{s} {t:.0f}" for s, t in r.stages.items()) or "-"
-        kept = ", ".join(f"{s} (from `{Path(d).parent.name}`)" if d else s for s, d in _kept(r)) or "-"
-        lines.append(
-            f"| `{r.name}` | {cell(r.purpose)} | {cell(r.status)} | {r.seconds:.0f} | {ran} | {kept} |"
-        )
+        made = ", ".join(f"{s} {t:.0f}" for s, t in r.made.items()) or "-"
+        shared = ", ".join(f"{s} (`{v}`)" for s, v in r.shared.items()) or "-"
+        lines.append(f"| `{r.name}` | {cell(r.purpose)} | {cell(r.status)} | {made} | {shared} |")
     return "\n".join(lines)
-
-
-def _kept(record: VariantRecord) -> list[tuple[str, str]]:
-    return [(s, record.reused.get(s, "")) for s in record.skipped]
 
 
 def write_report(
@@ -192,7 +187,8 @@ def write_report(
         f"- Command: `{command}`" + (" (`--quick`: tiny models; the numbers mean nothing)" if quick else ""),
         f"- Date: {date}; machine: {_machine()}, Python {platform.python_version()}; git {git.get('commit')}"
         + (" (dirty)" if git.get("dirty") else ""),
-        f"- Time: {total_seconds:.0f} s for {len(records)} variants",
+        f"- Time: {sum(sum(r.made.values()) for r in records):.0f} s of stages, each stage folder made once "
+        f"and copied where its key recurs (the variants table); this invocation took {total_seconds:.0f} s",
         "",
         "## Summary",
         "",
@@ -208,7 +204,7 @@ def write_report(
         "## Variants",
         "",
         "Each variant is the recipe plus overrides, in its own run directory; rerun one alone with its "
-        "command in `study.json`. Stages with equal keys are copied from another variant instead of rerun.",
+        "command in `study.json`. A stage whose key another variant already made is copied, not rerun.",
         "",
         variants_table(records),
         "",
