@@ -11,11 +11,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict
 
-from decoding.results import ResultRow
+from decoding.results import DecoderName, ResultRow
 from pipelines.study.verdicts import (
     Check,
     Fit,
@@ -506,7 +506,9 @@ def lossless(runs: Runs) -> Finding:
                     difference=None if share is None else share.mean - 1.0, noise=0.0, outcome=outcome,
                 )
             )  # fmt: skip
+        unmeasured = [d for d in get_args(DecoderName) if d != "ar" and d not in {r.decoder for r in rows}]
         details = (
+            f"Decoders no variant measured at T=0: {', '.join(f'`{d}`' for d in unmeasured) or 'none'}. "
             "T > 0: sampled outputs differ from `ar`'s by design, so the study does not recheck them; the "
             "proofs are the exact tests (`tests/test_decoding_exact.py`: each verification step gives the "
             "target's distribution to 1e-6) and the distribution tests (`tests/test_decoding_distribution.py`)."

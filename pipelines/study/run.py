@@ -98,8 +98,11 @@ def _variant(
     stages = default_stages()
     if not selected:
         stale = stale_stages(recipe, run_dir, stages, target)
-        if stale:
+        if not run_dir.is_dir():
+            record.status = "not run: not in --only, and never run in this study directory"
+        elif stale:
             record.status = f"not run: not in --only, and {', '.join(stale)} not up to date in {run_dir}"
+        if stale:
             return record, VariantData(status=record.status)
         return record, _collect(run_dir)
     check_model_folders(recipe, target)
