@@ -113,7 +113,8 @@ class RescoredRows:
 
     def __init__(self, depth: int, seed: int, sampling: Sampling, top_k: int, weight: float) -> None:
         heads = Rows(V, seed + 7, sampling, family=2)
-        head_logp = torch.stack([heads((level,)) for level in range(depth)]).log().float()  # as the heads give
+        # float32, as `decoding.lattice.head_log_probs` gives them
+        head_logp = torch.stack([heads((level,)) for level in range(depth)]).log().float()
         self.drafter = Rows(V, seed + 11, Sampling(1.0))
         self.rescore = rescorer(head_logp, top_k, weight, sampling)
         self.memo: dict[tuple[int, ...], Tensor] = {}
