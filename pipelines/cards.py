@@ -82,7 +82,7 @@ def intro(info: ExportResults) -> str:
             else "on the target's own lm head"
         )
         text = (
-            f"{heads.num_heads} blockwise proposal heads for {target_name(info)} (seed 000): on the target's "
+            f"{heads.num_heads} blockwise proposal heads (seed 000) for {target_name(info)}: on the target's "
             f"final hidden state at position t, head i predicts token t+2+i; each is {heads.num_layers} "
             f"residual SiLU layer(s) {own}, {_num(heads.parameters)} trained parameters, the target frozen. "
             "polydraft drafts with them as `bpd` (a chain of their argmaxes), `medusa` (a candidate tree of "
