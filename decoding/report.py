@@ -6,7 +6,8 @@ measured once says `(n=1)` instead of a spread it does not have; methods measure
 labelled `(vLLM)` and also get a table beside polydraft's own rows, with the differences beyond noise
 said in words. Speedup cells carry the ideal speedup implied by the measured forward latencies
 (`decoding.latency`) and the share of it that was reached. The in-domain vs out-of-domain table
-compares block efficiencies against their pooled spread. Plots: block
+compares block efficiencies against their pooled spread, and so does the table of local rescoring's gain
+over the same proposal heads alone (also paired by seed). Plots: block
 efficiency and speedup per dataset and temperature (bars with std error bars), and speedup against
 the draft length K for fixed-K chain decoders. Figures are drawn on matplotlib `Figure` objects with
 the Agg canvas, so nothing touches pyplot's global state.
@@ -281,6 +282,56 @@ def vllm_section(rows: list[Row], heading: str) -> list[str]:
 BLOCKWISE = ("bpd", "bpd+rescore", "medusa", "medusa+rescore")
 
 
+def rescoring_table(rows: list[Row]) -> str:
+    """Each `+rescore` method against the same heads without rescoring (seed 000's question: does local
+    rescoring raise block efficiency?), per eval set and temperature, seed by seed (with
+    `measure.disjoint_prompts` a seed is a set of prompts): the gain against twice the pooled std of the two
+    methods' repetitions (unpaired) and against twice the std of the per-seed gains (paired)."""
+    alone: dict[tuple, tuple[str, float]] = {}
+    for row in rows:
+        if (
+            row.engine == "polydraft"
+            and row.decoder in ("bpd", "medusa")
+            and row.block_efficiency is not None
+        ):
+            alone[(row.decoder, row.drafter, row.dataset, row.temperature, row.seed)] = (
+                row.method,
+                row.block_efficiency,
+            )
+    pairs: dict[tuple[str, str, str, float], list[tuple[float, float]]] = defaultdict(list)
+    for row in rows:
+        if row.decoder not in ("bpd+rescore", "medusa+rescore") or row.block_efficiency is None:
+            continue
+        key = (row.decoder.removesuffix("+rescore"), row.drafter, row.dataset, row.temperature, row.seed)
+        if key in alone:
+            base, value = alone[key]
+            pairs[(row.method, base, row.dataset, row.temperature)].append((row.block_efficiency, value))
+    if not pairs:
+        return "No `+rescore` decoder was measured beside the same heads alone."
+    lines = [
+        "| method | against | dataset | T | rescored BE | heads alone BE | gain | 2 x pooled std | beyond "
+        "(unpaired) | gain per seed (paired) | beyond (paired) |",
+        "|" + " --- |" * 11,
+    ]
+    for (method, base, dataset, temperature), values in pairs.items():
+        rescored, heads = [v[0] for v in values], [v[1] for v in values]
+        gains = [a - b for a, b in values]
+        gain = sum(gains) / len(gains)
+        noise = pooled_std(rescored, heads)
+        gain_std = mean_std(gains)[1] if len(gains) > 1 else None
+        cells = [
+            _format((*mean_std(rescored), len(rescored)), False),
+            _format((*mean_std(heads), len(heads)), False),
+            f"{gain:+.2f}",
+            "-" if noise is None else f"{2 * noise:.2f}",
+            "-" if noise is None else "yes" if gain > 2 * noise else "no",
+            f"{gain:+.2f} ± {gain_std:.2f}" if gain_std is not None else f"{gain:+.2f} (n=1)",
+            "-" if gain_std is None else "yes" if gain > 2 * gain_std else "no",
+        ]
+        lines.append(f"| {method} | {base} | {dataset} | {temperature:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def blockwise_sections(rows: list[Row]) -> list[str]:
     """Seed 000's Tables A-D: bpd, medusa and their `+rescore` variants (block efficiency, speedup), and
     the rescoring's own cost per round; nothing when no blockwise decoder ran."""
@@ -297,6 +348,9 @@ def blockwise_sections(rows: list[Row]) -> list[str]:
         "",
         "## Local rescoring: the rescoring drafter's time per round (ms)",
         table(rows, "rescore_ms_per_round", methods=rescored) if rescored else "No rescoring measured.",
+        "",
+        "## Local rescoring against the heads alone (block efficiency gain)",
+        rescoring_table(rows),
         "",
     ]
 

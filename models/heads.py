@@ -18,10 +18,13 @@ next-token prediction. Then:
 Formats:
 - polydraft's own: `heads.safetensors` (the trainable tensors only: a BPD folder holds no lm head,
   it is the target's) and `heads.json` (kind, shape, the target it was trained on, training metrics);
-- vLLM's `medusa` speculative method: `config.json` (`model_type: medusa`, `num_heads`,
-  `num_hidden_layers` = residual layers per head, `medusa_fc_bias`, `original_lm_head`) and
-  `model.safetensors` with `blocks.{i}.layers.{j}.weight|bias` and `lm_heads.{i}.weight`, or one shared
-  `lm_head.weight` (a copy of the target's) with `original_lm_head: true`.
+- vLLM's `medusa` speculative method, in the same folder (`add_vllm_medusa`): `config.json`
+  (`model_type: medusa`, `num_heads`, `num_hidden_layers` = residual layers per head, `medusa_fc_bias`,
+  `original_lm_head`); vLLM reads every top-level `*.safetensors`, and `heads.safetensors` already uses
+  its parameter names (`blocks.{i}.layers.{j}.weight|bias`, `lm_heads.{i}.weight`). BPD heads add
+  `lm_head.safetensors`, a copy of the target's lm head, with `original_lm_head: true`. So one folder
+  is both formats and no tensor is stored twice. vLLM's medusa proposer drafts each head's argmax, a
+  chain: what polydraft's `bpd` decoder does at temperature 0.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ KINDS: tuple[str, ...] = ("medusa", "bpd")
 WEIGHTS_FILE = "heads.safetensors"
 CONFIG_FILE = "heads.json"
 FORMAT = "polydraft-heads/1"
-VLLM_WEIGHTS_FILE = "model.safetensors"
+VLLM_LM_HEAD_FILE = "lm_head.safetensors"
 VLLM_CONFIG_FILE = "config.json"
 
 
@@ -211,45 +214,54 @@ def attach_heads(target: nn.Module, folder: str | Path) -> Heads:
 # ----------------------------------------------------------------------------- vLLM's medusa format
 
 
-def export_vllm_medusa(heads: Heads, folder: str | Path, target_head: nn.Module | None = None) -> Path:
-    """Write the folder vLLM's `medusa` speculative method loads (see the module docstring).
+def vllm_medusa_config(shape: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """vLLM's `MedusaConfig` for heads of this `shape` (`Heads.shape()`, or a `heads.json`)."""
+    return {
+        "model_type": "medusa",
+        "architectures": ["MedusaModel"],
+        "hidden_size": shape["hidden_size"],
+        "vocab_size": shape["vocab_size"],
+        "truncated_vocab_size": shape["vocab_size"],
+        # MedusaConfig renames every key holding "num" and "heads" (or "layers"): only these two may
+        "num_heads": shape["num_heads"],
+        "num_hidden_layers": shape["num_layers"],
+        "medusa_fc_bias": shape["bias"],
+        "original_lm_head": shape["kind"] == "bpd",
+        "dtype": dtype,
+    }
 
-    BPD heads need the target's lm head (`target_head`): vLLM's medusa model holds its own copy.
+
+def add_vllm_medusa(folder: str | Path, target_head: nn.Module | None = None) -> Path:
+    """Make a polydraft heads folder (`save_heads`) loadable by vLLM's `medusa` method too, in place.
+
+    vLLM reads `config.json` and every top-level `*.safetensors`; `heads.safetensors` already holds its
+    parameter names (`blocks.{i}.layers.{j}.*`, `lm_heads.{i}.weight`), so no tensor is duplicated. BPD
+    heads share the target's lm head, which vLLM's medusa model keeps a copy of (`original_lm_head`):
+    it goes into `lm_head.safetensors` (`target_head` required).
     """
     from safetensors.torch import save_file
 
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}
-    if heads.kind == "bpd":
+    config = read_heads_config(folder)
+    if config["kind"] == "bpd":
         if target_head is None:
             raise ValueError("exporting BPD heads needs the target's lm head (vLLM keeps a copy)")
         if getattr(target_head, "bias", None) is not None:
             raise ValueError("the target's lm head has a bias, which vLLM's medusa lm head cannot hold")
-        dtype = next(iter(tensors.values())).dtype
-        tensors["lm_head.weight"] = target_head.weight.detach().to("cpu", dtype).contiguous()
-    save_file(tensors, str(folder / VLLM_WEIGHTS_FILE), metadata={"format": "pt"})
-    config = {
-        "model_type": "medusa",
-        "architectures": ["MedusaModel"],
-        "hidden_size": heads.hidden_size,
-        "vocab_size": heads.vocab_size,
-        "truncated_vocab_size": heads.vocab_size,
-        "num_heads": heads.num_heads,
-        "num_hidden_layers": heads.num_layers,
-        "medusa_fc_bias": heads.bias,
-        "original_lm_head": heads.kind == "bpd",
-        "dtype": str(next(iter(tensors.values())).dtype).removeprefix("torch."),
-    }
-    (folder / VLLM_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        weight = target_head.weight.detach().to("cpu", getattr(torch, config["dtype"])).contiguous()
+        save_file({"lm_head.weight": weight}, str(folder / VLLM_LM_HEAD_FILE), metadata={"format": "pt"})
+    medusa = vllm_medusa_config(config, config["dtype"])
+    (folder / VLLM_CONFIG_FILE).write_text(json.dumps(medusa, indent=2) + "\n", encoding="utf-8")
     return folder
 
 
 def load_vllm_medusa(folder: str | Path) -> tuple[Heads, torch.Tensor | None]:
-    """Read a vLLM `medusa` folder back: (heads, the shared lm head weight of an `original_lm_head` folder).
+    """Read a folder as vLLM's medusa model does: (heads, the shared lm head of an `original_lm_head` one).
 
-    An `original_lm_head` folder becomes BPD heads (they project through one shared head); the caller
-    checks that weight against the target's.
+    Like vLLM's `Medusa.load_weights`: `config.json`, then every top-level `*.safetensors`, a
+    `medusa_heads.` prefix dropped, and a shared head found as `lm_head.weight` or `lm_heads.0.weight`. An
+    `original_lm_head` folder becomes BPD heads (they project through one shared head); the caller checks
+    that weight against the target's. Raises ValueError when a parameter vLLM needs is missing.
     """
     from safetensors.torch import load_file
 
@@ -262,12 +274,17 @@ def load_vllm_medusa(folder: str | Path) -> tuple[Heads, torch.Tensor | None]:
         "bpd" if shared else "medusa", config["num_heads"], config["hidden_size"], config["vocab_size"],
         config.get("num_hidden_layers", 1), bool(config.get("medusa_fc_bias", False)),
     )  # fmt: skip
-    state = {
-        k.removeprefix("medusa_heads."): v for k, v in load_file(str(folder / VLLM_WEIGHTS_FILE)).items()
-    }
-    shared_weight = state.pop("lm_head.weight", None) if shared else None
-    if shared and shared_weight is None:
-        shared_weight = state.pop("lm_heads.0.weight", None)
-    heads.to(dtype=next(iter(state.values())).dtype)
-    heads.load_state_dict(state)
+    state: dict[str, torch.Tensor] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        state.update({k.removeprefix("medusa_heads."): v for k, v in load_file(str(path)).items()})
+    shared_weight = None
+    if shared:
+        shared_weight = state.pop("lm_head.weight", None)
+        shared_weight = state.pop("lm_heads.0.weight", None) if shared_weight is None else shared_weight
+    wanted = set(heads.state_dict())
+    missing = sorted(wanted - set(state)) + (["lm_head.weight"] if shared and shared_weight is None else [])
+    if missing:
+        raise ValueError(f"{folder}: vLLM's medusa model would miss {missing}")
+    heads.to(dtype=state[next(iter(sorted(wanted)))].dtype)
+    heads.load_state_dict({k: state[k] for k in wanted})
     return heads.eval(), shared_weight

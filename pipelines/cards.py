@@ -35,7 +35,10 @@ def front_matter(info: ExportResults) -> str:
 
     drafter = info.kind == "drafter"
     tags = ["speculative-decoding", "polydraft"]
-    tags += ["draft-model"] if drafter else ["early-exit", "self-speculative-decoding", "eesd"]
+    if info.kind == "heads":
+        tags += ["medusa", "blockwise-parallel-decoding"]
+    else:
+        tags += ["draft-model"] if drafter else ["early-exit", "self-speculative-decoding", "eesd"]
     if info.pair:
         tags.append("translation")
     data = ModelCardData(
@@ -55,6 +58,8 @@ def title(info: ExportResults) -> str:
     of = f" of {label}" if label else ""
     if info.kind == "early_exit":
         return f"# Early-exit head (EESD){of}"
+    if info.kind == "heads":
+        return f"# {'Medusa-1' if info.heads.kind == 'medusa' else 'BPD'} proposal heads{of}"
     if info.pair:
         return f"# {info.pair} drafter{of}"
     return f"# Generic drafter{of} (pretrained only)"
@@ -69,7 +74,22 @@ def target_name(info: ExportResults) -> str:
 
 def intro(info: ExportResults) -> str:
     what = info.kind
-    if what == "early_exit":
+    if what == "heads":
+        heads = info.heads
+        own = (
+            "each with its own lm head (Medusa-1)"
+            if heads.kind == "medusa"
+            else "on the target's own lm head"
+        )
+        text = (
+            f"{heads.num_heads} blockwise proposal heads (seed 000) for {target_name(info)}: on the target's "
+            f"final hidden state at position t, head i predicts token t+2+i; each is {heads.num_layers} "
+            f"residual SiLU layer(s) {own}, {_num(heads.parameters)} trained parameters, the target frozen. "
+            "polydraft drafts with them as `bpd` (a chain of their argmaxes), `medusa` (a candidate tree of "
+            "their top tokens) and, with a small drafter LM rescoring their top-k lattice, `bpd+rescore` and "
+            "`medusa+rescore`; vLLM loads the folder as a `medusa` draft."
+        )
+    elif what == "early_exit":
         head = info.head
         text = (
             f"An early-exit drafter for self-speculative decoding of {target_name(info)} (EESD, seed 001): "
@@ -101,7 +121,8 @@ def measured_section(info: ExportResults) -> list[str]:
             "## Measured speedups",
             "",
             "**No measurements.** The measure stage of this run did not measure this "
-            f"{'head' if info.kind == 'early_exit' else 'drafter'}, so the speedup it gives is unknown.",
+            f"{ {'early_exit': 'head', 'heads': 'set of heads'}.get(info.kind, 'drafter') }, so the speedup it "
+            "gives is unknown.",
             "",
         ]
     ctx, rows = m.context, m.rows
@@ -188,6 +209,20 @@ def training_section(info: ExportResults) -> list[str]:
                 f"{_num(h.base_rate_brier)}), ECE {_num(h.ece)}."
             )
         return [*lines, ""]
+    if info.kind == "heads":
+        heads = info.heads
+
+        def per_head(values: list[float] | None) -> str:
+            return ", ".join(f"{v:.3f}" for v in values) if values is not None else "-"
+
+        lines += [
+            f"- {'Medusa-1' if heads.kind == 'medusa' else 'BPD'} heads on the frozen target's last hidden "
+            "states, trained on the target's own answers (self-distillation) and the run's open rows; "
+            f"{_num(heads.steps)} optimizer steps, final train loss {_num(heads.train_loss)}.",
+            "- Held-out top-1 agreement with the target's greedy token at each head's position, head by head: "
+            f"{per_head(heads.top1_target)} (as initialised: {per_head(heads.initial_top1_target)}).",
+        ]
+        return [*lines, ""]
     pretrain, finetune = training.pretrain, training.finetune
     if pretrain is not None:
         lines.append(
@@ -245,6 +280,8 @@ def usage_section(info: ExportResults, repo_id: str) -> list[str]:
     target = info.target.id or "path/to/the/target"
     k, why = draft_length(info)
     prompt = info.prompt
+    if info.kind == "heads":
+        return heads_usage(info, repo_id, target)
     if info.kind == "early_exit":
         return [
             "## Usage",
@@ -315,6 +352,53 @@ def usage_section(info: ExportResults, repo_id: str) -> list[str]:
         "",
         "or `vllm serve " + target + " --speculative-config "
         f'\'{{"method": "draft_model", "model": "{repo_id}", "num_speculative_tokens": {k}}}\'`.',
+        "",
+    ]
+
+
+def heads_usage(info: ExportResults, repo_id: str, target: str) -> list[str]:
+    """vLLM's `medusa` method (the chain of the heads' argmaxes) and polydraft's own blockwise decoders."""
+    prompt, heads = info.prompt, info.heads
+    speculative = f'{{"method": "medusa", "model": "{repo_id}", "num_speculative_tokens": {heads.num_heads}}}'
+    return [
+        "## Usage",
+        "",
+        f"Use the prompt format it was trained on (`{prompt.format}`).",
+        "",
+        "vLLM (`medusa` speculative method: drafts each head's argmax, a chain, as polydraft's `bpd`):",
+        "",
+        "```python",
+        "from vllm import LLM, SamplingParams",
+        "",
+        f"prompt = {prompt.example!r}",
+        f'llm = LLM(model="{target}", speculative_config={speculative})',
+        "print(llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=256))[0].outputs[0].text)",
+        "```",
+        "",
+        "polydraft (`bpd`, `medusa` trees and `+rescore` with a drafter LM; `models.heads.attach_heads`):",
+        "",
+        "```python",
+        "import torch",
+        "from huggingface_hub import snapshot_download",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "from decoding.blockwise import HeadsDraft, blockwise_tree",
+        "from decoding.lattice import CandidateTree",
+        "from decoding.lm import CachedLM",
+        "from decoding.sampling import Sampling",
+        "from models.heads import attach_heads  # pip install polydraft",
+        "",
+        f'target = AutoModelForCausalLM.from_pretrained("{target}", dtype="auto", device_map="auto")',
+        f'tokenizer = AutoTokenizer.from_pretrained("{target}")',
+        "target_lm = CachedLM(target)",
+        f'heads = HeadsDraft(attach_heads(target, snapshot_download("{repo_id}")), target_lm)',
+        "tree = CandidateTree.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]])",
+        f"prompt = {prompt.example!r}",
+        f"ids = torch.tensor(tokenizer(prompt, add_special_tokens={prompt.add_special_tokens})['input_ids'])",
+        "out = blockwise_tree(",
+        "    target_lm, heads, ids, 256, Sampling(0.0), torch.Generator(target.device), {tokenizer.eos_token_id}, tree",
+        ")",
+        "print(tokenizer.decode(out.tokens))",
+        "```",
         "",
     ]
 

@@ -20,6 +20,7 @@ from pipelines.export_records import (
     CalibrationCard,
     FinetuneCard,
     HeadCard,
+    HeadsCard,
     MeanStd,
     Measurement,
     MeasurementContext,
@@ -30,7 +31,14 @@ from pipelines.export_records import (
 from pipelines.manifest import read_manifest
 from pipelines.schema import ResolvedTarget, SourceConfig
 from pipelines.schema.inputs import FinetuneFacts, PretrainFacts
-from train.results import CalibrationReport, EarlyExitMetrics, FinetuneMetrics, PretrainMetrics
+from train.results import (
+    CalibrationReport,
+    EarlyExitMetrics,
+    FinetuneMetrics,
+    HeadsEval,
+    HeadsMetrics,
+    PretrainMetrics,
+)
 
 Row = ResultRow
 
@@ -151,7 +159,8 @@ def measurement_context(rows: list[Row]) -> MeasurementContext:
 
 
 def measurements(rows: list[Row], name: str, decoder: str, target_id: str | None) -> Measurement:
-    """The measured part of `results.json` for one drafter (`decoder`: `sd`, or `eesd` for the head).
+    """The measured part of `results.json` for one drafter (`decoder`: `sd`, `eesd` for the early-exit head,
+    `bpd` for proposal heads, whose rows also hold `medusa` and both `+rescore` decoders).
 
     The rows' `target` (the path the measure stage loaded, a local folder for a bootstrap target) is
     replaced by the target's hub id, or `local`, so that no local path is published.
@@ -277,6 +286,28 @@ def early_exit_facts(head_config: dict[str, Any], upstream: dict[str, Path]) -> 
         train_loss=_finite(training.train_loss),
         initial_top1_target=_finite(training.initial.top1_target) if training.initial else None,
         top1_target=_finite(training.final.top1_target) if training.final else None,
+    )
+
+
+def heads_facts(config: dict[str, Any], upstream: dict[str, Path]) -> HeadsCard:
+    """The heads' shape (`heads.json`) and the heads stage's training metrics."""
+    training = HeadsMetrics.model_validate(_stage_metrics(upstream["heads"]))
+    hidden, vocab, heads = config["hidden_size"], config["vocab_size"], config["num_heads"]
+    block = config["num_layers"] * (hidden * hidden + (hidden if config["bias"] else 0))
+    parameters = heads * (block + (vocab * hidden if config["kind"] == "medusa" else 0))
+
+    def top1(scores: HeadsEval | None) -> list[float] | None:
+        return [score.top1_target for score in scores.heads] if scores is not None else None
+
+    return HeadsCard(
+        kind=config["kind"],
+        num_heads=config["num_heads"],
+        num_layers=config["num_layers"],
+        parameters=parameters,
+        steps=training.steps,
+        train_loss=_finite(training.train_loss),
+        initial_top1_target=top1(training.initial),
+        top1_target=top1(training.final),
     )
 
 

@@ -74,7 +74,8 @@ class MeasurementContext(Record):
 class Measurement(Record):
     measured: bool
     decoder: str
-    """The decoder the headline is about: `sd` for a drafter, `eesd` for the head."""
+    """The decoder the headline is about: `sd` for a drafter, `eesd` for the head, `bpd` for proposal heads
+    (the chain of their argmaxes, what vLLM's medusa method drafts)."""
     best_draft_length: int | None
     headline: SummaryEntry | None
     context: MeasurementContext | None
@@ -128,6 +129,23 @@ class HeadCard(Record):
     top1_target: float | None
 
 
+class HeadsCard(Record):
+    """Blockwise proposal heads (seed 000): their shape and the heads stage's held-out scores."""
+
+    kind: Literal["medusa", "bpd"]
+    num_heads: int
+    num_layers: int
+    """Residual SiLU layers per head."""
+    parameters: int
+    """Trainable parameters (a BPD folder's copy of the target's lm head not counted)."""
+    steps: int | None
+    train_loss: float | None
+    initial_top1_target: list[float] | None
+    """Per head: agreement of its argmax with the target's greedy token at its position, as initialised."""
+    top1_target: list[float] | None
+    """The same after training."""
+
+
 class ArchitectureCard(Record):
     class_name: str = Field(alias="class")
     model_type: str | None
@@ -166,7 +184,7 @@ class ExportResults(Record):
 
     format: Literal["polydraft-export-results/1"] = RESULTS_FORMAT
     name: str
-    kind: Literal["drafter", "early_exit"]
+    kind: Literal["drafter", "early_exit", "heads"]
     source: DrafterKind
     pair: str | None
     repo_name: str
@@ -183,6 +201,7 @@ class ExportResults(Record):
     plots: list[str]
     polydraft: GitState
     head: HeadCard | None = None
+    heads: HeadsCard | None = None
     architecture: ArchitectureCard | None = None
     files: list[str] = []
 
@@ -191,7 +210,7 @@ class ExportRecord(Record):
     """One exported folder in `export.json`."""
 
     name: str
-    kind: Literal["drafter", "early_exit"]
+    kind: Literal["drafter", "early_exit", "heads"]
     folder: str
     pair: str | None
     repo_name: str

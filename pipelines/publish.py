@@ -101,10 +101,8 @@ def repo_ids(items: list[ExportRecord], repo_id: str | None, repo_prefix: str | 
 def commit_message(info: ExportResults) -> tuple[str, str]:
     """A message that says what the repo holds and what it measured, and a longer description."""
     target = info.target.label or "a local target"
-    what = (
-        f"early-exit head for {target}"
-        if info.kind == "early_exit"
-        else f"{info.pair or 'generic'} drafter for {target}"
+    what = {"early_exit": f"early-exit head for {target}", "heads": f"proposal heads for {target}"}.get(
+        info.kind, f"{info.pair or 'generic'} drafter for {target}"
     )
     best = info.measurement.headline
     if best is not None:

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from decoding.vllm_measure import PER_POSITION, spec_counters
 from decoding.vllm_rows import vllm_unavailable
 from pipelines.stage import PROJECT_ROOT
 
@@ -311,20 +312,61 @@ def vllm_generation_check(
     num_speculative_tokens: int,
     prompts: list[list[int]],
     max_new_tokens: int,
+    method: str = "draft_model",
 ) -> Check:
     """vLLM's greedy output with the drafter as draft model equals the target's alone, in a subprocess
     (`python -m pipelines.smoke`).
 
-    `target`: path, revision, trust_remote_code. `mode`: export.vllm_check.
+    `target`: path, revision, trust_remote_code. `mode`: export.vllm_check. `method`: vLLM's speculative
+    method, `draft_model` for a drafter folder, `medusa` for a heads folder (`models.heads.add_vllm_medusa`).
+    The check's detail names the draft tokens accepted, in total and per draft position.
     """
     if mode == "off":
         return Check("vllm_generation", "skipped", "export.vllm_check is off")
     why = vllm_unavailable()
     if why is not None:
         return Check("vllm_generation", "fail" if mode == "require" else "skipped", why)
+    result = vllm_generation(target, drafter_folder, num_speculative_tokens, prompts, max_new_tokens, method)
+    if "error" in result:
+        where = f"vLLM {result['vllm']}: " if "vllm" in result else ""
+        return Check("vllm_generation", "fail", where + result["error"])
+    alone, drafted = result["alone"], result["drafted"]
+    for index, (a, d) in enumerate(zip(alone, drafted)):
+        if a != d:
+            at = next((i for i, (x, y) in enumerate(zip(a, d)) if x != y), min(len(a), len(d)))
+            return Check(
+                "vllm_generation",
+                "fail",
+                f"prompt {index}: vLLM {result['vllm']} with the {method} drafter differs from the "
+                f"target alone from new token {at} on ({d[at : at + 5]} vs {a[at : at + 5]})",
+            )
+    if min(len(a) for a in alone) == 0:
+        return Check("vllm_generation", "fail", f"vLLM generated no token for some prompt: {result}")
+    return Check(
+        "vllm_generation",
+        "pass",
+        f"vLLM {result['vllm']} ({result['device']}): {sum(len(a) for a in alone)} greedy tokens for "
+        f"{len(prompts)} prompts with the drafter as `{method}` draft (num_speculative_tokens="
+        f"{num_speculative_tokens}), identical to the target alone; {result['accepted']} of "
+        f"{result['drafted_tokens']} draft tokens accepted (per position {result['accepted_per_position']})",
+    )
+
+
+def vllm_generation(
+    target: dict[str, Any],
+    drafter_folder: Path,
+    num_speculative_tokens: int,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    method: str,
+) -> dict[str, Any]:
+    """Greedy generations of vLLM with the target alone and with the drafter (`_vllm_main`, in a subprocess):
+    `alone`, `drafted`, `accepted`, `drafted_tokens`, `accepted_per_position`, `vllm`, `device`; or an
+    `error` saying why none came back (with `vllm`, the version, when the subprocess got that far)."""
     request = {
         "target": target,
         "drafter": str(drafter_folder),
+        "method": method,
         "num_speculative_tokens": num_speculative_tokens,
         "prompts": prompts,
         "max_new_tokens": max_new_tokens,
@@ -342,34 +384,12 @@ def vllm_generation_check(
             timeout=VLLM_TIMEOUT_S,
         )
     except subprocess.TimeoutExpired:
-        return Check("vllm_generation", "fail", f"vLLM did not finish within {VLLM_TIMEOUT_S} s")
+        return {"error": f"vLLM did not finish within {VLLM_TIMEOUT_S} s"}
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
-        return Check("vllm_generation", "fail", f"vLLM exited with {done.returncode}: {' | '.join(tail)}")
-    result = json.loads(lines[-1])
-    if "error" in result:
-        return Check("vllm_generation", "fail", f"vLLM {result['vllm']}: {result['error']}")
-    alone, drafted = result["alone"], result["drafted"]
-    for index, (a, d) in enumerate(zip(alone, drafted)):
-        if a != d:
-            at = next((i for i, (x, y) in enumerate(zip(a, d)) if x != y), min(len(a), len(d)))
-            return Check(
-                "vllm_generation",
-                "fail",
-                f"prompt {index}: vLLM {result['vllm']} with the drafter as draft model differs from the "
-                f"target alone from new token {at} on ({d[at : at + 5]} vs {a[at : at + 5]})",
-            )
-    if min(len(a) for a in alone) == 0:
-        return Check("vllm_generation", "fail", f"vLLM generated no token for some prompt: {result}")
-    return Check(
-        "vllm_generation",
-        "pass",
-        f"vLLM {result['vllm']} ({result['device']}): {sum(len(a) for a in alone)} greedy tokens for "
-        f"{len(prompts)} prompts with the drafter as draft model (num_speculative_tokens="
-        f"{num_speculative_tokens}), identical to the target alone; {result['accepted']} of "
-        f"{result['drafted_tokens']} draft tokens accepted",
-    )
+        return {"error": f"vLLM exited with {done.returncode}: {' | '.join(tail)}"}
+    return json.loads(lines[-1])
 
 
 def _vllm_main() -> None:
@@ -404,7 +424,7 @@ def _vllm_main() -> None:
     del llm
     gc.collect()
     speculative = {
-        "method": "draft_model",
+        "method": request["method"],
         "model": request["drafter"],
         "num_speculative_tokens": request["num_speculative_tokens"],
     }
@@ -416,9 +436,10 @@ def _vllm_main() -> None:
         return
     outputs = llm.generate(inputs, params, use_tqdm=False)
     answer["drafted"] = [list(o.outputs[0].token_ids) for o in outputs]
-    counters = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
-    answer["accepted"] = int(counters.get("vllm:spec_decode_num_accepted_tokens", 0))
-    answer["drafted_tokens"] = int(counters.get("vllm:spec_decode_num_draft_tokens", 0))
+    counters = spec_counters(llm)
+    answer["accepted"] = counters["vllm:spec_decode_num_accepted_tokens"]
+    answer["drafted_tokens"] = counters["vllm:spec_decode_num_draft_tokens"]
+    answer["accepted_per_position"] = counters[PER_POSITION]
     print(json.dumps(answer), flush=True)
 
 

@@ -4,14 +4,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from decoding.report import VLLM_NOTES, domain_table, engine_differences, repetitions, speedup_table, table
+from decoding.report import (
+    BLOCKWISE,
+    VLLM_NOTES,
+    domain_table,
+    engine_differences,
+    repetitions,
+    rescoring_table,
+    speedup_table,
+    table,
+)
 from decoding.results import RESULTS_FILE, read_rows
 from pipelines.export_records import INDEX_FILE, ExportIndex
 
 
 def results_summary(run_dir: Path) -> str | None:
     """Block efficiency and speedup per method and eval set (from measure/results.jsonl), in-domain vs
-    out-of-domain, where vLLM's rows differ from polydraft's, and the exported folders with their smoke
+    out-of-domain, local rescoring's gain over the heads alone, where vLLM's rows differ from polydraft's, and the exported folders with their smoke
     checks (from export/export.json)."""
     rows = read_rows(run_dir / "measure" / RESULTS_FILE)
     if not rows:
@@ -28,6 +37,13 @@ def results_summary(run_dir: Path) -> str | None:
         "beyond noise: the block-efficiency difference exceeds twice the pooled std of the repetitions):",
         domain_table(rows),
     ]
+    if any(r.decoder in BLOCKWISE and r.rescorer for r in rows):
+        parts += [
+            "",
+            "Local rescoring against the same heads alone (block-efficiency gain; beyond noise: above twice the "
+            "pooled std of the two methods' repetitions, or of the per-seed gains when paired by seed):",
+            rescoring_table(rows),
+        ]
     if any(r.engine == "vllm" for r in rows):
         differences = engine_differences(rows)
         parts += ["", "vLLM beside polydraft's engine (measure/summary.md has the table):"]

@@ -1,5 +1,9 @@
 """Every sampling decoder x control x temperature x truncation on table models (tests/table_lm.py).
 
+The blockwise decoders (`bpd`, `medusa` and their `+rescore` variants) draft from K proposal heads on the
+table target's hidden states (`HEADS`, random weights: they agree with the target only by chance), the
+rescoring drafter being the table drafter.
+
 `check(name)` decodes LENGTH = K + 2 tokens many times with one configuration and tests the joint law
 of ALL of them against the target's exact law (tests/distribution_harness.py), so the token after a
 fully accepted draft (or a fully accepted tree path) is in every test. Vocabulary 3, so the joint law
@@ -13,14 +17,17 @@ from collections import Counter
 
 import torch
 
+from decoding.blockwise import HeadsDraft, Rescoring, blockwise_chain, blockwise_tree
 from decoding.control import BetaTS, CaliTS, FixedK
 from decoding.eesd import self_speculative
+from decoding.lattice import CandidateTree
 from decoding.rsd import recursive_speculative
 from decoding.sampling import Sampling, probabilities
 from decoding.sd import speculative
 from decoding.tree import TreeShape
+from models.heads import Heads
 from tests.distribution_harness import assert_follows, sample_size, target_joint
-from tests.table_lm import TableLM, TableModel, TableSelfSpeculative
+from tests.table_lm import HIDDEN, TableLM, TableModel, TableSelfSpeculative
 
 VOCAB = 3
 K = 2
@@ -47,14 +54,39 @@ SAMPLINGS = {
     "T0.7-topp0.8": Sampling(0.7, top_p=0.8),
     "T1-topp0.8": Sampling(1.0, top_p=0.8),
 }
+
+
+def table_heads(seed: int = 5) -> Heads:
+    """K Medusa heads on the table target's hidden states [HIDDEN], every weight drawn at random."""
+    heads = Heads("medusa", K, HIDDEN, VOCAB)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in heads.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 1.5)
+    return heads.eval()
+
+
+HEADS = table_heads()
+MEDUSA_TREE = CandidateTree.from_paths([[0], [1], [0, 0]])
+"""Depth 2; two children at the root (rank 0 and 1 of head 0), one below the first."""
+RESCORE = {"weight": 0.5, "top_k": 2, "beam_width": 2}
+"""Local rescoring over the heads' top 2 (of 3) tokens, 2 beams (bpd+rescore draws one path)."""
+BLOCKWISE = ("bpd", "medusa", "bpd+rescore", "medusa+rescore")
 # sd_greedy: vLLM's default drafting, argmax drafts with a one-hot draft distribution
-METHODS = [f"{d}-{c}" for d in ("sd", "eesd") for c in CONTROLS] + ["sd_greedy-fixed"] + list(TREES)
+METHODS = (
+    [f"{d}-{c}" for d in ("sd", "eesd") for c in CONTROLS]
+    + ["sd_greedy-fixed"]
+    + list(TREES)
+    + list(BLOCKWISE)
+)
 CONFIGS = [f"{m}:{s}" for m, s in itertools.product(METHODS, SAMPLINGS)]
 
 
 def decoder(method: str, sampling: Sampling, generator: torch.Generator):
     """decode() -> `Generation` of one output, for one method on the table models."""
     prompt = torch.tensor(PROMPT)
+    if method in BLOCKWISE:
+        return blockwise_decoder(method, sampling, generator)
     kind, _, control_name = method.partition("-")
     if kind in TREES:
         target, drafter = TableLM(TARGET), TableLM(DRAFTER)
@@ -70,6 +102,19 @@ def decoder(method: str, sampling: Sampling, generator: torch.Generator):
         )
     model = TableSelfSpeculative(TARGET, DRAFTER)
     return lambda: self_speculative(model, prompt, LENGTH, sampling, control, generator, set())
+
+
+def blockwise_decoder(method: str, sampling: Sampling, generator: torch.Generator):
+    """decode() for `bpd`, `medusa`, `bpd+rescore` or `medusa+rescore` with `HEADS` on the table target."""
+    prompt, target = torch.tensor(PROMPT), TableLM(TARGET)
+    heads = HeadsDraft(HEADS, target, profile=False)
+    rescoring = None
+    if method.endswith("+rescore"):
+        rescoring = Rescoring(TableLM(DRAFTER), **RESCORE)
+    if method.startswith("bpd"):
+        return lambda: blockwise_chain(target, heads, prompt, LENGTH, sampling, generator, set(), rescoring)
+    shape = MEDUSA_TREE if rescoring is None else None
+    return lambda: blockwise_tree(target, heads, prompt, LENGTH, sampling, generator, set(), shape, rescoring)
 
 
 def exact_law(sampling: Sampling) -> dict[tuple[int, ...], float]:
@@ -96,3 +141,29 @@ def check(config: str, seed: int = 0) -> int:
     # the test saw drafts rejected and drafts accepted to the end (then the next token is the bonus one)
     assert min(rounds["full"], rounds["rejected"]) > samples // 10, rounds
     return samples
+
+
+GREEDY_PROMPTS = [[0, 1], [2], [1, 1, 0, 2], [2, 0], [0]]
+
+
+def check_greedy(method: str, new_tokens: int = 12) -> None:
+    """At temperature 0 a decoder's output is the table target's greedy output (blockwise decoders)."""
+    from decoding.engine import autoregressive
+
+    greedy, generator, target = Sampling(), torch.Generator(), TableLM(TARGET)
+    accepted = 0
+    for tokens in GREEDY_PROMPTS:
+        prompt = torch.tensor(tokens)
+        expected = autoregressive(target, prompt, new_tokens, greedy, generator, set()).tokens
+        heads = HeadsDraft(HEADS, target, profile=False)
+        rescoring = Rescoring(TableLM(DRAFTER), **RESCORE) if method.endswith("+rescore") else None
+        if method.startswith("bpd"):
+            got = blockwise_chain(target, heads, prompt, new_tokens, greedy, generator, set(), rescoring)
+        else:
+            shape = MEDUSA_TREE if rescoring is None else None
+            got = blockwise_tree(
+                target, heads, prompt, new_tokens, greedy, generator, set(), shape, rescoring
+            )
+        assert got.tokens == expected, (method, tokens, got.tokens, expected)
+        accepted += sum(min(r.accepted, 2) == 2 for r in got.rounds)
+    assert accepted > 0, f"{method}: no round accepted two drafts, the second level was never checked"

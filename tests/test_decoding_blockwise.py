@@ -35,6 +35,7 @@ from tests.decoding_helpers import (
     spread,
     tiny_pair,
 )
+from tests.heads_setup import fit_heads
 
 single_thread = single_thread_fixture()
 GREEDY = Sampling()
@@ -43,26 +44,6 @@ NUM_HEADS = 3
 TREE = CandidateTree.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1]])
 CASES = [(1, 1), (1, 6), (3, 2), (8, 17), (15, 9), (5, 12)]
 """(prompt length, max_new_tokens)."""
-
-
-def fit_heads(target, kind: str, sequences: list[torch.Tensor], steps: int, seed: int = 0):
-    """Heads trained a few Adam steps on the target's hidden states of `sequences` (full batch)."""
-    torch.manual_seed(seed)
-    heads = heads_for_target(target, kind, NUM_HEADS)
-    shared = target.get_output_embeddings() if kind == "bpd" else None
-    with torch.no_grad():
-        hidden = [target.model(s.view(1, -1)).last_hidden_state[0] for s in sequences]
-    optimizer = torch.optim.Adam(heads.parameters(), lr=3e-2)
-    for _ in range(steps):
-        loss = torch.zeros(())
-        for h, s in zip(hidden, sequences):
-            logits = heads(h, shared)
-            for i in range(NUM_HEADS):
-                loss = loss + torch.nn.functional.cross_entropy(logits[i, : len(s) - 2 - i], s[2 + i :])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return heads.eval()
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +57,7 @@ def greedy_setup():
         for p, _ in cases[::2]  # the other prompts' drafts are partly rejected
     ]
     heads = {
-        kind: HeadsDraft(fit_heads(target_model, kind, sequences, steps=10), target)
+        kind: HeadsDraft(fit_heads(target_model, kind, NUM_HEADS, sequences, steps=10), target)
         for kind in ("medusa", "bpd")
     }
     return target, heads, {name: CachedLM(model) for name, model in drafters.items()}, cases

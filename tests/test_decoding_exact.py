@@ -15,6 +15,7 @@ import torch
 
 from decoding.sampling import gumbel_topk, probabilities
 from tests.decoding_helpers import single_thread_fixture
+from tests.exact_blockwise import check_blockwise, check_rescored_tree
 from tests.exact_sampling import (
     BEAMS,
     BRANCHING,
@@ -60,3 +61,16 @@ def test_gumbel_top_k_takes_the_top_k_of_the_perturbed_log_probabilities(monkeyp
     assert valid.sum(1).tolist() == [3] * 5  # top-k=3 leaves 3 tokens per row: the 4th draw is invalid
     assert torch.equal(valid, (log_p + noise).gather(1, order) > float("-inf"))
     assert torch.equal(tokens[valid], order[valid])
+
+
+@pytest.mark.parametrize("sampling", ["T0.7-topk2", "T1-topp0.8"])
+@pytest.mark.parametrize("method", ["bpd", "medusa", "bpd+rescore"])
+def test_blockwise_decoders_are_exact(monkeypatch, method, sampling):
+    """The real `bpd`, `medusa` and `bpd+rescore` decoders, every draw integrated (tests/exact_blockwise.py)."""
+    check_blockwise(monkeypatch, method, sampling)
+
+
+@pytest.mark.parametrize("pair", ["top-k", "top-p", "mixed"])
+def test_rescored_tree_verification_is_exact(monkeypatch, pair):
+    """`medusa+rescore`: a tree drawn from `rescorer`'s lattice rows, verified by `verify_tree`."""
+    check_rescored_tree(monkeypatch, pair)

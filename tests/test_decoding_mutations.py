@@ -15,7 +15,12 @@ output stays the target's (only speed suffers); a sibling order or count that de
 values rather than its tokens (seed 002 Thm 3.2). Dropping `& has_parent` from `extend_ancestors` looks
 wrong but is inert (the rows it copies are still empty). A residual that is not renormalised is harmless
 where it is only sampled from (`torch.multinomial` normalises) and wrong where recursive rejection
-compares against it.
+compares against it. Likewise for the blockwise decoders: heads that read the hidden state of the
+wrong position, or a rescoring drafter whose cache keeps the wrong nodes, draft from other rows, and the
+drafts are verified against those same rows.
+
+The blockwise variants are checked by the exact laws of the real decoders (tests/exact_blockwise.py,
+`exact:` and `tree-rescored:`), the grid and greedy decoding on the table models (`greedy-table:`).
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
+import decoding.blockwise
 import decoding.eesd
+import decoding.lattice
 import decoding.rsd
 import decoding.sampling
 import decoding.sd
@@ -44,6 +51,7 @@ from decoding.tree import TreeShape
 from models.early_exit import from_target
 from tests import decoder_grid
 from tests.decoding_helpers import single_thread_fixture, tiny_pair
+from tests.exact_blockwise import check_blockwise, check_rescored_tree
 from tests.exact_sampling import check_chain, check_rejection, check_tree
 
 single_thread = single_thread_fixture()
@@ -161,6 +169,30 @@ VARIANTS: dict[str, tuple[object, str, str, str, list[str]]] = {
         SAMPLING, "gumbel_topk", 'return tokens, values > float("-inf")',
         'return tokens.flip(-1), (values > float("-inf")).flip(-1)', ["grid:rsd_c:T1-topp0.8"],
     ),
+    # the blockwise decoders (seed 000) and the rescored lattice
+    "bpd+rescore verified against the heads' rows, not the rescored rows its path was drawn from": (
+        decoding.blockwise, "blockwise_chain",
+        "draft_probs = dists[torch.tensor([0] + [node + 1 for node in path[:-1]], device=dists.device)]",
+        "draft_probs = head_logp[:k].exp()", ["exact:bpd+rescore:T1-topp0.8", "grid:bpd+rescore:T1-topk2"],
+    ),
+    "medusa children verified against the row of the head before theirs": (
+        decoding.lattice, "candidate_tree", "rows = torch.tensor([0, *depths], device=device)",
+        "rows = torch.tensor([0, *[d - 1 for d in depths]], device=device)",
+        ["exact:medusa:T0.7-topk2", "grid:medusa:T1-topk2"],
+    ),
+    "wrong tree mask for the medusa tree (a node does not see its ancestors)": (
+        decoding.lattice, "candidate_tree", "torch.tensor(parents[start:], dtype=torch.long, device=device)",
+        "torch.full((len(parents) - start,), -1, dtype=torch.long, device=device)",
+        ["greedy-table:medusa", "exact:medusa:T1-topp0.8"],
+    ),
+    "rescored lattice rows not renormalised over the top k": (
+        decoding.lattice, "rescorer", "out[:, tokens] = torch.log_softmax(mixed, dim=-1)",
+        "out[:, tokens] = mixed", ["exact:bpd+rescore:T0.7-topk2", "tree-rescored:top-k"],
+    ),
+    "medusa cache keeps the first nodes, not the accepted path": (
+        decoding.blockwise, "blockwise_tree", "target.keep(n, path)", "target.crop(n + len(path))",
+        ["greedy-table:medusa", "grid:medusa:T0.7-topp0.8"],
+    ),
 }  # fmt: skip
 """name -> (module, function, old line part, new line part, the checks that must reject it)."""
 
@@ -172,6 +204,16 @@ def run_check(check: str, monkeypatch: pytest.MonkeyPatch, models) -> None:
         return
     if kind == "greedy":
         check_greedy(models, spec)
+        return
+    if kind == "greedy-table":
+        decoder_grid.check_greedy(spec)
+        return
+    if kind == "exact":
+        method, _, sampling = spec.partition(":")
+        check_blockwise(monkeypatch, method, sampling)
+        return
+    if kind == "tree-rescored":
+        check_rescored_tree(monkeypatch, spec)
         return
     first, _, pair = spec.partition(":")
     checks: dict[str, Callable] = {"chain": check_chain, "rejection": check_rejection, "tree": check_tree}

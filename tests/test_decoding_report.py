@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from decoding.report import domain_table, pooled_std, repetitions, speedup_table, table
+from decoding.report import domain_table, pooled_std, repetitions, rescoring_table, speedup_table, table
 from decoding.results import ResultRow
 
 CONTEXT = {"target": "t", "device": "cpu", "hardware": "cpu", "date": "d", "torch": "2", "transformers": "4"}
@@ -88,3 +88,32 @@ def test_domain_table_calls_a_difference_beyond_noise_only_past_twice_the_pooled
     )
     assert "| +0.15 | 0.20 | no |" in domain_table(inside + near)
     assert "| - | - |" in domain_table(inside[:1] + far[:1])
+
+
+def test_rescoring_gain_against_both_spreads():
+    """A gain smaller than twice the methods' spread over prompts (unpaired: no) but steady seed by seed
+    (paired: yes); the other way round when the gain flips sign between seeds."""
+
+    def blockwise(decoder: str, method: str, seed: int, be: float) -> ResultRow:
+        rescorer = "de-en" if decoder.endswith("+rescore") else None
+        return row("de-en-test", seed, be, 1.0).model_copy(
+            update={"decoder": decoder, "method": method, "drafter": "heads", "drafter_kind": "heads",
+                    "rescorer": rescorer, "in_domain": None}
+        )  # fmt: skip
+
+    alone = [blockwise("bpd", "bpd[heads] K=3", s, be) for s, be in enumerate([1.5, 1.8, 2.1])]
+    steady = [
+        blockwise("bpd+rescore", "bpd+rescore[de-en] K=3", s, be) for s, be in enumerate([1.6, 1.9, 2.2])
+    ]
+    text = rescoring_table(alone + steady)
+    assert (
+        "| bpd+rescore[de-en] K=3 | bpd[heads] K=3 | de-en-test | 0 | 1.90 ± 0.30 | 1.80 ± 0.30 | +0.10 | 0.60 "
+        "| no | +0.10 ± 0.00 | yes |"
+    ) in text, text
+    flipping = [
+        blockwise("bpd+rescore", "bpd+rescore[de-en] K=3", s, be) for s, be in enumerate([1.9, 1.5, 2.4])
+    ]
+    assert "| 1.93 ± 0.45 | 1.80 ± 0.30 | +0.13 | 0.77 | no | +0.13 ± 0.38 | no |" in rescoring_table(
+        alone + flipping
+    )
+    assert rescoring_table(steady).startswith("No `+rescore` decoder")

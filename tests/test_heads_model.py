@@ -10,10 +10,11 @@ from safetensors.torch import load_file
 
 from models.heads import (
     VLLM_CONFIG_FILE,
-    VLLM_WEIGHTS_FILE,
+    VLLM_LM_HEAD_FILE,
+    WEIGHTS_FILE,
     Heads,
+    add_vllm_medusa,
     attach_heads,
-    export_vllm_medusa,
     heads_for_target,
     load_heads,
     load_vllm_medusa,
@@ -73,11 +74,14 @@ def test_own_format_round_trip(tmp_path, target, kind):
 
 
 @pytest.mark.parametrize("kind", ["medusa", "bpd"])
-def test_vllm_medusa_folder(tmp_path, target, kind):
+def test_one_folder_is_both_formats(tmp_path, target, kind):
+    """polydraft's folder plus vLLM's medusa config (and, for BPD, the target's lm head) is what vLLM's
+    medusa model reads: its parameter names, nothing stored twice, the same heads read back."""
     heads = trained_like(heads_for_target(target, kind, num_heads=3, num_layers=2), seed=2)
     target_head = target.get_output_embeddings()
-    export_vllm_medusa(heads, tmp_path / "vllm", target_head)
-    config = json.loads((tmp_path / "vllm" / VLLM_CONFIG_FILE).read_text())
+    folder = save_heads(heads, tmp_path / "heads", {"path": "t", "revision": None})
+    add_vllm_medusa(folder, target_head)
+    config = json.loads((folder / VLLM_CONFIG_FILE).read_text())
     assert config["model_type"] == "medusa" and config["architectures"] == ["MedusaModel"]
     assert (config["num_heads"], config["num_hidden_layers"], config["hidden_size"]) == (3, 2, 32)
     assert config["medusa_fc_bias"] is True and config["original_lm_head"] is (kind == "bpd")
@@ -85,11 +89,14 @@ def test_vllm_medusa_folder(tmp_path, target, kind):
     assert [k for k in config if "num" in k] == ["num_heads", "num_hidden_layers"]
     # the parameter names of vLLM's Medusa module: ResidualBlock `layers`, per-head or one shared lm head
     blocks = {f"blocks.{i}.layers.{j}.{p}" for i in range(3) for j in range(2) for p in ("weight", "bias")}
-    heads_keys = {"lm_head.weight"} if kind == "bpd" else {f"lm_heads.{i}.weight" for i in range(3)}
-    stored = load_file(str(tmp_path / "vllm" / VLLM_WEIGHTS_FILE))
-    assert set(stored) == blocks | heads_keys
+    own = set(load_file(str(folder / WEIGHTS_FILE)))
+    if kind == "bpd":
+        assert own == blocks and set(load_file(str(folder / VLLM_LM_HEAD_FILE))) == {"lm_head.weight"}
+    else:
+        assert own == blocks | {f"lm_heads.{i}.weight" for i in range(3)}
+        assert not (folder / VLLM_LM_HEAD_FILE).exists()
 
-    loaded, shared = load_vllm_medusa(tmp_path / "vllm")
+    loaded, shared = load_vllm_medusa(folder)
     hidden = torch.randn(4, 32)
     if kind == "bpd":
         torch.testing.assert_close(shared, target_head.weight.detach())
@@ -97,9 +104,17 @@ def test_vllm_medusa_folder(tmp_path, target, kind):
     else:
         assert shared is None
         torch.testing.assert_close(loaded(hidden), heads(hidden))
+    # and polydraft still reads its own files from the same folder
+    torch.testing.assert_close(
+        attach_heads(target, folder)(hidden, target_head if kind == "bpd" else None),
+        heads(hidden, target_head if kind == "bpd" else None),
+    )
     if kind == "bpd":
         with pytest.raises(ValueError, match="lm head"):
-            export_vllm_medusa(heads, tmp_path / "again")
+            add_vllm_medusa(folder)
+        (folder / VLLM_LM_HEAD_FILE).unlink()
+        with pytest.raises(ValueError, match="would miss"):
+            load_vllm_medusa(folder)
 
 
 def test_load_heads_keeps_the_saved_dtype(tmp_path, target):

@@ -289,7 +289,8 @@ class HeadsConfig(StrictModel):
     """Blockwise proposal heads on the frozen target's last hidden state (seed 000): Medusa-1 heads (a
     residual SiLU block and an lm head initialised from the target's, each) or BPD heads (residual blocks
     on the target's own lm head, shared and frozen). Head i at position t learns token t+2+i, on the
-    response tokens of the distill stage's mix. Output: `heads/` (`heads.safetensors`, `heads.json`).
+    response tokens of the distill stage's mix. Output: `heads/` (`heads.safetensors`, `heads.json`, and
+    vLLM's medusa `config.json`, so that the same folder is a vLLM `medusa` draft).
 
     Off by default: a recipe that measures `bpd` / `medusa` (and their `+rescore` variants) enables it.
     """

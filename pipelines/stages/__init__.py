@@ -46,6 +46,6 @@ def default_stages() -> list[Stage]:
             "export",
             export.run,
             ExportInputs.of,
-            upstream=("pretrain", "finetune", "early_exit", "calibrate", "measure"),
+            upstream=("pretrain", "finetune", "early_exit", "heads", "calibrate", "measure"),
         ),
     ]

@@ -1,11 +1,17 @@
 """Stage `export`: Hugging Face folders with model cards that carry the measured speedups, smoke-checked.
 
 For every drafter the run trained (`finetune/<pair>/`, and the pretrain stage's generic `pretrain/model/`
-as `pretrain`) and for the early-exit head (`early_exit/head/`), one folder `<work_dir>/<name>/`:
+as `pretrain`), for the early-exit head (`early_exit/head/`) and for the blockwise proposal heads
+(`heads/heads/`), one folder `<work_dir>/<name>/`:
 - a drafter: its config, `model.safetensors`, the target's tokenizer files and a generation config (whose
   `num_assistant_tokens` is the K that measured best), plus its calibration model when it has one;
 - the head: `early_exit.safetensors` + `early_exit.json` (target id and revision, N), loadable with
   `attach_exit_head`, and its calibration model;
+- the proposal heads (seed 000): one folder in two formats (`models.heads`), polydraft's (`heads.json`,
+  `heads.safetensors`; `attach_heads`) and vLLM's `medusa` speculative method's (`config.json`, the same
+  weights, and for BPD heads `lm_head.safetensors`); their card carries the `bpd`, `medusa` and `+rescore`
+  rows, and their smoke check runs vLLM with the folder as the target's `medusa` draft
+  (`pipelines.smoke_heads`);
 - a calibration model (Cali-TS) goes into a `calibration/` sub-folder (`CalibrationModel.load` reads it):
   vLLM loads every top-level `*.safetensors` of a draft model folder as the drafter's weights;
 - `results.json` (every fact of the card, machine-readable: the measure rows of this drafter and of the
@@ -35,6 +41,7 @@ from pipelines.export_info import (
     calibration_facts,
     early_exit_facts,
     finetune_facts,
+    heads_facts,
     hub_datasets,
     languages_of,
     measurements,
@@ -63,6 +70,7 @@ from pipelines.export_records import (
 from pipelines.manifest import git_state, write_json_atomic
 from pipelines.schema.inputs import ExportInputs
 from pipelines.smoke import Check, drafter_checks, head_checks, passed, vllm_generation_check
+from pipelines.smoke_heads import heads_checks
 from pipelines.stage import PROJECT_ROOT, StageContext, StageFailed, StageResult
 from train.results import CalibrationReport
 
@@ -84,7 +92,7 @@ class Item:
 
     @property
     def kind(self) -> str:
-        return "early_exit" if self.source.kind == "early_exit" else "drafter"
+        return self.source.kind if self.source.kind in ("early_exit", "heads") else "drafter"
 
 
 # ----------------------------------------------------------------------------- staging the files
@@ -124,6 +132,20 @@ def stage_head(item: Item, target: PublicTarget) -> dict[str, Any]:
     shutil.copy2(Path(item.source.path) / WEIGHTS_FILE, item.staged / WEIGHTS_FILE)
     (item.staged / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     stage_calibration(item)
+    return config
+
+
+def stage_heads(item: Item, target: PublicTarget) -> dict[str, Any]:
+    """The heads folder, both formats (`models.heads`): `heads.json` naming the public target, the weights,
+    vLLM's medusa `config.json` and, for BPD heads, the copy of the target's lm head vLLM loads."""
+    from models.heads import CONFIG_FILE, VLLM_CONFIG_FILE, VLLM_LM_HEAD_FILE, WEIGHTS_FILE, read_heads_config
+
+    config = read_heads_config(item.source.path)
+    config["target"] = {"path": target.id, "revision": target.revision}
+    for name in (WEIGHTS_FILE, VLLM_CONFIG_FILE, VLLM_LM_HEAD_FILE):
+        if (Path(item.source.path) / name).is_file():  # a missing one fails the smoke check, by name
+            shutil.copy2(Path(item.source.path) / name, item.staged / name)
+    (item.staged / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return config
 
 
@@ -269,8 +291,11 @@ def build_info(
 
 
 def repo_name(target: PublicTarget, run_name: str, item: Item) -> str:
-    """`<target>-drafter-<name>` / `<target>-eesd-head`; a local target is named after the run."""
+    """`<target>-drafter-<name>` / `<target>-eesd-head` / `<target>-heads`; a local target is named after
+    the run."""
     prefix = target.label or run_name
+    if item.kind == "heads":
+        return f"{prefix}-heads"
     return f"{prefix}-eesd-head" if item.kind == "early_exit" else f"{prefix}-drafter-{item.source.name}"
 
 
@@ -294,7 +319,7 @@ def run(inputs: ExportInputs, ctx: StageContext) -> StageResult:
     for source in sources:
         if (ctx.work_dir / source.name / RESULTS_FILE).is_file():
             continue  # finished by an earlier, interrupted run of this same config
-        decoder = "eesd" if source.kind == "early_exit" else "sd"
+        decoder = {"early_exit": "eesd", "heads": "bpd"}.get(source.kind, "sd")
         measured = measurements(rows, source.name, decoder, target.id)
         staged = ctx.work_dir / f"{source.name}.tmp"
         shutil.rmtree(staged, ignore_errors=True)
@@ -332,6 +357,8 @@ def finish_items(
     for item in ctx.progress(items, desc="stage folders", unit="folder"):
         if item.kind == "early_exit":
             extras[item.source.name] = {"head": early_exit_facts(stage_head(item, target), ctx.upstream)}
+        elif item.kind == "heads":
+            extras[item.source.name] = {"heads": heads_facts(stage_heads(item, target), ctx.upstream)}
         else:
             stage_drafter(item, tokenizer, inputs.assisted_confidence_threshold)
             config = json.loads((item.staged / "config.json").read_text(encoding="utf-8"))
@@ -350,12 +377,13 @@ def finish_items(
                 "trust_remote_code": resolved.trust_remote_code,
             },
             item.staged,
-            item.draft_length,
+            extras[item.source.name]["heads"].num_heads if item.kind == "heads" else item.draft_length,
             [p.tolist() for p in prompts_for(prompts, item.source.pair, cfg.smoke_prompts)],
             cfg.smoke_max_new_tokens,
+            "medusa" if item.kind == "heads" else "draft_model",
         )
         for item in items
-        if item.kind == "drafter"
+        if item.kind in ("drafter", "heads")
     }
     model = load_causal_lm(resolved.path, resolved.revision, resolved.dtype, resolved.trust_remote_code)
     eos_ids = eos_ids_of(model, tokenizer)
@@ -366,6 +394,9 @@ def finish_items(
             checks = head_checks(
                 item.staged, model, chosen, cfg.smoke_max_new_tokens, eos_ids, item.draft_length
             )
+        elif item.kind == "heads":
+            checks = heads_checks(item.staged, model, chosen, cfg.smoke_max_new_tokens, eos_ids)
+            checks.append(vllm_checks[name])
         else:
             checks = drafter_checks(item.staged, model, tokenizer, chosen, cfg.smoke_max_new_tokens, eos_ids)
             checks.append(vllm_checks[name])

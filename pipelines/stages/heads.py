@@ -4,7 +4,8 @@ trained on the distill stage's mix of every pair.
 Runner side: `run` launches `main` through `accelerate launch`. Subprocess side: `train_heads` loads the
 frozen target (bf16 on a GPU), builds the heads (`models.heads.heads_for_target`) and trains them with
 `train.heads.fit`. Output: `heads/` (`heads.safetensors`, `heads.json`, whose `training` holds the
-metrics), which the measure stage decodes with (`bpd`, `medusa` and their `+rescore` variants).
+metrics; and vLLM's medusa `config.json`, plus the target's lm head for BPD heads, so that the same
+folder loads in vLLM: `models.heads.add_vllm_medusa`), which the measure stage decodes with (`bpd`, `medusa` and their `+rescore` variants).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 
-from models.heads import Heads, heads_for_target, save_heads
+from models.heads import Heads, add_vllm_medusa, heads_for_target, save_heads
 from models.loading import load_causal_lm, load_tokenizer
 from pipelines.schema.inputs import HeadsInputs
 from pipelines.stage import (
@@ -118,6 +119,7 @@ def train_heads(
         shutil.rmtree(partial, ignore_errors=True)
         origin = {"path": target_spec.path, "revision": target_spec.revision}
         save_heads(heads, partial, origin, extra={"training": metrics.model_dump()}, state=state)
+        add_vllm_medusa(partial, target.get_output_embeddings())  # the same folder loads in vLLM's medusa
         shutil.rmtree(out, ignore_errors=True)
         partial.rename(out)
         shutil.rmtree(

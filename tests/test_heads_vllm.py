@@ -1,0 +1,108 @@
+"""The real CPU build of vLLM runs an exported heads folder as the target's `medusa` draft.
+
+Medusa heads, and BPD heads (vLLM's `original_lm_head`: one shared copy of the target's lm head), fitted to the demo target's own greedy continuations (so that drafts are accepted, partly)
+are saved in polydraft's format plus vLLM's medusa config (`models.heads.add_vllm_medusa`), the way the
+heads stage writes them and the export stage ships them. vLLM (in a subprocess, `pipelines.smoke`) then
+generates greedily with the target alone and with the folder as `speculative_config={"method": "medusa",
+...}`: the outputs must be identical, and vLLM's medusa proposer (each head's argmax, a chain) must accept
+exactly the draft tokens polydraft's `bpd` decoder accepts on the same prompts, position by position.
+That equality is what shows vLLM reads the heads as polydraft trained them: same tensors, same head order,
+same offset (head i predicts token t+2+i from the hidden state at t).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.heads_setup import fit_heads
+from tests.vllm_setup import demo_target, require_vllm
+
+NUM_HEADS = 3
+NEW_TOKENS = 24
+SOURCES = [
+    ("de-en", "Guten Morgen, wie geht es dir heute?"),
+    ("fr-en", "Le vingt-trois mars deux mille dix-neuf"),
+    ("de-en", "Dreihundertvierzig"),
+    ("fr-en", "Enregistrer les modifications"),
+]
+
+
+def demo_prompts(tokenizer) -> list[list[int]]:
+    """The demo's own kind of prompt (Vicuna format, seed 003's task prefix): real translations follow."""
+    from distill.prompts import build_prompt, encode_prompt, translation_messages
+
+    return [encode_prompt(tokenizer, build_prompt(translation_messages(p, t), "vicuna")) for p, t in SOURCES]
+
+
+@pytest.fixture(scope="module", params=["medusa", "bpd"])
+def heads_folder(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from decoding.engine import autoregressive
+    from decoding.lm import CachedLM
+    from decoding.sampling import Sampling
+    from models.heads import add_vllm_medusa, save_heads
+
+    target = AutoModelForCausalLM.from_pretrained(demo_target(), dtype=torch.float32).eval()
+    prompts = demo_prompts(AutoTokenizer.from_pretrained(demo_target()))
+    target_lm = CachedLM(target, profile=False)
+    sequences = []
+    for ids in prompts[:2]:  # the other prompts' drafts are mostly rejected
+        prompt = torch.tensor(ids)
+        greedy = autoregressive(target_lm, prompt, NEW_TOKENS, Sampling(), torch.Generator(), set())
+        sequences.append(torch.cat([prompt, torch.tensor(greedy.tokens)]))
+    heads = fit_heads(target, "medusa", NUM_HEADS, sequences, steps=30, lr=1e-2)
+    folder = save_heads(
+        heads, tmp_path_factory.mktemp("vllm_heads") / "heads", {"path": "t", "revision": None}
+    )
+    add_vllm_medusa(folder, target.get_output_embeddings())
+    return target, folder, prompts
+
+
+def polydraft_bpd(target, folder, prompts, eos_id: int) -> tuple[list[list[int]], list[int]]:
+    """polydraft's `bpd` at temperature 0, counted the way vLLM counts: its outputs cut at EOS or NEW_TOKENS,
+    and the draft tokens accepted at each position over the rounds vLLM runs too.
+
+    vLLM drafts all NUM_HEADS tokens in every step until the output holds EOS or NEW_TOKENS tokens, and counts
+    what the target accepts even past them; polydraft drafts fewer near max_new_tokens and stops at EOS. So
+    polydraft decodes NUM_HEADS + 1 tokens more without stopping, and a round counts while the output before
+    it is shorter than NEW_TOKENS and holds no EOS (a round of a accepted drafts counts at positions 0..a-1).
+    """
+    from decoding.blockwise import HeadsDraft, blockwise_chain
+    from decoding.lm import CachedLM
+    from decoding.sampling import Sampling
+    from models.heads import attach_heads
+
+    target_lm = CachedLM(target, profile=False)
+    draft = HeadsDraft(attach_heads(target, folder), target_lm, profile=False)
+    outputs, per_position = [], [0] * NUM_HEADS
+    for ids in prompts:
+        new = NEW_TOKENS + NUM_HEADS + 1
+        gen = blockwise_chain(target_lm, draft, torch.tensor(ids), new, Sampling(), torch.Generator(), set())
+        length = 0
+        for r in gen.rounds:
+            if length >= NEW_TOKENS or eos_id in gen.tokens[:length]:
+                break
+            for position in range(r.accepted):
+                per_position[position] += 1
+            length += r.accepted + 1
+        tokens = gen.tokens[:NEW_TOKENS]
+        outputs.append(tokens[: tokens.index(eos_id) + 1] if eos_id in tokens else tokens)
+    return outputs, per_position
+
+
+def test_real_vllm_runs_the_heads_as_its_medusa_draft(heads_folder):
+    from pipelines.smoke import vllm_generation
+
+    require_vllm()
+    target, folder, prompts = heads_folder
+    spec = {"path": str(demo_target()), "revision": None, "trust_remote_code": False}
+    result = vllm_generation(spec, folder, NUM_HEADS, prompts, NEW_TOKENS, "medusa")
+    assert "error" not in result, result["error"]
+    outputs, per_position = polydraft_bpd(target, folder, prompts, target.generation_config.eos_token_id)
+    assert result["alone"] == outputs  # vLLM's greedy target and polydraft's agree, token for token
+    assert result["drafted"] == result["alone"]
+    # drafts were accepted at every position, and rejected (so that the counts say something)
+    assert min(per_position) > 0 and result["accepted"] < result["drafted_tokens"], (result, per_position)
+    assert result["accepted_per_position"] == per_position, (result, per_position)
