@@ -108,7 +108,10 @@ def test_completions_through_two_servers_with_vllm_token_ids(tmp_path, vllm_serv
         # the server saw exactly the tokens the other backends feed (BOS + prompt) and returned its own ids
         assert record["prompt_tokens"] == len(encode_prompt(tokenizer, record["prompt"]))
         assert record["response_tokens"] == len(record["token_ids"]) <= 16
-        assert tokenizer.decode(record["token_ids"], skip_special_tokens=True) == record["response"]
+        # vLLM's detokenizer holds back a character whose bytes the last token left incomplete (byte-level
+        # BPE cut by max_tokens); decoding the ids shows it as U+FFFD
+        decoded = tokenizer.decode(record["token_ids"], skip_special_tokens=True)
+        assert decoded.removesuffix("\ufffd") == record["response"]
     greedy = {r["prompt_id"]: r["token_ids"] for r in records if r["temperature"] == 0.0}
     sampled = {
         (r["prompt_id"], r["sample_index"]): r["token_ids"] for r in records if r["temperature"] == 1.0
