@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.heads import load_heads, read_heads_config
+from models.heads import load_heads, load_vllm_medusa, read_heads_config
 from pipelines.recipe import load_recipe
 from pipelines.stage import PROJECT_ROOT, StageSpec, spec_for
 from pipelines.stages.heads import train_heads
@@ -69,6 +69,11 @@ def test_training_step_moves_the_heads_only(tmp_path, tiny_target_dir, tiny_targ
         assert not torch.equal(saved.lm_heads[0].weight, reference.weight)
     else:
         assert len(saved.lm_heads) == 0
+    # the same folder is vLLM's medusa draft: its config, and for BPD heads the target's lm head
+    read, shared = load_vllm_medusa(work_dir / HEADS_DIR)
+    assert read.kind == kind and (shared is None) is (kind == "medusa")
+    if kind == "bpd":
+        assert torch.equal(shared, reference.weight.detach().to(shared.dtype))
     assert not (work_dir / "checkpoints").exists()
     assert len(metrics.final.heads) == len(metrics.initial.heads) == 3
     assert all(0.0 <= h.top1_target <= 1.0 and 0.0 <= h.top1 <= 1.0 for h in metrics.final.heads)
