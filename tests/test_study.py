@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from pipelines.cli import main
-from pipelines.study.findings import HEADS, VariantData, all_findings
+from pipelines.study.findings import all_findings
+from pipelines.study.model import HEADS, VariantData
 from pipelines.study.verdicts import VERDICTS, compare, log_fit, slope_check, verdict_of
 from tests.export_setup import result_row
 

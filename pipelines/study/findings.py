@@ -1,186 +1,52 @@
 """The findings of the seed papers that the study reproduces, each computed from the rows of the variants
-that measure it (`decoding.results.ResultRow`) and judged by the one rule of `pipelines.study.verdicts`.
+that measure it and judged by the one rule of `pipelines.study.verdicts`.
 
 Every finding names the seed's table or figure and quotes its numbers (typed in from `../shared/seeds/`),
-says which metric it compares and how, and returns its checks. Rows are matched on every field that
-defines them (decoder, drafter, control, K or tree, eval set, temperature), never on a label.
+says which metric it compares and how, and returns its checks.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Literal, get_args
-
-from pydantic import BaseModel, ConfigDict
+from typing import get_args
 
 from decoding.results import DecoderName, ResultRow
-from pipelines.study.verdicts import (
-    Check,
-    Fit,
-    Stat,
-    Verdict,
-    compare,
-    log_fit,
-    slope_check,
-    stat,
-    verdict_of,
+from pipelines.study.model import (
+    BUDGETS,
+    DISTILL_T0,
+    EESD,
+    EESD_NO_LAYER,
+    F_ONLY,
+    HEADS,
+    K_SWEEP,
+    PF,
+    TREE_DEPTH,
+    TREES,
+    Finding,
+    Panel,
+    Runs,
+    Series,
+    budget_variant,
+    chain,
+    finish,
+    ok,
+    pairs,
+    rows_of,
+    temperatures,
+    where,
 )
-
-# variant names (the variants themselves are built in `pipelines.study.variants`)
-PF = "pf"
-F_ONLY = "f_only"
-DISTILL_T0 = "distill_t0"
-TREES = "trees"
-HEADS = "heads"
-EESD = "eesd"
-EESD_NO_LAYER = "eesd_no_layer"
-BUDGETS = (0.125, 0.25, 0.5)
-"""Finetune lengths as fractions of the recipe's; the recipe's own (the `pf` variant) is the fourth."""
-
-
-def budget_variant(fraction: float) -> str:
-    return f"finetune_x{fraction:g}"
-
-
-TREE_DEPTH = 3
-"""Seed 002 App. C.3.1 at draft length 3: SD K=3, RSD-C 2-2-2, RSD-S 3x3 (its Table 2 rows)."""
-K_SWEEP = (1, 2, 3, 4, 6)
-"""Fixed draft lengths of seed 001 Fig. 3 (speedup against K) measured for `eesd`."""
-
-
-@dataclass
-class VariantData:
-    """What a variant left: its measure rows and its finetune stage's tokens per pair."""
-
-    status: str
-    """`ok`, `failed: <why>` or `skipped: <why>`."""
-    rows: list[ResultRow] = field(default_factory=list)
-    finetune_tokens: dict[str, int] = field(default_factory=dict)
-
-
-Runs = dict[str, VariantData]
-
-
-class Series(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    label: str
-    x: list[float]
-    y: list[float]
-    yerr: list[float] | None = None
-    style: Literal["line", "points", "hline"] = "line"
-
-
-class Panel(BaseModel):
-    """One plot of a finding that is not a bar chart of its checks."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    title: str
-    xlabel: str
-    ylabel: str
-    log_x: bool = False
-    series: list[Series]
-
-
-class Finding(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    key: str
-    title: str
-    source: str
-    """The seed's table or figure."""
-    seed_numbers: str
-    """The seed's numbers, as its table gives them (markdown)."""
-    metric: str
-    """What is compared, in words."""
-    quantity: str
-    """The metric's short name (a plot's axis)."""
-    variants: list[str]
-    checks: list[Check]
-    details: str = ""
-    """Extra markdown: the fit, the best K, rows that were missing."""
-    panels: list[Panel] = []
-    verdict: Verdict
-    reason: str
-
-
-def _where(rows: list[ResultRow], metric: str, **fields: object) -> list[float | None]:
-    """`metric` of the polydraft rows whose fields equal `fields` (one per seed when fully specified)."""
-    return [
-        getattr(r, metric)
-        for r in rows
-        if r.engine == "polydraft" and all(getattr(r, k) == v for k, v in fields.items())
-    ]
-
-
-def _rows(runs: Runs, name: str) -> list[ResultRow]:
-    data = runs.get(name)
-    return data.rows if data is not None else []
-
-
-def _not_run(runs: Runs, names: list[str]) -> str | None:
-    """Why a finding cannot be computed: a variant it needs did not complete."""
-    missing = [f"`{n}` {runs[n].status if n in runs else 'not planned'}" for n in names if not _ok(runs, n)]
-    return "; ".join(missing) or None
-
-
-def _ok(runs: Runs, name: str) -> bool:
-    return name in runs and runs[name].status == "ok"
-
-
-def _pairs(rows: list[ResultRow]) -> list[str]:
-    return sorted(
-        {r.drafter_pair for r in rows if r.drafter_pair is not None and r.drafter_kind == "finetune"}
-    )
-
-
-def _temperatures(rows: list[ResultRow]) -> list[float]:
-    return sorted({r.temperature for r in rows})
-
-
-def finish(
-    key: str,
-    title: str,
-    source: str,
-    seed_numbers: str,
-    metric: str,
-    variants: list[str],
-    runs: Runs,
-    build: Callable[[], tuple[list[Check], str, list[Panel]]],
-    quantity: str = "speedup",
-) -> Finding:
-    """The finding with its checks and verdict, or `not run` with the reason when a variant is missing."""
-    reason = _not_run(runs, variants)
-    checks: list[Check] = []
-    details, panels = "", []
-    if reason is None:
-        checks, details, panels = build()
-    verdict, why = ("not run", reason) if reason is not None else verdict_of(checks)
-    return Finding(
-        key=key, title=title, source=source, seed_numbers=seed_numbers, metric=metric, quantity=quantity,
-        variants=variants, checks=checks, details=details, panels=panels, verdict=verdict, reason=why,
-    )  # fmt: skip
-
-
-def _chain(rows: list[ResultRow], k: int, drafter: str, dataset: str, t: float, metric: str) -> list:
-    return _where(
-        rows, metric, decoder="sd", control="fixed", draft_length=k, drafter=drafter, dataset=dataset,
-        temperature=t,
-    )  # fmt: skip
+from pipelines.study.verdicts import Check, Fit, Stat, compare, log_fit, slope_check, stat
 
 
 def pretrain_finetune(runs: Runs, k: int) -> Finding:
     def build() -> tuple[list[Check], str, list[Panel]]:
-        pf, f = _rows(runs, PF), _rows(runs, F_ONLY)
+        pf, f = rows_of(runs, PF), rows_of(runs, F_ONLY)
         checks = []
-        for pair in _pairs(pf):
-            for t in _temperatures(pf):
-                both = _chain(pf, k, pair, pair, t, "speedup")
-                alone = _chain(f, k, pair, pair, t, "speedup")
-                generic = _chain(pf, k, "pretrain", pair, t, "speedup")
+        for pair in pairs(pf):
+            for t in temperatures(pf):
+                both = chain(pf, k, pair, pair, t, "speedup")
+                alone = chain(f, k, pair, pair, t, "speedup")
+                generic = chain(pf, k, "pretrain", pair, t, "speedup")
                 label = f"{pair}, T={t:g}"
                 checks.append(compare(f"{label}: P-F > F", ">", "P-F", both, "F", alone))
                 checks.append(compare(f"{label}: F > P", ">", "F", alone, "P", generic))
@@ -203,14 +69,14 @@ def pretrain_finetune(runs: Runs, k: int) -> Finding:
 
 def in_domain(runs: Runs, k: int) -> Finding:
     def build() -> tuple[list[Check], str, list[Panel]]:
-        rows = _rows(runs, PF)
+        rows = rows_of(runs, PF)
         datasets = sorted({r.dataset_pair for r in rows if r.dataset_pair is not None})
         checks = []
-        for pair in _pairs(rows):
+        for pair in pairs(rows):
             for other in [d for d in datasets if d != pair]:
-                for t in _temperatures(rows):
-                    inside = _chain(rows, k, pair, pair, t, "speedup")
-                    outside = _chain(rows, k, pair, other, t, "speedup")
+                for t in temperatures(rows):
+                    inside = chain(rows, k, pair, pair, t, "speedup")
+                    outside = chain(rows, k, pair, other, t, "speedup")
                     label = f"drafter {pair}, T={t:g}: on {pair} > on {other}"
                     checks.append(compare(label, ">", "in-domain", inside, "out-of-domain", outside))
         return checks, "", []
@@ -234,12 +100,12 @@ def finetune_tokens(runs: Runs, k: int) -> Finding:
 
     def build() -> tuple[list[Check], str, list[Panel]]:
         checks, lines, series = [], [], []
-        for pair in _pairs(_rows(runs, PF)):
+        for pair in pairs(rows_of(runs, PF)):
             xs, ys = [], []
             for name in names:
                 tokens = runs[name].finetune_tokens.get(pair)
                 values = [
-                    v for v in _chain(_rows(runs, name), k, pair, pair, 0.0, "speedup") if v is not None
+                    v for v in chain(rows_of(runs, name), k, pair, pair, 0.0, "speedup") if v is not None
                 ]
                 if tokens:
                     xs += [float(tokens)] * len(values)
@@ -291,7 +157,7 @@ def _eesd(rows: list[ResultRow], dataset: str, control: str, metric: str, k: int
     }
     if k is not None:
         fields["draft_length"] = k
-    return _where(rows, metric, **fields)
+    return where(rows, metric, **fields)
 
 
 def _datasets(rows: list[ResultRow]) -> list[str]:
@@ -300,7 +166,7 @@ def _datasets(rows: list[ResultRow]) -> list[str]:
 
 def exit_layer(runs: Runs) -> Finding:
     def build() -> tuple[list[Check], str, list[Panel]]:
-        with_layer, without = _rows(runs, EESD), _rows(runs, EESD_NO_LAYER)
+        with_layer, without = rows_of(runs, EESD), rows_of(runs, EESD_NO_LAYER)
         checks, lines = [], []
         for dataset in _datasets(with_layer):
             a = _eesd(with_layer, dataset, "beta_ts", "speedup")
@@ -331,7 +197,7 @@ def _text(value: Stat | None) -> str:
 
 def thompson_eesd(runs: Runs) -> Finding:
     def build() -> tuple[list[Check], str, list[Panel]]:
-        rows = _rows(runs, EESD)
+        rows = rows_of(runs, EESD)
         checks, lines, panels = [], [], []
         for dataset in _datasets(rows):
             sweep = sorted({r.draft_length for r in rows if r.decoder == "eesd" and r.control == "fixed"})
@@ -380,12 +246,12 @@ def thompson_eesd(runs: Runs) -> Finding:
 
 def thompson_standalone(runs: Runs, k: int) -> Finding:
     def build() -> tuple[list[Check], str, list[Panel]]:
-        rows = _rows(runs, PF)
+        rows = rows_of(runs, PF)
         checks = []
-        for pair in _pairs(rows):
-            for t in _temperatures(rows):
-                ts = _where(rows, "speedup", decoder="sd", control="beta_ts", drafter=pair, dataset=pair, temperature=t)  # fmt: skip
-                fixed = _chain(rows, k, pair, pair, t, "speedup")
+        for pair in pairs(rows):
+            for t in temperatures(rows):
+                ts = where(rows, "speedup", decoder="sd", control="beta_ts", drafter=pair, dataset=pair, temperature=t)  # fmt: skip
+                fixed = chain(rows, k, pair, pair, t, "speedup")
                 checks.append(compare(f"sd[{pair}] on {pair}, T={t:g}: Beta-TS > K={k}", ">", "Beta-TS", ts, f"K={k}", fixed))  # fmt: skip
         return checks, "", []
 
@@ -406,14 +272,14 @@ def thompson_standalone(runs: Runs, k: int) -> Finding:
 
 def trees(runs: Runs) -> Finding:
     def build() -> tuple[list[Check], str, list[Panel]]:
-        rows = _rows(runs, TREES)
+        rows = rows_of(runs, TREES)
         checks = []
-        for pair in _pairs(rows):
-            for t in [t for t in _temperatures(rows) if t > 0]:
+        for pair in pairs(rows):
+            for t in [t for t in temperatures(rows) if t > 0]:
                 common = {"drafter": pair, "dataset": pair, "temperature": t}
-                s = _where(rows, "block_efficiency", decoder="rsd_s", **common)
-                c = _where(rows, "block_efficiency", decoder="rsd_c", **common)
-                sd = _chain(rows, TREE_DEPTH, pair, pair, t, "block_efficiency")
+                s = where(rows, "block_efficiency", decoder="rsd_s", **common)
+                c = where(rows, "block_efficiency", decoder="rsd_c", **common)
+                sd = chain(rows, TREE_DEPTH, pair, pair, t, "block_efficiency")
                 label = f"{pair}, T={t:g}"
                 checks.append(compare(f"{label}: RSD-S 3x3 >= RSD-C 2-2-2", ">=", "RSD-S", s, "RSD-C", c))
                 checks.append(compare(f"{label}: RSD-C 2-2-2 >= SD K=3", ">=", "RSD-C", c, "SD", sd))
@@ -436,15 +302,15 @@ def trees(runs: Runs) -> Finding:
 
 def rescoring(runs: Runs) -> Finding:
     def build() -> tuple[list[Check], str, list[Panel]]:
-        rows = _rows(runs, HEADS)
+        rows = rows_of(runs, HEADS)
         checks = []
         pairs = sorted({r.rescorer for r in rows if r.rescorer is not None})
         for pair in pairs:
-            for t in _temperatures(rows):
+            for t in temperatures(rows):
                 for heads in ("bpd", "medusa"):
                     common = {"dataset": pair, "temperature": t}
-                    alone = _where(rows, "block_efficiency", decoder=heads, **common)
-                    rescored = _where(rows, "block_efficiency", decoder=f"{heads}+rescore", rescorer=pair, **common)  # fmt: skip
+                    alone = where(rows, "block_efficiency", decoder=heads, **common)
+                    rescored = where(rows, "block_efficiency", decoder=f"{heads}+rescore", rescorer=pair, **common)  # fmt: skip
                     label = f"{pair}, T={t:g}: {heads} + rescoring by {pair} > {heads}"
                     checks.append(compare(label, ">", "rescored", rescored, "heads alone", alone))
         return checks, "", []
@@ -466,12 +332,12 @@ def rescoring(runs: Runs) -> Finding:
 
 def distill_temperatures(runs: Runs, k: int) -> Finding:
     def build() -> tuple[list[Check], str, list[Panel]]:
-        four, zero = _rows(runs, PF), _rows(runs, DISTILL_T0)
+        four, zero = rows_of(runs, PF), rows_of(runs, DISTILL_T0)
         checks = []
-        for pair in _pairs(zero):
-            for t in _temperatures(zero):
-                a = _chain(four, k, pair, pair, t, "speedup")
-                b = _chain(zero, k, pair, pair, t, "speedup")
+        for pair in pairs(zero):
+            for t in temperatures(zero):
+                a = chain(four, k, pair, pair, t, "speedup")
+                b = chain(zero, k, pair, pair, t, "speedup")
                 checks.append(
                     compare(f"{pair}, T={t:g}: four temperatures > T=0 only", ">", "4 T", a, "T=0", b)
                 )
@@ -522,7 +388,7 @@ def lossless(runs: Runs) -> Finding:
         "Every seed's decoders are exact: greedy outputs equal the target's, sampled ones follow its "
         "distribution (seed 002 Theorem 3.1 for recursive rejection sampling).",
         "share of rows (every variant, eval set and seed at T=0) whose tokens equal `ar`'s",
-        [name for name in runs if _ok(runs, name)],
+        [name for name in runs if ok(runs, name)],
         runs,
         build,
         quantity="share of rows identical to ar",

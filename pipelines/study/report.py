@@ -14,7 +14,7 @@ from pathlib import Path
 from pipelines.manifest import git_state, write_json_atomic
 from pipelines.stage import PROJECT_ROOT
 from pipelines.study import verdicts
-from pipelines.study.findings import Finding, Panel
+from pipelines.study.model import Finding, Panel
 from pipelines.study.verdicts import Check
 
 REPORT = "report.md"

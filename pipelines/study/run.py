@@ -16,7 +16,8 @@ from pipelines.recipe import load_recipe
 from pipelines.runner import reuse_outputs, run_pipeline, stale_stages
 from pipelines.stage import StageFailed
 from pipelines.stages import default_stages
-from pipelines.study.findings import VariantData, all_findings
+from pipelines.study.findings import all_findings
+from pipelines.study.model import VariantData
 from pipelines.study.report import VariantRecord, write_report
 from pipelines.study.variants import MIN_SEEDS, Variant, quick_overrides, variants
 from pipelines.target import resolve_target

@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from pipelines.schema import Recipe
-from pipelines.study.findings import (
+from pipelines.study.model import (
     BUDGETS,
     DISTILL_T0,
     EESD,
