@@ -25,3 +25,47 @@ def test_vicuna_prompt_matches_chat_template(tiny_tokenizer):
     assert rendered == vicuna_prompt(messages)
     assert rendered.endswith("USER: Merci ASSISTANT:")
     assert "Translate French to English: Bonjour" in rendered
+
+
+def test_a_source_mix_replaces_the_corpus_mix_for_that_source_only():
+    from pipelines.schema.common import OfflineCorpusConfig, SourceConfig, reader_args
+
+    corpus = OfflineCorpusConfig(kind_weights={"catalog": 1.0, "name": 1.0, "date": 1.0, "number": 1.0})
+    numbers = SourceConfig(
+        kind="offline", pair="de-en", split="test", kind_weights={"number": 1.0}, entries_per_sample=[9, 11]
+    )
+    mixed = SourceConfig(kind="offline", pair="de-en", split="test")
+    args = reader_args(numbers, 0, corpus)
+    only = args["offline_kind_weights"]
+    assert only == {"catalog": 0.0, "name": 0.0, "date": 0.0, "number": 1.0}  # kinds left out: never drawn
+    assert args["offline_entries_per_sample"] == (9, 11)
+    assert reader_args(mixed, 0, corpus)["offline_kind_weights"] == dict(corpus.kind_weights)
+    assert reader_args(mixed, 0, corpus)["offline_entries_per_sample"] == (2, 4)
+    from num2words import num2words
+
+    number_words = {w for n in range(100) for w in num2words(n, lang="en").split("-")} | {
+        "hundred",
+        "thousand",
+        "and",
+    }
+    rows = offline_pairs("de-en", "test", 40, (2, 3), 0.1, 0, only)
+    words = {w for row in rows for w in row["target"].replace(",", " ").replace("-", " ").split()}
+    assert words <= number_words, words - number_words
+
+
+def test_source_kind_weights_are_refused_where_they_mean_nothing():
+    import pytest
+    from pydantic import ValidationError
+
+    from pipelines.schema.common import SourceConfig
+
+    with pytest.raises(ValidationError, match="only for `offline` translation sources"):
+        SourceConfig(kind="local", path="x.jsonl", pair="de-en", kind_weights={"number": 1.0})
+    with pytest.raises(ValidationError, match="only for `offline` translation sources"):
+        SourceConfig(kind="offline", format="text", kind_weights={"number": 1.0})
+    with pytest.raises(ValidationError, match="only for `offline` translation sources"):
+        SourceConfig(kind="hf", path="wmt16", pair="de-en", entries_per_sample=[2, 3])
+    with pytest.raises(ValidationError, match="at least one positive"):
+        SourceConfig(kind="offline", pair="de-en", kind_weights={"number": 0.0})
+    with pytest.raises(ValidationError, match="1 <= low <= high"):
+        SourceConfig(kind="offline", pair="de-en", entries_per_sample=[3, 2])

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from distill.offline import KINDS
 from distill.prompts import PAIRS
 
 LanguagePair = Literal[PAIRS]  # type: ignore[valid-type]
@@ -144,11 +145,25 @@ class SourceConfig(StrictModel):
     """Keep at most this many rows, after shuffling with `data.seed`."""
     skip_invalid: bool = False
     """Count and report rows with a missing or empty field instead of failing on the first one."""
+    kind_weights: dict[Literal["catalog", "name", "date", "number"], float] | None = None
+    """`offline` translation sources only: this source's mix of entry kinds, replacing
+    `data.offline.kind_weights` (which also sets what a bootstrap target is trained on) for it alone;
+    kinds left out are not drawn."""
+    entries_per_sample: list[int] | None = None
+    """`offline` translation sources only: [low, high] entries per sample for this source, replacing
+    `data.offline.entries_per_sample` for it alone."""
 
     @model_validator(mode="after")
     def _check(self) -> SourceConfig:
         if self.kind in ("hf", "local") and not self.path:
             raise ValueError(f"a `{self.kind}` source needs `path`")
+        for key in ("kind_weights", "entries_per_sample"):
+            if getattr(self, key) is not None and (self.kind != "offline" or self.format != "translation"):
+                raise FieldError(f"{key}: only for `offline` translation sources", key)
+        if self.kind_weights is not None:
+            check_kind_weights(self.kind_weights)
+        if self.entries_per_sample is not None:
+            check_entries_per_sample(self.entries_per_sample)
         if self.format == "translation" and self.pair is None:
             raise ValueError("a `translation` source needs `pair`")
         return self
@@ -172,14 +187,19 @@ class OfflineCorpusConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check(self) -> OfflineCorpusConfig:
-        if (
-            len(self.entries_per_sample) != 2
-            or not 1 <= self.entries_per_sample[0] <= self.entries_per_sample[1]
-        ):
-            raise ValueError("entries_per_sample: [low, high] with 1 <= low <= high")
-        if any(w < 0 for w in self.kind_weights.values()) or not any(self.kind_weights.values()):
-            raise ValueError("kind_weights: non-negative, at least one positive")
+        check_entries_per_sample(self.entries_per_sample)
+        check_kind_weights(self.kind_weights)
         return self
+
+
+def check_entries_per_sample(bounds: list[int]) -> None:
+    if len(bounds) != 2 or not 1 <= bounds[0] <= bounds[1]:
+        raise ValueError("entries_per_sample: [low, high] with 1 <= low <= high")
+
+
+def check_kind_weights(weights: dict[str, float]) -> None:
+    if any(w < 0 for w in weights.values()) or not any(weights.values()):
+        raise ValueError("kind_weights: non-negative, at least one positive")
 
 
 def reader_args(source: SourceConfig, seed: int, offline: OfflineCorpusConfig | None) -> dict[str, Any]:
@@ -201,10 +221,12 @@ def reader_args(source: SourceConfig, seed: int, offline: OfflineCorpusConfig | 
     }
     if source.kind == "offline" and offline is not None:
         args |= {
-            "offline_entries_per_sample": (offline.entries_per_sample[0], offline.entries_per_sample[1]),
+            "offline_entries_per_sample": tuple(source.entries_per_sample or offline.entries_per_sample),
             "offline_test_fraction": offline.test_fraction,
             "offline_samples": offline.samples_per_pair,
-            "offline_kind_weights": dict(offline.kind_weights),
+            "offline_kind_weights": dict(offline.kind_weights)
+            if source.kind_weights is None
+            else {kind: source.kind_weights.get(kind, 0.0) for kind in KINDS},
         }
     return args
 
