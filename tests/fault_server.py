@@ -41,7 +41,12 @@ class FaultServer:
     """`with FaultServer(fail_rate, hang, seed) as server:` serves at `server.base_url` (`.../v1`)."""
 
     def __init__(
-        self, fail_rate: float, hang: float, seed: int, token_latency: float = 0.0, request_latency: float = 0.0
+        self,
+        fail_rate: float,
+        hang: float,
+        seed: int,
+        token_latency: float = 0.0,
+        request_latency: float = 0.0,
     ):
         self.fail_rate, self.hang = fail_rate, hang
         self.token_latency, self.request_latency = token_latency, request_latency
