@@ -2,8 +2,8 @@
 
 For 1, 4 and 16 requests in flight (by default) it sends the same prompts through
 `distill.openai_backend.generate_openai`, writing real records with the stage's RecordWriter, and
-prints requests/s, response tokens/s, the client process's CPU share of the wall time, and the share
-of wall time spent in polydraft's own code (self time of functions under `distill/` and `pipelines/`,
+prints requests/s, response tokens/s, the client process's CPU share of the wall time, its CPU
+milliseconds per request sent and per record written, and the share of wall time spent in polydraft's own code (self time of functions under `distill/` and `pipelines/`,
 measured in a second, profiled pass; the rest is the openai client, the event loop, and waiting for
 the server).
 
@@ -11,6 +11,10 @@ the server).
     python bench/distill_openai.py --model DIR --prompts 200 --max-new-tokens 64 --in-flight 1 4 16
     python bench/distill_openai.py --faults 0.4 --in-flight 64 --prompts 512   # no model: two servers
         # (tests/fault_server.py, own processes) that fail 40% of requests in every way the tests inject
+    python bench/distill_openai.py --faults 0.4 --in-flight 64 --prompts 512 --token-latency 0.005
+        # the same servers answering a 200 only after 5 ms per token of max_new_tokens, as a GPU server
+        # decoding would (its share of wall time is CPU per request x requests/s: with servers that
+        # answer at once it only shows how many requests/s the client can drive)
 
 Run it on a quiet machine: the server and the client share the CPU cores.
 """
@@ -93,11 +97,14 @@ def serve(model: Path, workdir: Path, continuous_batching: bool) -> tuple[subpro
     raise RuntimeError("transformers serve did not start")
 
 
-def fault_servers(count: int, fail_rate: float, hang: float) -> tuple[list[subprocess.Popen], list[str]]:
+def fault_servers(
+    count: int, fail_rate: float, hang: float, token_latency: float, request_latency: float
+) -> tuple[list[subprocess.Popen], list[str]]:
     """`count` fault-injecting servers (tests/fault_server.py), each a process of its own."""
     processes, urls = [], []
     for seed in range(count):
-        command = [sys.executable, "-m", "tests.fault_server", str(fail_rate), str(hang), str(seed)]
+        command = [sys.executable, "-m", "tests.fault_server", str(fail_rate), str(hang), str(seed),
+                   str(token_latency), str(request_latency)]  # fmt: skip
         process = subprocess.Popen(command, cwd=PROJECT_ROOT, stdout=subprocess.PIPE, text=True)
         processes.append(process)
         urls.append(process.stdout.readline().strip())
@@ -153,15 +160,23 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--faults", type=float, metavar="RATE",
                         help="instead of a model, two fault-injecting servers failing this share of requests")  # fmt: skip
+    parser.add_argument("--token-latency", type=float, default=0.0, metavar="S",
+                        help="with --faults: the servers answer a 200 after S seconds per token of max_new_tokens")  # fmt: skip
+    parser.add_argument("--request-latency", type=float, default=0.0, metavar="S",
+                        help="with --faults: and after S seconds more per request")  # fmt: skip
     args = parser.parse_args()
 
     workdir = Path(tempfile.mkdtemp(prefix="polydraft-bench-"))
     processes = []
     try:
         model = args.model
-        if args.faults is not None:  # hangs of 3 s against a 1 s timeout; retries as the tests set them
-            processes, base_urls = fault_servers(2, args.faults, 3.0)
-            timing = (1.0, 12, 0.05, 1.0)
+        if args.faults is not None:  # hangs 3x the timeout, which is 1 s more than twice a generation
+            generation = args.request_latency + args.token_latency * args.max_new_tokens
+            timeout = 1.0 + 2 * generation
+            processes, base_urls = fault_servers(
+                2, args.faults, 3 * timeout, args.token_latency, args.request_latency
+            )
+            timing = (timeout, 12, 0.05, 1.0)
         else:
             if model is None:
                 model = workdir / "tiny"
@@ -188,6 +203,8 @@ def main() -> None:
                     "requests_per_s": round(plain["stats"]["requests"] / plain["wall"], 2),
                     "tokens_per_s": round(plain["tokens"] / plain["wall"], 1),
                     "client_cpu_share": round(plain["cpu"] / plain["wall"], 3),
+                    "cpu_ms_per_request": round(1e3 * plain["cpu"] / plain["stats"]["requests"], 3),
+                    "cpu_ms_per_record": round(1e3 * plain["cpu"] / max(1, plain["records"]), 3),
                     "own_code_share": round(own_code_seconds(profile) / profiled["wall"], 4),
                     "failed_requests": plain["stats"]["failed_requests"],
                 }
@@ -195,21 +212,27 @@ def main() -> None:
         server = "transformers serve" + (" --continuous-batching" if args.continuous_batching else "")
         if args.faults is not None:
             server = f"2 fault-injecting servers failing {args.faults:.0%} of requests"
+            if args.token_latency or args.request_latency:
+                server += (
+                    f", a 200 after {args.request_latency * 1e3:g} ms + {args.token_latency * 1e3:g} ms/token"
+                )
         model_name = "no model" if args.faults is not None else args.model or "tiny random Llama"
         print(f"\n{args.prompts} prompts, max_new_tokens {args.max_new_tokens}, {model_name}, {server}")
-        print(
-            "| in flight | requests/s | tokens/s | wall s | client CPU share | polydraft code share | failed requests |"
-        )
-        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        print("| in flight | requests/s | tokens/s | wall s | client CPU share | client CPU ms/request | "
+              "client CPU ms/record | polydraft code share | failed requests |")  # fmt: skip
+        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for r in results:
             print(f"| {r['in_flight']} | {r['requests_per_s']} | {r['tokens_per_s']} | {r['wall_s']} | "
-                  f"{r['client_cpu_share']:.1%} | {r['own_code_share']:.2%} | {r['failed_requests']} |")  # fmt: skip
+                  f"{r['client_cpu_share']:.1%} | {r['cpu_ms_per_request']:.3f} | {r['cpu_ms_per_record']:.3f} | "
+                  f"{r['own_code_share']:.2%} | {r['failed_requests']} |")  # fmt: skip
         if args.json:
             settings = {
                 "prompts": args.prompts,
                 "max_new_tokens": args.max_new_tokens,
                 "model": str(model_name),
                 "server": server,
+                "token_latency_s": args.token_latency,
+                "request_latency_s": args.request_latency,
             }
             args.json.write_text(json.dumps({"settings": settings, "results": results}, indent=2))
     finally:

@@ -17,10 +17,13 @@ from pathlib import Path
 import pytest
 
 from distill.openai_backend import (
+    PATHS,
+    REQUEST_OPTIONS,
     MalformedAnswer,
     backoff_delay,
+    parse_body,
     parse_response,
-    request_kwargs,
+    request_body,
     retry_after,
     retryable,
 )
@@ -173,9 +176,10 @@ def test_unreachable_server_fails_clearly_after_the_retries(tmp_path, tiny_targe
         run_distill(recipe, tiny_target_dir, work)
     message = str(err.value)
     assert "12 of 12 records failed" in message and "--only distill" in message
-    assert "APIConnectionError" in message and "3 attempt(s)" in message
+    # the aiohttp transport calls a refused connection a timeout; the reason names the real cause
+    assert "ConnectionRefusedError" in message and "3 attempt(s)" in message
     failures = [json.loads(line) for line in (work / "failures.jsonl").read_text().splitlines()]
-    assert len(failures) == 12 and all("APIConnectionError" in f["reason"] for f in failures)
+    assert len(failures) == 12 and all("ConnectionRefusedError" in f["reason"] for f in failures)
 
 
 def test_one_dead_server_of_two_then_rerun_retries_only_the_failed(tmp_path, served_model):
@@ -211,11 +215,11 @@ def test_request_building_and_answer_parsing():
     from distill.openai_backend import ServerSettings
 
     settings = ServerSettings(["u"], "m", "completions", SECRET, 1, 1.0, 0, 0.0, 0.0, 1, True)
-    kwargs = request_kwargs(
+    body = request_body(
         _request(0.7, [1, 2]), [1, 2], settings, top_p=0.9, max_new_tokens=5, stop=["\n"], seed=3
     )
-    assert kwargs["prompt"] == "P" and kwargs["n"] == 2 and kwargs["stop"] == ["\n"]
-    assert kwargs["extra_body"] == {"return_token_ids": True} and "messages" not in kwargs
+    assert body["prompt"] == "P" and body["n"] == 2 and body["stop"] == ["\n"]
+    assert body["return_token_ids"] is True and "messages" not in body
     assert SECRET not in repr(settings) and SECRET not in str(settings)  # the key stays out of logs
     payload = {
         "choices": [
@@ -236,6 +240,57 @@ def test_request_building_and_answer_parsing():
         with pytest.raises(MalformedAnswer) as err:
             parse_response(broken, "completions", return_token_ids=False)
         assert retryable(err.value)
+    # the raw body of a 200: not JSON, or JSON that is no object, is a server fault too
+    for broken in (b'{"choices": [{"text": "unfinish', b'["not", "an", "object"]', b"null"):
+        with pytest.raises((json.JSONDecodeError, MalformedAnswer)) as err:
+            parse_body(broken, "completions", return_token_ids=False)
+        assert retryable(err.value), broken
+    good = json.dumps({**payload, "choices": payload["choices"][1:]}).encode()
+    assert parse_body(good, "completions", return_token_ids=True)[0].token_ids == [4, 2]
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_the_request_sent_is_the_one_create_sends(endpoint):
+    """`client.post` with the body built here sends the JSON and headers that `client.completions.create`
+    (`client.chat.completions.create`) sends with the same arguments and `extra_body` for vLLM's field."""
+    import asyncio
+
+    import httpx2
+    import openai
+
+    from distill.openai_backend import ServerSettings
+
+    answer = {"id": "x", "object": "text_completion", "created": 0, "model": "m", "choices": []}
+    sent: list[httpx2.Request] = []
+
+    def transport(request: httpx2.Request) -> httpx2.Response:
+        sent.append(request)
+        return httpx2.Response(200, json=answer)
+
+    settings = ServerSettings(["u"], "m", endpoint, SECRET, 1, 1.0, 0, 0.0, 0.0, 1, True)
+    request = _request(0.7, [0, 1])
+    request.item.messages.append({"role": "assistant", "content": "y"})
+    body = request_body(request, [0, 1], settings, top_p=0.9, max_new_tokens=5, stop=["\n", "</s>"], seed=3)
+    create_kwargs = {k: v for k, v in body.items() if k != "return_token_ids"}
+
+    async def both() -> None:
+        http = httpx2.AsyncClient(transport=httpx2.MockTransport(transport))
+        client = openai.AsyncOpenAI(base_url="http://h/v1", api_key=SECRET, max_retries=0, http_client=http)
+        resource = client.completions if endpoint == "completions" else client.chat.completions
+        await resource.create(**create_kwargs, extra_body={"return_token_ids": True})
+        await client.post(PATHS[endpoint], cast_to=bytes, body=body, options=REQUEST_OPTIONS)
+        await client.close()
+
+    asyncio.run(both())
+    created, posted = sent
+    assert (posted.method, posted.url) == (created.method, created.url)
+    assert posted.url.path == f"/v1{PATHS[endpoint]}"
+    assert json.loads(posted.content) == json.loads(created.content) == body  # keys in another order
+    ignored = {"x-stainless-retry-count", "x-stainless-read-timeout", "idempotency-key"}
+    assert {k: v for k, v in posted.headers.items() if k not in ignored} == {
+        k: v for k, v in created.headers.items() if k not in ignored
+    }
+    assert posted.headers["authorization"] == f"Bearer {SECRET}"
 
 
 def test_retry_classification_and_backoff():
