@@ -9,7 +9,6 @@ import torch
 
 from train.checkpoint import (
     STATE_FILE,
-    latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     resume_checkpoint,
@@ -203,11 +202,11 @@ def test_checkpoints_restore_model_optimizer_scheduler_rng_and_keep_the_last_k(t
         save_checkpoint(accelerator, root, n, {"position": n * 10}, keep=2, stateful={"scheduler": scheduler})
     assert [p.name for p in list_checkpoints(root)] == ["step-00000002", "step-00000003"]
     (root / "step-00000004.partial").mkdir()  # a save killed half-way is never taken as complete
-    assert latest_checkpoint(root).name == "step-00000003"
+    assert list_checkpoints(root)[-1].name == "step-00000003"
     expected_weight = model.weight.detach().clone()
     step()
     after_one_more = model.weight.detach().clone()
-    state = load_checkpoint(accelerator, latest_checkpoint(root), stateful={"scheduler": scheduler})
+    state = load_checkpoint(accelerator, list_checkpoints(root)[-1], stateful={"scheduler": scheduler})
     assert state == {"step": 3, "position": 30}
     assert torch.equal(model.weight, expected_weight)
     assert scheduler.last_epoch == 3

@@ -9,7 +9,7 @@ sharded states the way each backend needs.
 
 Writes are atomic: everything goes into `step-N.partial/`, `state.json` is written last, and the folder
 is renamed to `step-N/` only then. A run killed while saving leaves a `.partial` folder that is ignored
-and replaced, so `latest_checkpoint` always returns a complete checkpoint. Only the last `keep` are kept.
+and replaced, so `list_checkpoints` only lists complete checkpoints. Only the last `keep` are kept.
 """
 
 from __future__ import annotations
@@ -42,11 +42,6 @@ def list_checkpoints(root: Path) -> list[Path]:
         if (match := _NAME.match(path.name)) and (path / STATE_FILE).is_file()
     ]
     return [path for _, path in sorted(found)]
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    checkpoints = list_checkpoints(root)
-    return checkpoints[-1] if checkpoints else None
 
 
 def read_state(checkpoint: Path) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from train.checkpoint import resume_checkpoint, save_checkpoint
 from train.data import MixBatches
 from train.losses import IGNORE_INDEX
 from train.results import HeadScore, HeadsEval
@@ -185,10 +185,11 @@ def fit(
     device, main_process = accelerator.device, accelerator.is_main_process
     weights = torch.tensor([loss_decay**i for i in range(num_heads)], dtype=torch.float64, device=device)
     checkpoints, log_path = work_dir / "checkpoints", work_dir / LOG_FILE
-    step, last_checkpoint = 0, latest_checkpoint(checkpoints)
+    step, resumed = 0, resume_checkpoint(accelerator, checkpoints, {"scheduler": scheduler})
+    last_checkpoint = resumed[0] if resumed else None
     initial: HeadsEval | None = None
-    if last_checkpoint is not None:
-        state = load_checkpoint(accelerator, last_checkpoint, {"scheduler": scheduler})
+    if resumed is not None:
+        state = resumed[1]
         step = state["step"]
         initial = HeadsEval.model_validate(state["initial_eval"]) if state["initial_eval"] else None
         log.info("heads: resuming from %s (step %d of %d)", last_checkpoint, step, total_steps)
