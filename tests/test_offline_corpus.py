@@ -1,5 +1,10 @@
+import pytest
+from num2words import num2words
+from pydantic import ValidationError
+
 from distill.offline import offline_pairs
 from distill.prompts import VICUNA_CHAT_TEMPLATE, task_prefix, vicuna_prompt
+from pipelines.schema.common import OfflineCorpusConfig, SourceConfig, reader_args
 
 
 def test_offline_pairs_are_deterministic_and_split_disjoint():
@@ -28,8 +33,6 @@ def test_vicuna_prompt_matches_chat_template(tiny_tokenizer):
 
 
 def test_a_source_mix_replaces_the_corpus_mix_for_that_source_only():
-    from pipelines.schema.common import OfflineCorpusConfig, SourceConfig, reader_args
-
     corpus = OfflineCorpusConfig(kind_weights={"catalog": 1.0, "name": 1.0, "date": 1.0, "number": 1.0})
     numbers = SourceConfig(
         kind="offline", pair="de-en", split="test", kind_weights={"number": 1.0}, entries_per_sample=[9, 11]
@@ -41,7 +44,6 @@ def test_a_source_mix_replaces_the_corpus_mix_for_that_source_only():
     assert args["offline_entries_per_sample"] == (9, 11)
     assert reader_args(mixed, 0, corpus)["offline_kind_weights"] == dict(corpus.kind_weights)
     assert reader_args(mixed, 0, corpus)["offline_entries_per_sample"] == (2, 4)
-    from num2words import num2words
 
     number_words = {w for n in range(100) for w in num2words(n, lang="en").split("-")} | {
         "hundred",
@@ -54,11 +56,6 @@ def test_a_source_mix_replaces_the_corpus_mix_for_that_source_only():
 
 
 def test_source_kind_weights_are_refused_where_they_mean_nothing():
-    import pytest
-    from pydantic import ValidationError
-
-    from pipelines.schema.common import SourceConfig
-
     with pytest.raises(ValidationError, match="only for `offline` translation sources"):
         SourceConfig(kind="local", path="x.jsonl", pair="de-en", kind_weights={"number": 1.0})
     with pytest.raises(ValidationError, match="only for `offline` translation sources"):

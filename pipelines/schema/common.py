@@ -117,6 +117,10 @@ class TargetConfig(StrictModel):
         return self
 
 
+OfflineKind = Literal["catalog", "name", "date", "number"]
+"""The kinds of entry of the offline corpus (`distill.offline.KINDS`)."""
+
+
 class SourceConfig(StrictModel):
     """One dataset. `kind` says where its rows come from, `format` what a row holds."""
 
@@ -145,7 +149,7 @@ class SourceConfig(StrictModel):
     """Keep at most this many rows, after shuffling with `data.seed`."""
     skip_invalid: bool = False
     """Count and report rows with a missing or empty field instead of failing on the first one."""
-    kind_weights: dict[Literal["catalog", "name", "date", "number"], float] | None = None
+    kind_weights: dict[OfflineKind, float] | None = None
     """`offline` translation sources only: this source's mix of entry kinds, replacing
     `data.offline.kind_weights` (which also sets what a bootstrap target is trained on) for it alone;
     kinds left out are not drawn."""
@@ -179,7 +183,7 @@ class OfflineCorpusConfig(StrictModel):
     """Share of entries held out for the `test` split (chosen by a hash of the entry, so stable)."""
     samples_per_pair: int = Field(default=4000, ge=1)
     """Number of composite samples generated per language pair and split `train` (a tenth for `test`)."""
-    kind_weights: dict[Literal["catalog", "name", "date", "number"], float] = Field(
+    kind_weights: dict[OfflineKind, float] = Field(
         default_factory=lambda: {"catalog": 1.0, "name": 1.0, "date": 1.0, "number": 1.0}
     )
     """How often each kind of entry is drawn: gettext catalog messages, CLDR names, dates, numbers.
