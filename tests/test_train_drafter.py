@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from distill.prompts import task_prefix, vicuna_prompt
 from tests.drafter_setup import context, run_stage, tiny_recipe, write_tiny_mix
 from tests.wandb_log import read_wandb_records
-from train.drafter import step_loss
-from train.losses import topk_kl_sum
+from train.drafter import loss_window, step_loss
+from train.losses import ce_sum, topk_kl_sum
 from train.steplog import read_log
 
 
@@ -135,3 +135,25 @@ def test_kd_adds_the_weighted_kl_to_the_targets_top_k(tiny_target, tiny_tokenize
     torch.testing.assert_close(
         step_loss(tiny_target, batch, tiny_target, 8, 0.5), step_loss(tiny_target, batch, None, 8, 0.5)
     )
+
+
+def test_the_head_runs_from_the_first_response_token_and_the_loss_is_that_of_all_logits(tiny_tokenizer):
+    from models.drafters import build_drafter
+    from train.data import collate, encode_texts
+
+    pairs = [("USER: Hallo Welt, wie geht es dir heute? ASSISTANT:", " Hello world"), ("USER: Ja ASSISTANT:", " Yes")]
+    batch = collate(encode_texts(tiny_tokenizer, pairs, 64), tiny_tokenizer.pad_token_id)
+    short_prompt = int((batch["labels"][1] != -100).nonzero()[0, 0])
+    # the shorter prompt's first response token is predicted by the position before it
+    assert loss_window(batch["labels"]) == short_prompt - 1
+    assert loss_window(torch.full((2, 5), -100)) == 4
+    drafter = build_drafter(
+        "custom", len(tiny_tokenizer), bos_token_id=1, eos_token_id=2, pad_token_id=3,
+        hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
+    )  # fmt: skip
+    windowed = step_loss(drafter, batch, None, 8, 0.0)
+    (windowed_grad,) = torch.autograd.grad(windowed, drafter.lm_head.weight)
+    full = ce_sum(drafter(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits, batch["labels"])[0]
+    (full_grad,) = torch.autograd.grad(full, drafter.lm_head.weight)
+    torch.testing.assert_close(windowed, full)
+    torch.testing.assert_close(windowed_grad, full_grad)

@@ -25,7 +25,7 @@ from models.drafters import build_drafter, export_drafter, load_drafter
 from train.checkpoint import resume_checkpoint, save_checkpoint
 from train.data import MixBatches, PackedBatches, tokenized_documents
 from train.evaluation import eval_log, evaluate
-from train.losses import ce_sum, topk_kl_sum
+from train.losses import IGNORE_INDEX, ce_sum, topk_kl_sum
 from train.metrics import matmul_params, peak_flops, train_flops_per_token
 from train.results import DrafterMetrics
 from train.runtime import check_finite, configure_deepspeed, unwrap
@@ -90,6 +90,17 @@ def initial_drafter(
     )
 
 
+def loss_window(labels: torch.Tensor) -> int:
+    """The first position whose logits predict a loss-carrying label (position t predicts label t + 1).
+
+    A finetuning batch carries loss on the responses only, so the output head and the cross-entropy,
+    which cost more than the whole 1-layer decoder on a small drafter, need only run from there on. A
+    batch without a loss-carrying label keeps the last position (its loss is 0 either way).
+    """
+    carried = (labels[:, 1:] != IGNORE_INDEX).any(dim=0).nonzero()
+    return int(carried[0, 0]) if len(carried) else labels.size(1) - 1
+
+
 def step_loss(
     model: torch.nn.Module,
     batch: dict[str, torch.Tensor],
@@ -97,15 +108,21 @@ def step_loss(
     kd_top_k: int,
     kd_weight: float,
 ) -> torch.Tensor:
-    """Summed cross-entropy of a micro-batch, plus the weighted top-k forward KL to the target (kd)."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    loss, _ = ce_sum(logits, batch["labels"])
+    """Summed cross-entropy of a micro-batch, plus the weighted top-k forward KL to the target (kd).
+
+    Logits are computed from `loss_window` on (transformers' causal LMs take `logits_to_keep`): the loss
+    is that of the full logits, without the head's work on the prompts.
+    """
+    first = loss_window(batch["labels"])
+    keep = batch["labels"].size(1) - first
+    labels = batch["labels"][:, first:]
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    logits = model(**inputs, logits_to_keep=keep).logits
+    loss, _ = ce_sum(logits, labels)
     if teacher is not None:
         with torch.no_grad():
-            target_logits = teacher(
-                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-            ).logits
-        loss = loss + kd_weight * topk_kl_sum(logits, target_logits, batch["labels"], kd_top_k)
+            target_logits = teacher(**inputs, logits_to_keep=keep).logits
+        loss = loss + kd_weight * topk_kl_sum(logits, target_logits, labels, kd_top_k)
     return loss
 
 
