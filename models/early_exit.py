@@ -144,12 +144,14 @@ class ExitHead(nn.Module):
         attention_mask: torch.Tensor | dict[str, torch.Tensor | None] | None = None,
         cache: Any = None,
         position_ids: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits, hidden): `hidden` is the final-norm output, the input of the lm head."""
+        """(logits, hidden) of the last `logits_to_keep` positions (0: all): `hidden` is the final-norm
+        output, the input of the lm head."""
         hidden = run_layers(
             self.layers, hidden, position_embeddings, attention_mask, cache, position_ids, self.layer_types
         )
-        hidden = self.norm(hidden)
+        hidden = self.norm(hidden[:, -logits_to_keep:])
         return self.lm_head(hidden), hidden
 
 

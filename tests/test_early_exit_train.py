@@ -14,7 +14,8 @@ from pipelines.stages.early_exit import train_early_exit
 from pipelines.tracking import Tracker
 from tests.drafter_setup import context, run_stage, stage_inputs, tiny_recipe, write_tiny_mix
 from tests.eesd_setup import save_layered_target
-from train.early_exit import HEAD_DIR, LOG_FILE, teacher_logits
+from train.early_exit import HEAD_DIR, LOG_FILE, exit_loss, head_forward, teacher_logits
+from train.losses import ce_sum, topk_kl_sum
 from train.runtime import make_accelerator
 
 LOOP = {"max_length": 96, "per_device_batch_size": 4, "grad_accum_steps": 1, "max_steps": 4, "log_every": 1,
@@ -92,6 +93,28 @@ def test_kl_loss_trains_and_its_teacher_is_the_full_target(tmp_path, layered_dir
         assert torch.allclose(
             teacher_logits(target, drafter, drafter.forward_shared(x)), target(x).logits, atol=1e-5
         )
+
+
+def test_the_exit_loss_windowed_to_the_responses_is_the_loss_of_all_logits(layered_dir, tiny_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from train.data import collate, encode_texts
+
+    target = AutoModelForCausalLM.from_pretrained(layered_dir).eval()
+    drafter = from_target(target, 2)
+    pairs = [("USER: Hallo Welt, wie geht es dir heute? ASSISTANT:", " Hello world"), ("USER: Ja ASSISTANT:", " Yes")]
+    batch = collate(encode_texts(tiny_tokenizer, pairs, 64), tiny_tokenizer.pad_token_id)
+    head, labels = drafter.exit, batch["labels"]
+    for teacher in (None, target):
+        windowed = exit_loss(drafter, head, batch, teacher, 0.5, 8)
+        logits, state = head_forward(drafter, head, batch["input_ids"])
+        full = ce_sum(logits, labels)[0]
+        if teacher is not None:
+            full = full + 0.5 * topk_kl_sum(logits, teacher_logits(target, drafter, state), labels, 8)
+        for a, b in zip(torch.autograd.grad(windowed, [*head.parameters()]),
+                        torch.autograd.grad(full, [*head.parameters()]), strict=True):  # fmt: skip
+            torch.testing.assert_close(a, b)
+        torch.testing.assert_close(windowed.detach(), full.detach())
 
 
 def test_missing_distill_and_too_little_data_fail_clearly(tmp_path, tiny_target_dir):

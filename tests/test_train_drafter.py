@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from distill.prompts import task_prefix, vicuna_prompt
 from tests.drafter_setup import context, run_stage, tiny_recipe, write_tiny_mix
 from tests.wandb_log import read_wandb_records
-from train.drafter import loss_window, step_loss
-from train.losses import ce_sum, topk_kl_sum
+from train.drafter import step_loss
+from train.losses import ce_sum, loss_window, topk_kl_sum
 from train.steplog import read_log
 
 

@@ -25,7 +25,7 @@ from models.drafters import build_drafter, export_drafter, load_drafter
 from train.checkpoint import resume_checkpoint, save_checkpoint
 from train.data import MixBatches, PackedBatches, tokenized_documents
 from train.evaluation import eval_log, evaluate
-from train.losses import IGNORE_INDEX, ce_sum, topk_kl_sum
+from train.losses import ce_sum, loss_window, topk_kl_sum
 from train.metrics import matmul_params, peak_flops, train_flops_per_token
 from train.results import DrafterMetrics
 from train.runtime import check_finite, configure_deepspeed, unwrap
@@ -88,17 +88,6 @@ def initial_drafter(
         target_name=target_name,
         attn_implementation=attn_implementation,
     )
-
-
-def loss_window(labels: torch.Tensor) -> int:
-    """The first position whose logits predict a loss-carrying label (position t predicts label t + 1).
-
-    A finetuning batch carries loss on the responses only, so the output head and the cross-entropy,
-    which cost more than the whole 1-layer decoder on a small drafter, need only run from there on. A
-    batch without a loss-carrying label keeps the last position (its loss is 0 either way).
-    """
-    carried = (labels[:, 1:] != IGNORE_INDEX).any(dim=0).nonzero()
-    return int(carried[0, 0]) if len(carried) else labels.size(1) - 1
 
 
 def step_loss(

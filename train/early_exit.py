@@ -29,7 +29,7 @@ from models.early_exit import EarlyExitDrafter, attention_masks, run_layers
 from models.partial_load import decoder_parts
 from train.checkpoint import resume_checkpoint, save_checkpoint
 from train.data import MixBatches, collate, encode_rows
-from train.losses import IGNORE_INDEX, ce_sum, topk_kl_sum
+from train.losses import IGNORE_INDEX, ce_sum, loss_window, topk_kl_sum
 from train.results import HeadEval
 from train.runtime import check_finite
 from train.step import StepLog, train_step
@@ -119,13 +119,14 @@ def eval_reference(
 
 
 def head_forward(
-    drafter: EarlyExitDrafter, head: torch.nn.Module, input_ids: torch.Tensor
+    drafter: EarlyExitDrafter, head: torch.nn.Module, input_ids: torch.Tensor, logits_to_keep: int = 0
 ) -> tuple[torch.Tensor, Any]:
-    """Logits of the (prepared) exit head on the frozen part's layer-N states; right padding needs no mask."""
+    """Logits of the (prepared) exit head on the frozen part's layer-N states, at the last
+    `logits_to_keep` positions (0: all); right padding needs no mask."""
     state = drafter.forward_shared(input_ids)
     hidden = state.hidden.to(next(head.parameters()).dtype)
     masks = drafter.exit_masks(state) if drafter.num_exit_layers else None
-    logits, _ = head(hidden, state.position_embeddings, masks, None, state.position_ids)
+    logits, _ = head(hidden, state.position_embeddings, masks, None, state.position_ids, logits_to_keep)
     return logits, state
 
 
@@ -141,6 +142,26 @@ def teacher_logits(teacher: torch.nn.Module, drafter: EarlyExitDrafter, state: A
         parts.layers[n:], state.hidden, state.position_embeddings, masks, None, state.position_ids, types
     )
     return parts.lm_head(parts.norm(hidden))
+
+
+def exit_loss(
+    drafter: EarlyExitDrafter,
+    head: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    teacher: torch.nn.Module | None,
+    kl_weight: float,
+    kl_top_k: int,
+) -> torch.Tensor:
+    """Summed cross-entropy of the exit head on a micro-batch, plus the weighted top-k KL to the full
+    target (`ce+kl`); the head runs from the first position that carries loss (`loss_window`) on."""
+    first = loss_window(batch["labels"])
+    labels = batch["labels"][:, first:]
+    logits, state = head_forward(drafter, head, batch["input_ids"], labels.size(1))
+    loss, _ = ce_sum(logits, labels)
+    if teacher is not None:
+        target = teacher_logits(teacher, drafter, state)[:, first:]
+        loss = loss + kl_weight * topk_kl_sum(logits, target, labels, kl_top_k)
+    return loss
 
 
 @torch.no_grad()
@@ -238,19 +259,14 @@ def fit(
         peak_flops=None, world=accelerator.num_processes, main_process=main_process,
     )  # fmt: skip
 
-    def loss_sum(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits, state = head_forward(drafter, head, batch["input_ids"])
-        loss, _ = ce_sum(logits, batch["labels"])
-        if teacher is not None:
-            target = teacher_logits(teacher, drafter, state)
-            loss = loss + kl_weight * topk_kl_sum(logits, target, batch["labels"], kl_top_k)
-        return loss
-
     progress = tqdm(total=total_steps, initial=step, desc="early_exit", disable=quiet or not main_process)
     tokens_seen = 0
     while step < total_steps:
         micro_batches = [{k: v.to(device) for k, v in b.items()} for b in batches.micro_batches(step)]
-        stats = train_step(accelerator, head, optimizer, scheduler, micro_batches, loss_sum, max_grad_norm)
+        stats = train_step(
+            accelerator, head, optimizer, scheduler, micro_batches,
+            lambda batch: exit_loss(drafter, head, batch, teacher, kl_weight, kl_top_k), max_grad_norm,
+        )  # fmt: skip
         check_finite(stats.loss, step + 1, str(last_checkpoint) if last_checkpoint else None)
         step += 1
         tokens_seen += stats.input_tokens

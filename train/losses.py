@@ -22,6 +22,17 @@ def shift(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, tor
     return logits[:, :-1, :], labels[:, 1:]
 
 
+def loss_window(labels: torch.Tensor) -> int:
+    """The first position whose logits predict a loss-carrying label (position t predicts label t + 1).
+
+    A batch with loss on the responses only needs the output head and the cross-entropy, which cost more
+    than a whole 1-layer decoder when the vocabulary is 16x the width, only from there on. A batch without
+    a loss-carrying label keeps the last position (its loss is 0 either way).
+    """
+    carried = (labels[:, 1:] != IGNORE_INDEX).any(dim=0).nonzero()
+    return int(carried[0, 0]) if len(carried) else labels.size(1) - 1
+
+
 def ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token cross-entropy (in fp32) and the number of tokens that carry loss."""
     logits, labels = shift(logits, labels)
