@@ -102,7 +102,10 @@ def test_the_exit_loss_windowed_to_the_responses_is_the_loss_of_all_logits(layer
 
     target = AutoModelForCausalLM.from_pretrained(layered_dir).eval()
     drafter = from_target(target, 2)
-    pairs = [("USER: Hallo Welt, wie geht es dir heute? ASSISTANT:", " Hello world"), ("USER: Ja ASSISTANT:", " Yes")]
+    pairs = [
+        ("USER: Hallo Welt, wie geht es dir heute? ASSISTANT:", " Hello world"),
+        ("USER: Ja ASSISTANT:", " Yes"),
+    ]
     batch = collate(encode_texts(tiny_tokenizer, pairs, 64), tiny_tokenizer.pad_token_id)
     head, labels = drafter.exit, batch["labels"]
     for teacher in (None, target):

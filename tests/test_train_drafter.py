@@ -141,7 +141,10 @@ def test_the_head_runs_from_the_first_response_token_and_the_loss_is_that_of_all
     from models.drafters import build_drafter
     from train.data import collate, encode_texts
 
-    pairs = [("USER: Hallo Welt, wie geht es dir heute? ASSISTANT:", " Hello world"), ("USER: Ja ASSISTANT:", " Yes")]
+    pairs = [
+        ("USER: Hallo Welt, wie geht es dir heute? ASSISTANT:", " Hello world"),
+        ("USER: Ja ASSISTANT:", " Yes"),
+    ]
     batch = collate(encode_texts(tiny_tokenizer, pairs, 64), tiny_tokenizer.pad_token_id)
     short_prompt = int((batch["labels"][1] != -100).nonzero()[0, 0])
     # the shorter prompt's first response token is predicted by the position before it
@@ -153,7 +156,9 @@ def test_the_head_runs_from_the_first_response_token_and_the_loss_is_that_of_all
     )  # fmt: skip
     windowed = step_loss(drafter, batch, None, 8, 0.0)
     (windowed_grad,) = torch.autograd.grad(windowed, drafter.lm_head.weight)
-    full = ce_sum(drafter(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits, batch["labels"])[0]
+    full = ce_sum(
+        drafter(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits, batch["labels"]
+    )[0]
     (full_grad,) = torch.autograd.grad(full, drafter.lm_head.weight)
     torch.testing.assert_close(windowed, full)
     torch.testing.assert_close(windowed_grad, full_grad)
