@@ -109,6 +109,7 @@ class CachedLM:
             self.crop(start + len(indices))
             return
         index = torch.tensor(indices, device=self.device) + start
+        kept = start + len(indices)
         for layer in self.cache.layers:
             # a sliding layer that has not filled its window holds every position, like a full one
             sliding = type(layer) is DynamicSlidingWindowLayer
@@ -118,13 +119,13 @@ class CachedLM:
                 raise NotImplementedError(
                     f"tree decoding needs cache layers that hold every position, not {type(layer).__name__}"
                 )
-            layer.keys = torch.cat([layer.keys[..., :start, :], layer.keys.index_select(-2, index)], dim=-2)
-            layer.values = torch.cat(
-                [layer.values[..., :start, :], layer.values.index_select(-2, index)], dim=-2
-            )
+            # the chosen positions move down in place (index_select copies them first), the tail is dropped
+            layer.keys[..., start:kept, :] = layer.keys.index_select(-2, index)
+            layer.values[..., start:kept, :] = layer.values.index_select(-2, index)
+            layer.keys = layer.keys[..., :kept, :]
+            layer.values = layer.values[..., :kept, :]
             if sliding:
-                layer.cumulative_length = layer.keys.shape[-2]
-
+                layer.cumulative_length = kept
 
 def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
     """A boolean [q, kv] attention pattern as the 4D additive mask [1, 1, q, kv] HF attention accepts."""
