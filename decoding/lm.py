@@ -127,6 +127,7 @@ class CachedLM:
             if sliding:
                 layer.cumulative_length = kept
 
+
 def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
     """A boolean [q, kv] attention pattern as the 4D additive mask [1, 1, q, kv] HF attention accepts."""
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
