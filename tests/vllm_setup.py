@@ -33,7 +33,7 @@ def require_vllm() -> None:
 
 
 def demo_target() -> Path:
-    """The committed demo target (a 16-layer, 128-wide Llama with a 2048-token vocabulary)."""
+    """The committed demo target (a 24-layer, 128-wide Llama with a 2048-token vocabulary)."""
     folders = sorted((PROJECT_ROOT / "recipes" / "demo" / "target").glob("*/config.json"))
     assert folders, "recipes/demo/target/ holds no target"
     return folders[0].parent
