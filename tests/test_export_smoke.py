@@ -7,7 +7,9 @@ import shutil
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
+from distill.prompts import encode_prompt, translation_messages, vicuna_prompt
 from pipelines.smoke import VLLM_ARCHITECTURES, drafter_checks, passed, vllm_rule_checks
 from pipelines.stage import StageFailed
 from tests.decoding_helpers import single_thread_fixture
@@ -110,8 +112,6 @@ def demo_drafters(tmp_path_factory):
     """A 1-layer drafter with the demo target's tokenizer, and a copy whose config names an architecture
     vLLM does not have. (vLLM loads a weights file that lacks a tensor without a word, and names no
     tensor when one has the wrong shape: neither makes a drafter it refuses with a clear cause.)"""
-    from transformers import AutoTokenizer
-
     from tests.vllm_setup import demo_target
 
     target = demo_target()
@@ -135,7 +135,15 @@ def test_real_vllm_runs_the_drafter_with_the_targets_greedy_output(demo_drafters
     require_vllm()
     target, good, _ = demo_drafters
     spec = {"path": str(target), "revision": None, "trust_remote_code": False}
-    prompts = [[1, 319, 13, 612, 29], [1, 402, 77, 1500]]
+    # the demo's task, which the target answers at length (on random ids it may stop at once)
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    sources = [
+        ("de-en", "dreiundneunzig\nsiebentausendvierundneunzig"),
+        ("fr-en", "quatre-vingt-treize\nsoixante-douze"),
+    ]
+    prompts = [
+        encode_prompt(tokenizer, vicuna_prompt(translation_messages(pair, text))) for pair, text in sources
+    ]
     check = vllm_generation_check("require", spec, good, 3, prompts, 12)
     assert check.status == "pass", check.detail
     assert (
