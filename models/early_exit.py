@@ -267,8 +267,11 @@ class EarlyExitDrafter(nn.Module):
         position_ids: torch.Tensor | None = None,
     ) -> SharedState:
         """Embeddings and the first N layers (no autograd graph while they are frozen)."""
-        trainable = any(p.requires_grad for m in self.frozen_modules() for p in m.parameters())
-        with torch.set_grad_enabled(torch.is_grad_enabled() and trainable):
+        # checked only when autograd is on: decoding calls this once per draft step
+        grad = torch.is_grad_enabled() and any(
+            p.requires_grad for m in self.frozen_modules() for p in m.parameters()
+        )
+        with torch.set_grad_enabled(grad):
             hidden = self.embed_tokens(input_ids)
             position_ids, position_embeddings = self.positions(hidden, position_ids, cache)
             slots = list(range(self.num_shared_layers))
