@@ -5,7 +5,7 @@ For each depth, the pipeline itself trains the drafters (`polydraft run` of the 
 once and shared). Then, in ONE process, `ar` and `sd` with every (depth, K) decode each pair's held-out
 eval prompts with the pair's own drafter at temperature 0, the methods rotating prompt by prompt, in
 `--repetitions` disjoint prompt subsets. The ideal speedup is the one the measured forward latencies
-allow (`decoding.latency`): BE x t_T(1) / (t_T(K + 1) + K t_D(1)).
+allow (`decoding.latency`, timed inside rounds): BE x t_T(1) / (t_T(K + 1) + t_D,1 + ... + t_D,K).
 
     python -m bench.drafter_depth --out-dir /tmp/depth [--depths 1 2 3] [--ks 1 2 3 4 6 8] \
         [--prompts 8] [--repetitions 3] [--skip-train] [--record bench/results/drafter_depth.md] \
@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from decoding.control import FixedK  # noqa: E402
 from decoding.engine import autoregressive  # noqa: E402
-from decoding.latency import chain_cost, ideal_speedup, lm_latencies  # noqa: E402
+from decoding.latency import chain_cost, chain_round_latencies, ideal_speedup, lm_latencies  # noqa: E402
 from decoding.lm import CachedLM  # noqa: E402
 from decoding.measure import eos_ids_of, hardware  # noqa: E402
 from decoding.metrics import summarize  # noqa: E402
@@ -101,17 +101,20 @@ def measure(args: argparse.Namespace) -> list[str]:
     prompt = eval_sets[0].prompts[0]
     length = prompt.numel() + args.max_new_tokens // 2
     context = prompt.repeat(-(-length // prompt.numel()))[:length].view(1, -1)
-    target_latency = lm_latencies(target_lm, context, range(1, max(args.ks) + 2), [], args.latency_repeats)
-    draft_latency = {
-        key: lm_latencies(lm, context, [1], [], args.latency_repeats) for key, lm in drafters.items()
+    step = lm_latencies(target_lm, context, [1], [], args.latency_repeats).chain[1]
+    rounds = {
+        key: chain_round_latencies(target_lm, lm, context, max(args.ks), args.latency_repeats)
+        for key, lm in drafters.items()
     }
-    step = target_latency.chain[1]
+    first = rounds[(args.depths[0], eval_sets[0].pair)]
     lines = [
-        f"target step {step * 1e3:.2f} ms; verify K+1 tokens: "
-        + ", ".join(f"{n}: {s / step:.2f}" for n, s in sorted(target_latency.chain.items()) if n > 1)
-        + " target steps; drafter step: "
+        f"target step {step * 1e3:.2f} ms; verify K+1 tokens in a round: "
+        + ", ".join(f"{n}: {s / step:.2f}" for n, s in sorted(first.verify.items()) if n > 1)
+        + " target steps; drafter steps of a round (the first, the mean of all): "
         + ", ".join(
-            f"depth {d} {draft_latency[(d, eval_sets[0].pair)].chain[1] * 1e3:.2f} ms" for d in args.depths
+            f"depth {d} {r.draft[0] * 1e3:.2f}, {statistics.mean(r.draft) * 1e3:.2f} ms"
+            for d in args.depths
+            for r in [rounds[(d, eval_sets[0].pair)]]
         ),
         "",
         "| pair | depth | K | block efficiency | speedup | ideal speedup | measured / ideal |",
@@ -148,7 +151,7 @@ def measure(args: argparse.Namespace) -> list[str]:
             for _, depth, k in methods[1:]:
                 outs = generations[("sd", depth, k)]
                 metrics = summarize(outs, None)
-                cost = chain_cost(target_latency, draft_latency[(depth, eval_set.pair)])
+                cost = chain_cost(rounds[(depth, eval_set.pair)])
                 results.setdefault((depth, k), []).append(
                     (
                         metrics["block_efficiency"],

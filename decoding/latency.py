@@ -2,18 +2,26 @@
 
 A speculative round is one target call on the pending and drafted tokens plus the drafter calls that
 drafted them. With t_T(n) the latency of a target forward on n new tokens (t_T(1): an `ar` step) and
-t_D(n) the drafter's:
-- a chain round (`sd`, `eesd`) with k drafts costs t_T(k + 1) + k t_D(1);
+t_D,i the drafter's i-th step of a round:
+- a chain round (`sd`, `eesd`) with k drafts costs t_T(k + 1) + t_D,1 + ... + t_D,k;
 - a tree round (`rsd_c`, `rsd_s`) of depth L and N nodes costs t_T(N + 1) with the tree mask, plus
   t_D(1) on the root and one masked drafter call per level but the last, on that level's nodes.
 Over the rounds of a set of generations, the ideal speedup is what these latencies allow when nothing
 else costs time: tokens x t_T(1) / sum of the rounds' costs, which for a fixed K is
-BE x t_T(1) / (t_T(K + 1) + K t_D(1)). The measured speedup is lower by what the formula leaves out:
+BE x t_T(1) / (t_T(K + 1) + K t_D). The measured speedup is lower by what the formula leaves out:
 the engine's own work (acceptance, sampling, cache edits, controllers) and the first call of each
 model on the whole prompt.
 
+Chain rounds are timed as the decoders make them, one round after the other: the drafter's steps
+right after the target's previous verification, then the verification. On a CPU a model's call is
+slower right after the other model ran (its weights and cache are no longer in the CPU caches): with
+the demo's 24-layer target, a drafter's first step of a round took 2x its latency in a loop of drafter
+steps, and a verification after drafter steps 9% more than after target steps (bench/results/
+demo_time.md). Timing the models apart would charge that penalty to the engine. Tree rounds are timed
+apart, size by size (their ideal leaves the penalty out).
+
 For `eesd` the "target" of a round is the early-exit verification (the shared layers on the last
-draft, then the target's deeper layers on all k + 1 positions) and the "drafter" one exit step (the
+draft, then the target's deeper layers on all k + 1 positions) and a "drafter" step one exit step (the
 shared layers plus the exit layers), as `decoding.eesd` runs them.
 
 Latencies are medians over repeats of the very calls the decoders make (`CachedLM.forward` then `crop`;
@@ -50,6 +58,19 @@ class Latencies:
             "chain": {str(n): s for n, s in sorted(self.chain.items())},
             "tree": {str(n): s for n, s in sorted(self.tree.items())},
         }
+
+
+@dataclass(frozen=True)
+class ChainRounds:
+    """Median seconds of the calls of a chain round, timed inside rounds (see the module's docstring)."""
+
+    verify: dict[int, float]
+    """Verification of k + 1 positions after k drafts (k = 0: a target step after the last round's)."""
+    draft: list[float]
+    """The drafter's i-th step of a round at index i - 1 (the first one follows a verification)."""
+
+    def as_json(self) -> dict[str, dict[str, float] | list[float]]:
+        return {"verify": {str(n): s for n, s in sorted(self.verify.items())}, "draft": self.draft}
 
 
 RoundCost = Callable[[Round], float]
@@ -102,50 +123,88 @@ def lm_latencies(
     return Latencies(_median(chain), _median(tree))
 
 
-@torch.inference_mode()
-def self_speculative_latencies(
-    model, context: Tensor, verify_sizes: Sequence[int], repeats: int
-) -> tuple[Latencies, Latencies]:
-    """(verification, drafting) latencies of `eesd` (a `decoding.eesd.SelfSpeculative`) after `context`.
-
-    Verification of n positions is timed as `eesd` runs it after n - 1 drafts: the shared layers on
-    the last draft, then the deeper layers on all n; drafting is one exit step on one token."""
-    if repeats < 1 or not verify_sizes or max(verify_sizes) >= context.shape[1] or min(verify_sizes) < 1:
+def _check_sizes(context: Tensor, max_drafts: int, repeats: int) -> None:
+    if repeats < 1 or max_drafts < 0 or max_drafts + 1 >= context.shape[1]:
         raise ValueError(
             f"latency sizes must be in 1..{context.shape[1] - 1} and repeats >= 1, "
-            f"got sizes {list(verify_sizes)}, repeats {repeats}"
+            f"got up to {max_drafts} drafts + 1, repeats {repeats}"
         )
+
+
+def _medians(verify: dict[int, list[float]], draft: list[list[float]]) -> ChainRounds:
+    return ChainRounds(_median(verify), [statistics.median(values) for values in draft])
+
+
+@torch.inference_mode()
+def chain_round_latencies(
+    target: CachedLM, drafter: CachedLM, context: Tensor, max_drafts: int, repeats: int
+) -> ChainRounds:
+    """`sd`'s rounds of k = 0..max_drafts drafts after `context` [1, c], one after the other: k drafter
+    calls on one token each, then the target on k + 1 tokens; both models cropped back to the context."""
+    _check_sizes(context, max_drafts, repeats)
+    for lm in (target, drafter):
+        lm.reset()
+        lm.forward(context.to(lm.device))
+    length = target.length
+    tokens = context[:, 1:].to(target.device)
+    verify: dict[int, list[float]] = {k + 1: [] for k in range(max_drafts + 1)}
+    draft: list[list[float]] = [[] for _ in range(max_drafts)]
+    for _ in range(repeats):
+        for k in range(max_drafts + 1):
+            for i in range(k):
+                before = drafter.seconds
+                drafter.forward(tokens[:, i : i + 1].to(drafter.device))
+                draft[i].append(drafter.seconds - before)
+            before = target.seconds
+            target.forward(tokens[:, : k + 1], num_logits=k + 1)
+            verify[k + 1].append(target.seconds - before)
+            target.crop(length)
+            drafter.crop(length)
+    target.reset()
+    drafter.reset()
+    return _medians(verify, draft)
+
+
+@torch.inference_mode()
+def self_speculative_latencies(model, context: Tensor, max_drafts: int, repeats: int) -> ChainRounds:
+    """`eesd`'s rounds (a `decoding.eesd.SelfSpeculative`) of k = 0..max_drafts drafts after `context`,
+    one after the other: k exit steps on one token each, then the verification of k + 1 positions (the
+    shared layers on the last draft, the deeper layers on all k + 1); every slot group cropped back."""
+    _check_sizes(context, max_drafts, repeats)
     context = context.to(model.device)
     model.reset()
     model.draft_step(context)
     model.verify(context[:, :0], 1)
     length = context.shape[1]
     tokens = context[:, 1:]
-    draft: list[float] = []
-    verify: dict[int, list[float]] = {n: [] for n in verify_sizes}
+    verify: dict[int, list[float]] = {k + 1: [] for k in range(max_drafts + 1)}
+    draft: list[list[float]] = [[] for _ in range(max_drafts)]
     for _ in range(repeats):
-        before = model.draft_seconds
-        model.draft_step(tokens[:, :1])
-        draft.append(model.draft_seconds - before)
-        model.crop(length, length)
-        for n in verify_sizes:
-            if n > 1:
-                model.draft_step(tokens[:, : n - 1])
+        for k in range(max_drafts + 1):
+            for i in range(k):
+                before = model.draft_seconds
+                model.draft_step(tokens[:, i : i + 1])
+                draft[i].append(model.draft_seconds - before)
             before = model.target_seconds
-            model.verify(tokens[:, n - 1 : n], n)
-            verify[n].append(model.target_seconds - before)
+            model.verify(tokens[:, k : k + 1], k + 1)
+            verify[k + 1].append(model.target_seconds - before)
             model.crop(length, length)
     model.reset()
-    return Latencies(_median(verify)), Latencies({1: statistics.median(draft)})
+    return _medians(verify, draft)
 
 
-def chain_cost(target: Latencies, drafter: Latencies) -> RoundCost:
-    """Cost of a chain round: t_T(k + 1) + k t_D(1)."""
+def chain_cost(rounds: ChainRounds) -> RoundCost:
+    """Cost of a chain round: t_T(k + 1) + t_D,1 + ... + t_D,k."""
 
     def cost(round: Round) -> float:
-        return target.chain[round.drafted + 1] + round.drafted * drafter.chain[1]
+        return rounds.verify[round.drafted + 1] + sum(rounds.draft[: round.drafted])
 
     return cost
+
+
+def ar_cost(target: Latencies) -> RoundCost:
+    """Cost of an `ar` round: one target step."""
+    return lambda round: target.chain[1]
 
 
 def tree_cost(target: Latencies, drafter: Latencies, shape: TreeShape) -> RoundCost:
@@ -174,19 +233,17 @@ class RunLatencies:
     """What a measure run's ideal speedups are computed from."""
 
     target: Latencies
+    """The target alone: an `ar` step, and every tree verification size."""
     drafters: dict[str, Latencies]
-    """Standalone drafters by name."""
-    self_speculative: dict[str, tuple[Latencies, Latencies]]
-    """Early-exit drafters by name: (verification, drafting)."""
+    """Standalone drafters alone, by name: one step, and every tree level size."""
+    rounds: dict[str, ChainRounds]
+    """Chain rounds by drafter name: `sd`'s for a standalone drafter, `eesd`'s for an early-exit one."""
 
     def as_json(self) -> dict:
         return {
             "target": self.target.as_json(),
             "drafters": {name: lat.as_json() for name, lat in self.drafters.items()},
-            "self_speculative": {
-                name: {"verify": verify.as_json(), "draft": draft.as_json()}
-                for name, (verify, draft) in self.self_speculative.items()
-            },
+            "rounds": {name: rounds.as_json() for name, rounds in self.rounds.items()},
         }
 
 
@@ -199,19 +256,21 @@ def run_latencies(
     shapes: Sequence[TreeShape],
     repeats: int,
 ) -> RunLatencies:
-    """Every latency the run's decoders need: the target on 1..max_draft_length + 1 tokens (and on every
-    tree size), each standalone drafter on 1 token (and on every tree level), each early-exit drafter's
-    verification and drafting."""
-    chain_sizes = list(range(1, max_draft_length + 2))
+    """Every latency the run's decoders need: the target's step (and every tree size), each standalone
+    drafter's step (and every tree level), the chain rounds of up to max_draft_length drafts of each
+    standalone and early-exit drafter."""
     max_nodes = max((shape.max_nodes for shape in shapes), default=0)
     levels = sorted({size for shape in shapes for size in shape.level_sizes(shape.depth)[:-1]})
     all_levels = list(range(1, max(levels) + 1)) if levels else []
     tree_sizes = list(range(2, max_nodes + 2)) if shapes else []
+    rounds = {
+        name: chain_round_latencies(target, lm, context, max_draft_length, repeats)
+        for name, lm in drafters.items()
+    }
+    for name, model in self_speculative.items():
+        rounds[name] = self_speculative_latencies(model, context, max_draft_length, repeats)
     return RunLatencies(
-        target=lm_latencies(target, context, chain_sizes, tree_sizes, repeats),
+        target=lm_latencies(target, context, [1], tree_sizes, repeats),
         drafters={name: lm_latencies(lm, context, [1], all_levels, repeats) for name, lm in drafters.items()},
-        self_speculative={
-            name: self_speculative_latencies(model, context, chain_sizes, repeats)
-            for name, model in self_speculative.items()
-        },
+        rounds=rounds,
     )

@@ -369,7 +369,9 @@ def markdown(rows: list[Row]) -> str:
         f"(n = {repetitions(rows)} repetitions). "
         "Speedup is the token rate over `ar`'s, measured in the same process on the same prompts with "
         "the methods alternating; the ideal speedup is what the measured forward latencies allow "
-        "(`latency.json`): block efficiency x t_target_step / (t_verify(K+1) + K x t_draft_step) per round.",
+        "(`latency.json`): block efficiency x t_target_step / (t_verify(K+1) + K x t_draft_step) per round, "
+        "the chain decoders' calls timed inside rounds (a drafter step right after a verification costs "
+        "more), the trees' apart.",
         "",
         "## Block efficiency (tokens per target call)",
         table(rows, "block_efficiency"),

@@ -110,11 +110,12 @@ def test_measure_runs_eesd_and_cali_ts_from_upstream_folders(tmp_path, tiny_targ
         "controls": ["fixed", "cali_ts"],
         "k_sweep": [],
         "seeds": [0],
+        "eesd_draft_length": 2,  # its own fixed K; sd keeps measure.draft_length (3 here)
     }
     run_measure(measure_recipe(tiny_target_dir, **settings), ctx, tiny_target_dir)
     rows = read_rows(ctx.work_dir / RESULTS_FILE)
     methods = {r.method for r in rows}
-    assert methods == {"ar", "sd[de-en] K=3", "eesd K=3", "eesd cali_ts"}
+    assert methods == {"ar", "sd[de-en] K=3", "eesd K=2", "eesd cali_ts"}
     eesd = [r for r in rows if r.decoder == "eesd"]
     assert {r.drafter_kind for r in eesd} == {"early_exit"} and all(0 < (r.size_ratio or 0) < 1 for r in eesd)
     assert all(r.matches_ar for r in rows if r.temperature == 0)

@@ -7,8 +7,11 @@ import torch
 
 from decoding.engine import Generation, Round
 from decoding.latency import (
+    ChainRounds,
     Latencies,
+    ar_cost,
     chain_cost,
+    chain_round_latencies,
     ideal_speedup,
     lm_latencies,
     run_latencies,
@@ -24,6 +27,8 @@ single_thread = single_thread_fixture()
 
 TARGET = Latencies(chain={1: 10.0, 2: 11.0, 3: 12.0, 4: 13.0, 5: 14.0}, tree={3: 20.0, 5: 22.0, 7: 25.0})
 DRAFTER = Latencies(chain={1: 2.0}, tree={2: 3.0, 4: 5.0})
+# a round's first drafter step (after a verification) costs more than the next ones
+ROUNDS = ChainRounds(verify={1: 10.0, 2: 11.0, 3: 12.0, 4: 13.0, 5: 14.0}, draft=[4.0, 2.0, 2.0, 2.0])
 
 
 def generation(tokens: int, rounds: list[Round]) -> Generation:
@@ -33,18 +38,18 @@ def generation(tokens: int, rounds: list[Round]) -> Generation:
 def test_ideal_speedup_of_a_fixed_k_chain_is_the_closed_form():
     # 3 rounds of K=4 that produced 5 + 2 + 3 tokens: BE = 10 / 3
     gens = [generation(7, [Round(4, 4, 4), Round(4, 4, 1)]), generation(3, [Round(4, 4, 2)])]
-    ideal = ideal_speedup(gens, TARGET.chain[1], chain_cost(TARGET, DRAFTER))
-    assert ideal == pytest.approx((10 / 3) * 10.0 / (14.0 + 4 * 2.0))
+    ideal = ideal_speedup(gens, TARGET.chain[1], chain_cost(ROUNDS))
+    assert ideal == pytest.approx((10 / 3) * 10.0 / (14.0 + 4.0 + 3 * 2.0))
 
 
 def test_ideal_speedup_sums_the_cost_of_every_round_and_is_one_for_ar():
     # Thompson sampling drafts a different k each round; k = 0 is a plain target step
     gens = [generation(6, [Round(2, 2, 2), Round(0, 0, 0), Round(3, 3, 1)])]
-    costs = (12.0 + 2 * 2.0) + 10.0 + (13.0 + 3 * 2.0)
-    assert ideal_speedup(gens, 10.0, chain_cost(TARGET, DRAFTER)) == pytest.approx(6 * 10.0 / costs)
+    costs = (12.0 + 4.0 + 2.0) + 10.0 + (13.0 + 4.0 + 2 * 2.0)
+    assert ideal_speedup(gens, 10.0, chain_cost(ROUNDS)) == pytest.approx(6 * 10.0 / costs)
     ar = [generation(5, [Round(0, 0, 0)] * 5)]
-    assert ideal_speedup(ar, 10.0, chain_cost(TARGET, TARGET)) == 1.0
-    assert ideal_speedup([generation(0, [])], 10.0, chain_cost(TARGET, DRAFTER)) is None
+    assert ideal_speedup(ar, 10.0, ar_cost(TARGET)) == 1.0
+    assert ideal_speedup([generation(0, [])], 10.0, chain_cost(ROUNDS)) is None
 
 
 def test_tree_rounds_cost_the_masked_verification_the_root_call_and_every_level_but_the_last():
@@ -96,12 +101,12 @@ def test_run_latencies_cover_every_round_the_decoders_can_make(tiny_lm):
     run = run_latencies(
         CachedLM(target), {"d": tiny_lm}, {"ee": eesd}, torch.arange(3, 23).view(1, -1), 5, shapes, 1
     )
-    assert sorted(run.target.chain) == list(range(1, 7))
+    assert sorted(run.target.chain) == [1]
     assert sorted(run.target.tree) == list(range(2, 12))  # trees of up to 10 nodes (2 + 4 + 4)
     assert sorted(run.drafters["d"].chain) == [1] and sorted(run.drafters["d"].tree) == [1, 2, 3, 4]
-    verify, draft = run.self_speculative["ee"]
-    assert sorted(verify.chain) == list(range(1, 7)) and sorted(draft.chain) == [1]
-    assert set(run.as_json()) == {"target", "drafters", "self_speculative"}
+    for name in ("d", "ee"):  # sd's rounds with the drafter, eesd's with the early-exit head
+        assert sorted(run.rounds[name].verify) == list(range(1, 7)) and len(run.rounds[name].draft) == 5
+    assert set(run.as_json()) == {"target", "drafters", "rounds"}
 
 
 def test_self_speculative_latencies_restore_every_slot_group():
@@ -118,8 +123,33 @@ def test_self_speculative_latencies_restore_every_slot_group():
         return verify(pending, num_logits)
 
     model.verify = recording
-    self_speculative_latencies(model, torch.arange(3, 13).view(1, -1), [1, 3], repeats=2)
-    # after the context's own verification, a verification of n positions finds n - 1 drafts in the
-    # shared layers and the deeper layers still at the context
-    assert lengths == [(10, 0, 1)] + [(10, 10, 1), (12, 10, 3)] * 2
+    rounds = self_speculative_latencies(model, torch.arange(3, 13).view(1, -1), 2, repeats=2)
+    # after the context's own verification, a round of k drafts verifies k + 1 positions: k drafts
+    # in the shared layers (the last one's shared pass comes with the verification), the deeper
+    # layers still at the context
+    assert lengths == [(10, 0, 1)] + [(10, 10, 1), (11, 10, 2), (12, 10, 3)] * 2
     assert model.length(model.shared_slots) == 0
+    assert sorted(rounds.verify) == [1, 2, 3] and len(rounds.draft) == 2
+
+
+def test_chain_round_latencies_time_sd_rounds_in_their_order_from_the_same_context(tiny_lm, monkeypatch):
+    target = CachedLM(build_llama(64, 32, 3, 4, 64, seed=3))
+    calls = []
+    for name, lm in (("T", target), ("D", tiny_lm)):
+
+        def recording(input_ids, num_logits=1, position_ids=None, attention_mask=None, lm=lm, name=name):
+            calls.append((name, lm.length, input_ids.shape[1]))
+            return type(lm).forward(lm, input_ids, num_logits, position_ids, attention_mask)
+
+        monkeypatch.setattr(lm, "forward", recording)
+    rounds = chain_round_latencies(target, tiny_lm, torch.arange(3, 15).view(1, -1), 2, repeats=2)
+    # each model's context once, then rounds of k = 0, 1, 2 drafts: the drafter's k one-token steps
+    # right before the target's call on k + 1 tokens, both cropped back to the context after it
+    assert calls[:2] == [("T", 0, 12), ("D", 0, 12)]
+    one_repeat = [("T", 12, 1), ("D", 12, 1), ("T", 12, 2), ("D", 12, 1), ("D", 13, 1), ("T", 12, 3)]
+    assert calls[2:] == one_repeat * 2
+    assert sorted(rounds.verify) == [1, 2, 3] and len(rounds.draft) == 2
+    assert all(s > 0 for s in [*rounds.verify.values(), *rounds.draft])
+    assert target.length == 0 and tiny_lm.length == 0
+    with pytest.raises(ValueError, match="latency sizes"):
+        chain_round_latencies(target, tiny_lm, torch.arange(3, 15).view(1, -1), 11, repeats=1)

@@ -77,9 +77,11 @@ def test_measure_writes_rows_summary_and_plots_and_resumes(tmp_path, tiny_target
             assert row["ideal_speedup"] > 0
     latency = json.loads((ctx.work_dir / "latency.json").read_text())
     # sd drafts up to K = max(3, 2, Beta-TS's cap 10); trees of up to 2 + 2 (rsd_c 2-1) or 4 (rsd_s 2x2) nodes
-    assert sorted(map(int, latency["target"]["chain"])) == list(range(1, 12))
+    assert sorted(map(int, latency["target"]["chain"])) == [1]
     assert sorted(map(int, latency["target"]["tree"])) == [2, 3, 4, 5]
     assert sorted(latency["drafters"]) == PAIRS and latency["drafters"]["de-en"]["tree"].keys() == {"1", "2"}
+    rounds = latency["rounds"]["de-en"]
+    assert sorted(map(int, rounds["verify"])) == list(range(1, 12)) and len(rounds["draft"]) == 10
     sweep = [r for r in rows if r["method"] == "sd[de-en] K=2"]
     assert {r["draft_length"] for r in sweep} == {2} and {r["control"] for r in sweep} == {"fixed"}
     summary = (ctx.work_dir / "summary.md").read_text()

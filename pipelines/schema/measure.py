@@ -48,7 +48,12 @@ class MeasureConfig(StrictModel):
     max_prompt_tokens: int = Field(default=1024, ge=1)
     """Longer prompts are skipped (and counted in the log)."""
     draft_length: int = Field(default=4, ge=1)
-    """K for `sd` and `eesd` with fixed control, and the number of assistant tokens of `assisted`."""
+    """K for `sd` (and `eesd`, unless `eesd_draft_length` is set) with fixed control, and the number of
+    assistant tokens of `assisted`."""
+    eesd_draft_length: int | None = Field(default=None, ge=1)
+    """K for `eesd` with fixed control (default: `draft_length`). An early-exit draft step runs the target's
+    first layers, so it costs a larger share of a target step than a small drafter's and its best K is
+    shorter: on the demo, eesd K=2 measured 1.39x against 1.26-1.30x at K=4 (bench/results/demo_task.md)."""
     controls: UniqueList[Control] = Field(default_factory=lambda: ["fixed"], min_length=1)
     """Draft-length controls measured for `sd` and `eesd`: fixed K, Beta-TS (seed 001 Alg. 2), Cali-TS
     (Alg. 3; only for drafters the calibrate stage made a calibration model for)."""
@@ -107,6 +112,11 @@ class MeasureConfig(StrictModel):
     """vLLM's `speculative_config.draft_sample_method`. `greedy` (vLLM's default) drafts the drafter's argmax
     and accepts a draft token with the target's probability of it: lossless, but fewer acceptances at
     T > 0 than polydraft's sampled drafts; `probabilistic` samples drafts as polydraft's engine does."""
+
+    @property
+    def eesd_k(self) -> int:
+        """The fixed K of `eesd`."""
+        return self.eesd_draft_length or self.draft_length
 
     @model_validator(mode="after")
     def _check(self) -> MeasureConfig:

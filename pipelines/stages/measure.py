@@ -24,7 +24,7 @@ from decoding.blockwise import HeadsDraft, Rescoring, blockwise_chain, blockwise
 from decoding.control import BetaTS, CaliTS, FixedK
 from decoding.engine import autoregressive
 from decoding.inputs import EvalSet, discover_drafters, load_eval_sets, repetition_prompts
-from decoding.latency import RunLatencies, chain_cost, run_latencies, tree_cost
+from decoding.latency import RunLatencies, ar_cost, chain_cost, run_latencies, tree_cost
 from decoding.lattice import CandidateTree
 from decoding.lm import CachedLM
 from decoding.measure import (
@@ -208,13 +208,16 @@ def add_vllm_rows(
     return rows + new_rows
 
 
-def controls_for(cfg: MeasureConfig, seed: int, predict: Any) -> list[tuple[str, int, Any]]:
-    """(control name, K or cap, a fresh controller) for each chain-decoder setting of a group.
+def controls_for(
+    cfg: MeasureConfig, draft_length: int, seed: int, predict: Any
+) -> list[tuple[str, int, Any]]:
+    """(control name, K or cap, a fresh controller) for each setting of a chain decoder whose fixed K is
+    `draft_length` in a group.
 
     Cali-TS is left out for a drafter without a calibration model.
     """
     out: list[tuple[str, int, Any]] = []
-    lengths = list(dict.fromkeys([cfg.draft_length, *cfg.k_sweep]))
+    lengths = list(dict.fromkeys([draft_length, *cfg.k_sweep]))
     cap = cfg.max_draft_length
     if "fixed" in cfg.controls:
         out += [("fixed", k, FixedK(k)) for k in lengths]
@@ -311,7 +314,7 @@ def build_methods(
         Method(
             {"decoder": "ar"},
             lambda p, i: autoregressive(target_lm, p, new, sampling, generator(i), eos_ids),
-            chain_cost(latencies.target, latencies.target),
+            ar_cost(latencies.target),
         )
     ]
     standalone = []
@@ -332,26 +335,26 @@ def build_methods(
             if "eesd" in cfg.decoders:
                 from decoding.eesd import self_speculative
 
-                for control, k, controller in controls_for(cfg, seed, d.predict):
+                for control, k, controller in controls_for(cfg, cfg.eesd_k, seed, d.predict):
                     methods.append(
                         Method(
                             {**base, "decoder": "eesd", "control": control, "draft_length": k},
                             lambda p, i, c=controller, d=d: self_speculative(
                                 d.self_speculative, p, new, sampling, c, generator(i), eos_ids
                             ),
-                            chain_cost(*latencies.self_speculative[d.source.name]),
+                            chain_cost(latencies.rounds[d.source.name]),
                         )
                     )
             continue
         if "sd" in cfg.decoders:
-            for control, k, controller in controls_for(cfg, seed, d.predict):
+            for control, k, controller in controls_for(cfg, cfg.draft_length, seed, d.predict):
                 methods.append(
                     Method(
                         {**base, "decoder": "sd", "control": control, "draft_length": k},
                         lambda p, i, c=controller, d=d: speculative(
                             target_lm, d.lm, p, new, sampling, c, generator(i), eos_ids
                         ),
-                        chain_cost(latencies.target, latencies.drafters[d.source.name]),
+                        chain_cost(latencies.rounds[d.source.name]),
                     )
                 )
         shapes = {
@@ -395,7 +398,7 @@ def measure_latencies(
 ) -> RunLatencies:
     """The forward latencies of every model the run's decoders call, on a context as long as a prompt
     plus half an answer."""
-    lengths = [cfg.draft_length, *cfg.k_sweep]
+    lengths = [cfg.draft_length, cfg.eesd_k, *cfg.k_sweep]
     if "beta_ts" in cfg.controls or "cali_ts" in cfg.controls:
         lengths.append(cfg.max_draft_length)
     shapes = []
