@@ -14,11 +14,11 @@ model on the whole prompt.
 
 Chain rounds are timed as the decoders make them, one round after the other: the drafter's steps
 right after the target's previous verification, then the verification. On a CPU a model's call is
-slower right after the other model ran (its weights and cache are no longer in the CPU caches): with
-the demo's 24-layer target, a drafter's first step of a round took 2x its latency in a loop of drafter
-steps, and a verification after drafter steps 9% more than after target steps (bench/results/
-demo_time.md). Timing the models apart would charge that penalty to the engine. Tree rounds are timed
-apart, size by size (their ideal leaves the penalty out).
+slower right after the other model ran (its weights and activations are no longer in the CPU's caches):
+with the demo's 24-layer target, the drafter's first step of a round took 0.49-0.51 ms against 0.26 ms
+in a loop of its own steps, and a verification of 5 tokens 7-9% more after drafter steps than after
+target steps (bench/results/demo_task.md). Timing the models apart would charge that to the engine.
+Tree rounds are timed apart, size by size (their ideal leaves it out).
 
 For `eesd` the "target" of a round is the early-exit verification (the shared layers on the last
 draft, then the target's deeper layers on all k + 1 positions) and a "drafter" step one exit step (the
@@ -26,8 +26,8 @@ shared layers plus the exit layers), as `decoding.eesd` runs them.
 
 Latencies are medians over repeats of the very calls the decoders make (`CachedLM.forward` then `crop`;
 `SelfSpeculative.draft_step` / `verify` then `crop`), timed by the models' own forward clocks, on a
-cache that holds a realistic context. All sizes are measured once per repeat, interleaved, so a slow
-spell of the machine hits every size alike.
+cache that holds a realistic context. Every size of every model is measured once per repeat,
+interleaved, so a slow spell of the machine hits them alike.
 """
 
 from __future__ import annotations
@@ -258,19 +258,38 @@ def run_latencies(
 ) -> RunLatencies:
     """Every latency the run's decoders need: the target's step (and every tree size), each standalone
     drafter's step (and every tree level), the chain rounds of up to max_draft_length drafts of each
-    standalone and early-exit drafter."""
+    standalone and early-exit drafter. Every probe runs once per repeat, in turn, so that a slow spell of
+    the machine hits the `ar` step and the rounds it is compared with alike; medians over the repeats."""
     max_nodes = max((shape.max_nodes for shape in shapes), default=0)
     levels = sorted({size for shape in shapes for size in shape.level_sizes(shape.depth)[:-1]})
     all_levels = list(range(1, max(levels) + 1)) if levels else []
     tree_sizes = list(range(2, max_nodes + 2)) if shapes else []
-    rounds = {
-        name: chain_round_latencies(target, lm, context, max_draft_length, repeats)
-        for name, lm in drafters.items()
-    }
-    for name, model in self_speculative.items():
-        rounds[name] = self_speculative_latencies(model, context, max_draft_length, repeats)
+    target_samples: list[Latencies] = []
+    drafter_samples: dict[str, list[Latencies]] = {name: [] for name in drafters}
+    round_samples: dict[str, list[ChainRounds]] = {name: [] for name in [*drafters, *self_speculative]}
+    for _ in range(repeats):
+        target_samples.append(lm_latencies(target, context, [1], tree_sizes, 1))
+        for name, lm in drafters.items():
+            drafter_samples[name].append(lm_latencies(lm, context, [1], all_levels, 1))
+            round_samples[name].append(chain_round_latencies(target, lm, context, max_draft_length, 1))
+        for name, model in self_speculative.items():
+            round_samples[name].append(self_speculative_latencies(model, context, max_draft_length, 1))
     return RunLatencies(
-        target=lm_latencies(target, context, [1], tree_sizes, repeats),
-        drafters={name: lm_latencies(lm, context, [1], all_levels, repeats) for name, lm in drafters.items()},
-        rounds=rounds,
+        target=_median_latencies(target_samples),
+        drafters={name: _median_latencies(samples) for name, samples in drafter_samples.items()},
+        rounds={name: _median_rounds(samples) for name, samples in round_samples.items()},
+    )
+
+
+def _median_latencies(samples: list[Latencies]) -> Latencies:
+    return Latencies(
+        {n: statistics.median(s.chain[n] for s in samples) for n in samples[0].chain},
+        {n: statistics.median(s.tree[n] for s in samples) for n in samples[0].tree},
+    )
+
+
+def _median_rounds(samples: list[ChainRounds]) -> ChainRounds:
+    return ChainRounds(
+        {n: statistics.median(s.verify[n] for s in samples) for n in samples[0].verify},
+        [statistics.median(s.draft[i] for s in samples) for i in range(len(samples[0].draft))],
     )

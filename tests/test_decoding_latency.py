@@ -109,6 +109,34 @@ def test_run_latencies_cover_every_round_the_decoders_can_make(tiny_lm):
     assert set(run.as_json()) == {"target", "drafters", "rounds"}
 
 
+def test_run_latencies_interleave_every_probe_per_repeat_and_take_medians(monkeypatch):
+    import decoding.latency as latency
+
+    calls = []
+
+    def probe(kind):
+        values = iter([1.0, 8.0, 3.0])  # the probe's samples over the 3 repeats: median 3, mean 4
+
+        def run(*args):
+            calls.append(kind)
+            assert args[-1] == 1  # one repeat per call
+            x = next(values) if kind != "target" else 7.0
+            if kind in ("sd", "eesd"):
+                return ChainRounds({1: x, 2: x + 1}, [x / 10])
+            return Latencies({1: x}, {})
+
+        return run
+
+    target_probe, lm_probe = probe("target"), probe("lm")
+    monkeypatch.setattr(latency, "lm_latencies", lambda lm, *a: (target_probe if lm == "T" else lm_probe)(*a))
+    monkeypatch.setattr(latency, "chain_round_latencies", probe("sd"))
+    monkeypatch.setattr(latency, "self_speculative_latencies", probe("eesd"))
+    run = latency.run_latencies("T", {"d": "D"}, {"ee": "E"}, torch.zeros(1, 9), 1, [], 3)
+    assert calls == ["target", "lm", "sd", "eesd"] * 3
+    assert run.target.chain == {1: 7.0} and run.drafters["d"].chain == {1: 3.0}
+    assert run.rounds["d"] == run.rounds["ee"] == ChainRounds({1: 3.0, 2: 4.0}, [0.3])
+
+
 def test_self_speculative_latencies_restore_every_slot_group():
     from decoding.eesd import SelfSpeculative
     from models.early_exit import from_target
