@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from decoding.control import FixedK  # noqa: E402
 from decoding.engine import autoregressive  # noqa: E402
-from decoding.latency import chain_cost, chain_round_latencies, ideal_speedup, lm_latencies  # noqa: E402
+from decoding.latency import chain_cost, ideal_speedup, run_latencies  # noqa: E402
 from decoding.lm import CachedLM  # noqa: E402
 from decoding.measure import eos_ids_of, hardware  # noqa: E402
 from decoding.metrics import summarize  # noqa: E402
@@ -101,11 +101,10 @@ def measure(args: argparse.Namespace) -> list[str]:
     prompt = eval_sets[0].prompts[0]
     length = prompt.numel() + args.max_new_tokens // 2
     context = prompt.repeat(-(-length // prompt.numel()))[:length].view(1, -1)
-    step = lm_latencies(target_lm, context, [1], [], args.latency_repeats).chain[1]
-    rounds = {
-        key: chain_round_latencies(target_lm, lm, context, max(args.ks), args.latency_repeats)
-        for key, lm in drafters.items()
-    }
+    named = {f"{depth}/{pair}": lm for (depth, pair), lm in drafters.items()}
+    latencies = run_latencies(target_lm, named, {}, context, max(args.ks), [], args.latency_repeats)
+    step = latencies.target.chain[1]
+    rounds = {key: latencies.rounds[f"{key[0]}/{key[1]}"] for key in drafters}
     first = rounds[(args.depths[0], eval_sets[0].pair)]
     lines = [
         f"target step {step * 1e3:.2f} ms; verify K+1 tokens in a round: "

@@ -76,8 +76,105 @@ class ChainRounds:
 RoundCost = Callable[[Round], float]
 
 
-def _median(samples: dict[int, list[float]]) -> dict[int, float]:
-    return {n: statistics.median(values) for n, values in samples.items()}
+def _check(context: Tensor, sizes: Sequence[int], repeats: int) -> None:
+    if repeats < 1 or not sizes or max(sizes) >= context.shape[1] or min(sizes) < 1:
+        raise ValueError(
+            f"latency sizes must be in 1..{context.shape[1] - 1} and repeats >= 1, "
+            f"got sizes {list(sizes)}, repeats {repeats}"
+        )
+
+
+def _prefill(lm: CachedLM, context: Tensor, tree_sizes: Sequence[int] = ()) -> int:
+    """Put `context` in `lm`'s cache; its length."""
+    lm.reset()
+    lm.forward(context.to(lm.device))
+    if tree_sizes and lm.window is not None and lm.length + max(tree_sizes) >= lm.window:
+        lm.reset()
+        raise NotImplementedError(
+            f"tree calls after {context.shape[1]} positions exceed the model's sliding window ({lm.window})"
+        )
+    return lm.length
+
+
+def _prefill_self_speculative(model, context: Tensor) -> int:
+    model.reset()
+    model.draft_step(context.to(model.device))
+    model.verify(context[:, :0], 1)
+    return context.shape[1]
+
+
+def _lm_once(
+    lm: CachedLM, tokens: Tensor, length: int, chain_sizes: Sequence[int], tree_sizes: Sequence[int]
+) -> Latencies:
+    """One timing of each size after the `length` cached positions (cropped back after each)."""
+    chain: dict[int, float] = {}
+    tree: dict[int, float] = {}
+    for n in chain_sizes:
+        before = lm.seconds
+        lm.forward(tokens[:, :n], num_logits=n)
+        chain[n] = lm.seconds - before
+        lm.crop(length)
+    for n in tree_sizes:
+        rows = torch.ones(n, n, dtype=torch.bool, device=lm.device).tril()
+        mask = tree_attention(length, 0, rows, lm.dtype)
+        positions = torch.arange(length, length + n, device=lm.device).view(1, -1)
+        before = lm.seconds
+        lm.forward(tokens[:, :n], n, positions, mask)
+        tree[n] = lm.seconds - before
+        lm.crop(length)
+    return Latencies(chain, tree)
+
+
+def _rounds_once(
+    target: CachedLM, drafter: CachedLM, tokens: Tensor, length: int, max_drafts: int
+) -> ChainRounds:
+    """`sd`'s rounds of k = 0..max_drafts drafts, one after the other: k drafter calls on one token
+    each, then the target on k + 1 tokens; both models cropped back to `length` after each round."""
+    verify: dict[int, float] = {}
+    draft = [0.0] * max_drafts
+    for k in range(max_drafts + 1):
+        for i in range(k):
+            before = drafter.seconds
+            drafter.forward(tokens[:, i : i + 1].to(drafter.device))
+            draft[i] += (drafter.seconds - before) / (max_drafts - i)  # mean over the rounds with step i
+        before = target.seconds
+        target.forward(tokens[:, : k + 1].to(target.device), num_logits=k + 1)
+        verify[k + 1] = target.seconds - before
+        target.crop(length)
+        drafter.crop(length)
+    return ChainRounds(verify, draft)
+
+
+def _self_speculative_once(model, tokens: Tensor, length: int, max_drafts: int) -> ChainRounds:
+    """`eesd`'s rounds of k = 0..max_drafts drafts, one after the other: k exit steps on one token
+    each, then the verification of k + 1 positions (the shared layers on the last draft, the deeper
+    layers on all k + 1); every slot group cropped back to `length` after each round."""
+    verify: dict[int, float] = {}
+    draft = [0.0] * max_drafts
+    for k in range(max_drafts + 1):
+        for i in range(k):
+            before = model.draft_seconds
+            model.draft_step(tokens[:, i : i + 1])
+            draft[i] += (model.draft_seconds - before) / (max_drafts - i)
+        before = model.target_seconds
+        model.verify(tokens[:, k : k + 1], k + 1)
+        verify[k + 1] = model.target_seconds - before
+        model.crop(length, length)
+    return ChainRounds(verify, draft)
+
+
+def _median_latencies(samples: list[Latencies]) -> Latencies:
+    return Latencies(
+        {n: statistics.median(s.chain[n] for s in samples) for n in samples[0].chain},
+        {n: statistics.median(s.tree[n] for s in samples) for n in samples[0].tree},
+    )
+
+
+def _median_rounds(samples: list[ChainRounds]) -> ChainRounds:
+    return ChainRounds(
+        {n: statistics.median(s.verify[n] for s in samples) for n in samples[0].verify},
+        [statistics.median(s.draft[i] for s in samples) for i in range(len(samples[0].draft))],
+    )
 
 
 @torch.inference_mode()
@@ -88,109 +185,38 @@ def lm_latencies(
 
     Tree calls use a causal pattern given as the explicit additive mask with explicit positions, the way
     `decoding.rsd` calls the models (a chain is a tree whose every node has one child)."""
-    sizes = [*chain_sizes, *tree_sizes]
-    if repeats < 1 or not sizes or max(sizes) >= context.shape[1] or min(sizes) < 1:
-        raise ValueError(
-            f"latency sizes must be in 1..{context.shape[1] - 1} and repeats >= 1, "
-            f"got sizes {sizes}, repeats {repeats}"
-        )
-    lm.reset()
-    lm.forward(context.to(lm.device))
-    length = lm.length
-    if tree_sizes and lm.window is not None and length + max(tree_sizes) >= lm.window:
-        lm.reset()
-        raise NotImplementedError(
-            f"tree calls after {length} positions exceed the model's sliding window ({lm.window})"
-        )
+    _check(context, [*chain_sizes, *tree_sizes], repeats)
+    length = _prefill(lm, context, tree_sizes)
     tokens = context[:, 1:].to(lm.device)
-    chain: dict[int, list[float]] = {n: [] for n in chain_sizes}
-    tree: dict[int, list[float]] = {n: [] for n in tree_sizes}
-    for _ in range(repeats):
-        for n in chain_sizes:
-            before = lm.seconds
-            lm.forward(tokens[:, :n], num_logits=n)
-            chain[n].append(lm.seconds - before)
-            lm.crop(length)
-        for n in tree_sizes:
-            rows = torch.ones(n, n, dtype=torch.bool, device=lm.device).tril()
-            mask = tree_attention(length, 0, rows, lm.dtype)
-            positions = torch.arange(length, length + n, device=lm.device).view(1, -1)
-            before = lm.seconds
-            lm.forward(tokens[:, :n], n, positions, mask)
-            tree[n].append(lm.seconds - before)
-            lm.crop(length)
+    samples = [_lm_once(lm, tokens, length, chain_sizes, tree_sizes) for _ in range(repeats)]
     lm.reset()
-    return Latencies(_median(chain), _median(tree))
-
-
-def _check_sizes(context: Tensor, max_drafts: int, repeats: int) -> None:
-    if repeats < 1 or max_drafts < 0 or max_drafts + 1 >= context.shape[1]:
-        raise ValueError(
-            f"latency sizes must be in 1..{context.shape[1] - 1} and repeats >= 1, "
-            f"got up to {max_drafts} drafts + 1, repeats {repeats}"
-        )
-
-
-def _medians(verify: dict[int, list[float]], draft: list[list[float]]) -> ChainRounds:
-    return ChainRounds(_median(verify), [statistics.median(values) for values in draft])
+    return _median_latencies(samples)
 
 
 @torch.inference_mode()
 def chain_round_latencies(
     target: CachedLM, drafter: CachedLM, context: Tensor, max_drafts: int, repeats: int
 ) -> ChainRounds:
-    """`sd`'s rounds of k = 0..max_drafts drafts after `context` [1, c], one after the other: k drafter
-    calls on one token each, then the target on k + 1 tokens; both models cropped back to the context."""
-    _check_sizes(context, max_drafts, repeats)
-    for lm in (target, drafter):
-        lm.reset()
-        lm.forward(context.to(lm.device))
-    length = target.length
-    tokens = context[:, 1:].to(target.device)
-    verify: dict[int, list[float]] = {k + 1: [] for k in range(max_drafts + 1)}
-    draft: list[list[float]] = [[] for _ in range(max_drafts)]
-    for _ in range(repeats):
-        for k in range(max_drafts + 1):
-            for i in range(k):
-                before = drafter.seconds
-                drafter.forward(tokens[:, i : i + 1].to(drafter.device))
-                draft[i].append(drafter.seconds - before)
-            before = target.seconds
-            target.forward(tokens[:, : k + 1], num_logits=k + 1)
-            verify[k + 1].append(target.seconds - before)
-            target.crop(length)
-            drafter.crop(length)
+    """`sd`'s rounds of k = 0..max_drafts drafts after `context` [1, c] (c > max_drafts + 1), repeated."""
+    _check(context, [max_drafts + 1], repeats)
+    length = _prefill(target, context)
+    _prefill(drafter, context)
+    tokens = context[:, 1:]
+    samples = [_rounds_once(target, drafter, tokens, length, max_drafts) for _ in range(repeats)]
     target.reset()
     drafter.reset()
-    return _medians(verify, draft)
+    return _median_rounds(samples)
 
 
 @torch.inference_mode()
 def self_speculative_latencies(model, context: Tensor, max_drafts: int, repeats: int) -> ChainRounds:
-    """`eesd`'s rounds (a `decoding.eesd.SelfSpeculative`) of k = 0..max_drafts drafts after `context`,
-    one after the other: k exit steps on one token each, then the verification of k + 1 positions (the
-    shared layers on the last draft, the deeper layers on all k + 1); every slot group cropped back."""
-    _check_sizes(context, max_drafts, repeats)
+    """`eesd`'s rounds (a `decoding.eesd.SelfSpeculative`) of k = 0..max_drafts drafts after `context`."""
+    _check(context, [max_drafts + 1], repeats)
     context = context.to(model.device)
+    length = _prefill_self_speculative(model, context)
+    samples = [_self_speculative_once(model, context[:, 1:], length, max_drafts) for _ in range(repeats)]
     model.reset()
-    model.draft_step(context)
-    model.verify(context[:, :0], 1)
-    length = context.shape[1]
-    tokens = context[:, 1:]
-    verify: dict[int, list[float]] = {k + 1: [] for k in range(max_drafts + 1)}
-    draft: list[list[float]] = [[] for _ in range(max_drafts)]
-    for _ in range(repeats):
-        for k in range(max_drafts + 1):
-            for i in range(k):
-                before = model.draft_seconds
-                model.draft_step(tokens[:, i : i + 1])
-                draft[i].append(model.draft_seconds - before)
-            before = model.target_seconds
-            model.verify(tokens[:, k : k + 1], k + 1)
-            verify[k + 1].append(model.target_seconds - before)
-            model.crop(length, length)
-    model.reset()
-    return _medians(verify, draft)
+    return _median_rounds(samples)
 
 
 def chain_cost(rounds: ChainRounds) -> RoundCost:
@@ -247,6 +273,7 @@ class RunLatencies:
         }
 
 
+@torch.inference_mode()
 def run_latencies(
     target: CachedLM,
     drafters: dict[str, CachedLM],
@@ -258,38 +285,35 @@ def run_latencies(
 ) -> RunLatencies:
     """Every latency the run's decoders need: the target's step (and every tree size), each standalone
     drafter's step (and every tree level), the chain rounds of up to max_draft_length drafts of each
-    standalone and early-exit drafter. Every probe runs once per repeat, in turn, so that a slow spell of
-    the machine hits the `ar` step and the rounds it is compared with alike; medians over the repeats."""
+    standalone and early-exit drafter. Each model takes the context once; then every probe runs once per
+    repeat, in turn, so that a slow spell of the machine hits the `ar` step and the rounds it is
+    compared with alike; medians over the repeats."""
     max_nodes = max((shape.max_nodes for shape in shapes), default=0)
     levels = sorted({size for shape in shapes for size in shape.level_sizes(shape.depth)[:-1]})
     all_levels = list(range(1, max(levels) + 1)) if levels else []
     tree_sizes = list(range(2, max_nodes + 2)) if shapes else []
+    _check(context, [max_draft_length + 1, *tree_sizes], repeats)
+    length = _prefill(target, context, tree_sizes)
+    for lm in drafters.values():
+        _prefill(lm, context, all_levels)
+    for model in self_speculative.values():
+        _prefill_self_speculative(model, context.to(model.device))
+    tokens = context[:, 1:]
     target_samples: list[Latencies] = []
     drafter_samples: dict[str, list[Latencies]] = {name: [] for name in drafters}
     round_samples: dict[str, list[ChainRounds]] = {name: [] for name in [*drafters, *self_speculative]}
     for _ in range(repeats):
-        target_samples.append(lm_latencies(target, context, [1], tree_sizes, 1))
+        target_samples.append(_lm_once(target, tokens.to(target.device), length, [1], tree_sizes))
         for name, lm in drafters.items():
-            drafter_samples[name].append(lm_latencies(lm, context, [1], all_levels, 1))
-            round_samples[name].append(chain_round_latencies(target, lm, context, max_draft_length, 1))
+            drafter_samples[name].append(_lm_once(lm, tokens.to(lm.device), length, [1], all_levels))
+            round_samples[name].append(_rounds_once(target, lm, tokens, length, max_draft_length))
         for name, model in self_speculative.items():
-            round_samples[name].append(self_speculative_latencies(model, context, max_draft_length, 1))
+            samples = round_samples[name]
+            samples.append(_self_speculative_once(model, tokens.to(model.device), length, max_draft_length))
+    for lm in [target, *drafters.values(), *self_speculative.values()]:
+        lm.reset()
     return RunLatencies(
         target=_median_latencies(target_samples),
         drafters={name: _median_latencies(samples) for name, samples in drafter_samples.items()},
         rounds={name: _median_rounds(samples) for name, samples in round_samples.items()},
-    )
-
-
-def _median_latencies(samples: list[Latencies]) -> Latencies:
-    return Latencies(
-        {n: statistics.median(s.chain[n] for s in samples) for n in samples[0].chain},
-        {n: statistics.median(s.tree[n] for s in samples) for n in samples[0].tree},
-    )
-
-
-def _median_rounds(samples: list[ChainRounds]) -> ChainRounds:
-    return ChainRounds(
-        {n: statistics.median(s.verify[n] for s in samples) for n in samples[0].verify},
-        [statistics.median(s.draft[i] for s in samples) for i in range(len(samples[0].draft))],
     )

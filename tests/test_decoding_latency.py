@@ -109,32 +109,40 @@ def test_run_latencies_cover_every_round_the_decoders_can_make(tiny_lm):
     assert set(run.as_json()) == {"target", "drafters", "rounds"}
 
 
-def test_run_latencies_interleave_every_probe_per_repeat_and_take_medians(monkeypatch):
-    import decoding.latency as latency
+def test_run_latencies_prefill_each_model_once_then_interleave_every_probe_per_repeat(tiny_lm, monkeypatch):
+    from decoding.eesd import SelfSpeculative
+    from models.early_exit import from_target
 
+    target = CachedLM(build_llama(64, 32, 3, 4, 64, seed=3))
+    eesd = SelfSpeculative(
+        build_llama(64, 32, 4, 4, 64, seed=2), from_target(build_llama(64, 32, 4, 4, 64), 2, 1)
+    )
     calls = []
+    for name, lm in (("T", target), ("D", tiny_lm)):
 
-    def probe(kind):
-        values = iter([1.0, 8.0, 3.0])  # the probe's samples over the 3 repeats: median 3, mean 4
+        def recording(input_ids, num_logits=1, position_ids=None, attention_mask=None, lm=lm, name=name):
+            calls.append((name, lm.length, input_ids.shape[1]))
+            return type(lm).forward(lm, input_ids, num_logits, position_ids, attention_mask)
 
-        def run(*args):
-            calls.append(kind)
-            assert args[-1] == 1  # one repeat per call
-            x = next(values) if kind != "target" else 7.0
-            if kind in ("sd", "eesd"):
-                return ChainRounds({1: x, 2: x + 1}, [x / 10])
-            return Latencies({1: x}, {})
+        monkeypatch.setattr(lm, "forward", recording)
+    for method in ("draft_step", "verify"):
 
-        return run
+        def recording_eesd(*args, method=method):
+            calls.append(("E", method))
+            return getattr(SelfSpeculative, method)(eesd, *args)
 
-    target_probe, lm_probe = probe("target"), probe("lm")
-    monkeypatch.setattr(latency, "lm_latencies", lambda lm, *a: (target_probe if lm == "T" else lm_probe)(*a))
-    monkeypatch.setattr(latency, "chain_round_latencies", probe("sd"))
-    monkeypatch.setattr(latency, "self_speculative_latencies", probe("eesd"))
-    run = latency.run_latencies("T", {"d": "D"}, {"ee": "E"}, torch.zeros(1, 9), 1, [], 3)
-    assert calls == ["target", "lm", "sd", "eesd"] * 3
-    assert run.target.chain == {1: 7.0} and run.drafters["d"].chain == {1: 3.0}
-    assert run.rounds["d"] == run.rounds["ee"] == ChainRounds({1: 3.0, 2: 4.0}, [0.3])
+        monkeypatch.setattr(eesd, method, recording_eesd)
+    run_latencies(target, {"d": tiny_lm}, {"ee": eesd}, torch.arange(3, 15).view(1, -1), 1, [], repeats=2)
+    # each model takes the 12-token context once
+    assert calls[:4] == [("T", 0, 12), ("D", 0, 12), ("E", "draft_step"), ("E", "verify")]
+    one_repeat = [
+        ("T", 12, 1),  # the ar step
+        ("D", 12, 1),  # the drafter's step alone
+        ("T", 12, 1), ("D", 12, 1), ("T", 12, 2),  # sd's rounds of 0 and 1 drafts
+        ("E", "verify"), ("E", "draft_step"), ("E", "verify"),  # eesd's
+    ]  # fmt: skip
+    assert calls[4:] == one_repeat * 2
+    assert target.length == tiny_lm.length == eesd.length(eesd.shared_slots) == 0
 
 
 def test_self_speculative_latencies_restore_every_slot_group():
@@ -181,3 +189,17 @@ def test_chain_round_latencies_time_sd_rounds_in_their_order_from_the_same_conte
     assert target.length == 0 and tiny_lm.length == 0
     with pytest.raises(ValueError, match="latency sizes"):
         chain_round_latencies(target, tiny_lm, torch.arange(3, 15).view(1, -1), 11, repeats=1)
+
+
+def test_latencies_are_the_median_over_repeats(tiny_lm, monkeypatch):
+    durations = iter([0.5, 1.0, 8.0, 3.0])  # the context's call, then one step per repeat: median 3, mean 4
+    forward = tiny_lm.forward
+
+    def clocked(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        tiny_lm.seconds += next(durations)
+        return out
+
+    monkeypatch.setattr(tiny_lm, "forward", clocked)
+    latencies = lm_latencies(tiny_lm, torch.arange(3, 15).view(1, -1), [1], [], repeats=3)
+    assert latencies.chain[1] == pytest.approx(3.0, abs=0.01)  # within the real calls' own few ms
