@@ -65,6 +65,7 @@ BAD_VALUES = [
     ("measure.decoders=[ar, sd, sd]", "measure.decoders", "'sd' appears twice"),
     ("measure.controls=[fixed, fixed]", "measure.controls", "'fixed' appears twice"),
     ("measure.k_sweep=[0]", "measure.k_sweep.0", "greater than or equal to 1"),
+    ("measure.eesd_draft_length=0", "measure.eesd_draft_length", "greater than or equal to 1"),
     ("measure.top_p=0", "measure.top_p", "greater than 0"),
     ("measure.num_prompts=0", "measure.num_prompts", "greater than or equal to 1"),
     ("measure.max_prompt_tokens=0", "measure.max_prompt_tokens", "greater than or equal to 1"),
