@@ -15,7 +15,7 @@ model on the whole prompt.
 Chain rounds are timed as the decoders make them, one round after the other: the drafter's steps
 right after the target's previous verification, then the verification. On a CPU a model's call is
 slower right after the other model ran (its weights and activations are no longer in the CPU's caches):
-with the demo's 24-layer target, the drafter's first step of a round took 0.49-0.51 ms against 0.26 ms
+with the demo's 24-layer target, the drafter's first step of a round took 0.41-0.51 ms against 0.26 ms
 in a loop of its own steps, and a verification of 5 tokens 7-9% more after drafter steps than after
 target steps (bench/results/demo_task.md). Timing the models apart would charge that to the engine.
 Tree rounds are timed apart, size by size (their ideal leaves it out).
@@ -26,8 +26,8 @@ shared layers plus the exit layers), as `decoding.eesd` runs them.
 
 Latencies are medians over repeats of the very calls the decoders make (`CachedLM.forward` then `crop`;
 `SelfSpeculative.draft_step` / `verify` then `crop`), timed by the models' own forward clocks, on a
-cache that holds a realistic context. Every size of every model is measured once per repeat,
-interleaved, so a slow spell of the machine hits them alike.
+cache that holds a realistic context, which each model takes once. Every size of every model is
+measured once per repeat, interleaved, so a slow spell of the machine hits them alike.
 """
 
 from __future__ import annotations
