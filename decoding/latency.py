@@ -16,7 +16,7 @@ Chain rounds are timed as the decoders make them, one round after the other: the
 right after the target's previous verification, then the verification. On a CPU a model's call is
 slower right after the other model ran (its weights and activations are no longer in the CPU's caches):
 with the demo's 24-layer target, the drafter's first step of a round took 0.41-0.51 ms against 0.26 ms
-in a loop of its own steps, and a verification of 5 tokens 7-9% more after drafter steps than after
+in a loop of its own steps, and a verification of 5 tokens 8-9% more after drafter steps than after
 target steps (bench/results/demo_task.md). Timing the models apart would charge that to the engine.
 Tree rounds are timed apart, size by size (their ideal leaves it out).
 
@@ -103,6 +103,13 @@ def _prefill_self_speculative(model, context: Tensor) -> int:
     return context.shape[1]
 
 
+def _timed(lm: CachedLM, input_ids: Tensor) -> float:
+    """Seconds of one forward call of `lm` on `input_ids` (logits of every new position), by its own clock."""
+    before = lm.seconds
+    lm.forward(input_ids.to(lm.device), num_logits=input_ids.shape[1])
+    return lm.seconds - before
+
+
 def _lm_once(
     lm: CachedLM, tokens: Tensor, length: int, chain_sizes: Sequence[int], tree_sizes: Sequence[int]
 ) -> Latencies:
@@ -110,9 +117,7 @@ def _lm_once(
     chain: dict[int, float] = {}
     tree: dict[int, float] = {}
     for n in chain_sizes:
-        before = lm.seconds
-        lm.forward(tokens[:, :n], num_logits=n)
-        chain[n] = lm.seconds - before
+        chain[n] = _timed(lm, tokens[:, :n])
         lm.crop(length)
     for n in tree_sizes:
         rows = torch.ones(n, n, dtype=torch.bool, device=lm.device).tril()
@@ -125,42 +130,54 @@ def _lm_once(
     return Latencies(chain, tree)
 
 
+def _rounds(
+    draft: Callable[[int], float], verify: Callable[[int], float], crop: Callable[[], None], max_drafts: int
+) -> ChainRounds:
+    """Rounds of k = 0..max_drafts drafts, one after the other: `draft(i)` times the round's step i
+    (0-based), `verify(k)` the verification of k + 1 positions, `crop()` goes back to the context. A
+    step's time is its mean over the rounds that take it."""
+    verify_seconds: dict[int, float] = {}
+    draft_seconds = [0.0] * max_drafts
+    for k in range(max_drafts + 1):
+        for i in range(k):
+            draft_seconds[i] += draft(i) / (max_drafts - i)
+        verify_seconds[k + 1] = verify(k)
+        crop()
+    return ChainRounds(verify_seconds, draft_seconds)
+
+
 def _rounds_once(
     target: CachedLM, drafter: CachedLM, tokens: Tensor, length: int, max_drafts: int
 ) -> ChainRounds:
-    """`sd`'s rounds of k = 0..max_drafts drafts, one after the other: k drafter calls on one token
-    each, then the target on k + 1 tokens; both models cropped back to `length` after each round."""
-    verify: dict[int, float] = {}
-    draft = [0.0] * max_drafts
-    for k in range(max_drafts + 1):
-        for i in range(k):
-            before = drafter.seconds
-            drafter.forward(tokens[:, i : i + 1].to(drafter.device))
-            draft[i] += (drafter.seconds - before) / (max_drafts - i)  # mean over the rounds with step i
-        before = target.seconds
-        target.forward(tokens[:, : k + 1].to(target.device), num_logits=k + 1)
-        verify[k + 1] = target.seconds - before
+    """`sd`'s rounds after the `length` cached positions: k drafter calls on one token each, then the
+    target on k + 1 tokens; both models cropped back after each round."""
+
+    def crop() -> None:
         target.crop(length)
         drafter.crop(length)
-    return ChainRounds(verify, draft)
+
+    def draft(i: int) -> float:
+        return _timed(drafter, tokens[:, i : i + 1])
+
+    return _rounds(draft, lambda k: _timed(target, tokens[:, : k + 1]), crop, max_drafts)
 
 
 def _self_speculative_once(model, tokens: Tensor, length: int, max_drafts: int) -> ChainRounds:
-    """`eesd`'s rounds of k = 0..max_drafts drafts, one after the other: k exit steps on one token
-    each, then the verification of k + 1 positions (the shared layers on the last draft, the deeper
-    layers on all k + 1); every slot group cropped back to `length` after each round."""
-    verify: dict[int, float] = {}
-    draft = [0.0] * max_drafts
-    for k in range(max_drafts + 1):
-        for i in range(k):
-            before = model.draft_seconds
-            model.draft_step(tokens[:, i : i + 1])
-            draft[i] += (model.draft_seconds - before) / (max_drafts - i)
+    """`eesd`'s rounds after the `length` cached positions: k exit steps on one token each, then the
+    verification of k + 1 positions (the shared layers on the last draft, the deeper layers on all
+    k + 1); every slot group cropped back after each round."""
+
+    def draft(i: int) -> float:
+        before = model.draft_seconds
+        model.draft_step(tokens[:, i : i + 1])
+        return model.draft_seconds - before
+
+    def verify(k: int) -> float:
         before = model.target_seconds
         model.verify(tokens[:, k : k + 1], k + 1)
-        verify[k + 1] = model.target_seconds - before
-        model.crop(length, length)
-    return ChainRounds(verify, draft)
+        return model.target_seconds - before
+
+    return _rounds(draft, verify, lambda: model.crop(length, length), max_drafts)
 
 
 def _median_latencies(samples: list[Latencies]) -> Latencies:
@@ -308,8 +325,8 @@ def run_latencies(
             drafter_samples[name].append(_lm_once(lm, tokens.to(lm.device), length, [1], all_levels))
             round_samples[name].append(_rounds_once(target, lm, tokens, length, max_draft_length))
         for name, model in self_speculative.items():
-            samples = round_samples[name]
-            samples.append(_self_speculative_once(model, tokens.to(model.device), length, max_draft_length))
+            eesd_tokens = tokens.to(model.device)
+            round_samples[name].append(_self_speculative_once(model, eesd_tokens, length, max_draft_length))
     for lm in [target, *drafters.values(), *self_speculative.values()]:
         lm.reset()
     return RunLatencies(

@@ -109,6 +109,19 @@ def test_run_latencies_cover_every_round_the_decoders_can_make(tiny_lm):
     assert set(run.as_json()) == {"target", "drafters", "rounds"}
 
 
+def record_forward_calls(monkeypatch, **lms: CachedLM) -> list[tuple[str, int, int]]:
+    """(name, cached length, new tokens) of every forward call of these models, in order."""
+    calls = []
+    for name, lm in lms.items():
+
+        def recording(input_ids, num_logits=1, position_ids=None, attention_mask=None, lm=lm, name=name):
+            calls.append((name, lm.length, input_ids.shape[1]))
+            return type(lm).forward(lm, input_ids, num_logits, position_ids, attention_mask)
+
+        monkeypatch.setattr(lm, "forward", recording)
+    return calls
+
+
 def test_run_latencies_prefill_each_model_once_then_interleave_every_probe_per_repeat(tiny_lm, monkeypatch):
     from decoding.eesd import SelfSpeculative
     from models.early_exit import from_target
@@ -117,14 +130,7 @@ def test_run_latencies_prefill_each_model_once_then_interleave_every_probe_per_r
     eesd = SelfSpeculative(
         build_llama(64, 32, 4, 4, 64, seed=2), from_target(build_llama(64, 32, 4, 4, 64), 2, 1)
     )
-    calls = []
-    for name, lm in (("T", target), ("D", tiny_lm)):
-
-        def recording(input_ids, num_logits=1, position_ids=None, attention_mask=None, lm=lm, name=name):
-            calls.append((name, lm.length, input_ids.shape[1]))
-            return type(lm).forward(lm, input_ids, num_logits, position_ids, attention_mask)
-
-        monkeypatch.setattr(lm, "forward", recording)
+    calls = record_forward_calls(monkeypatch, T=target, D=tiny_lm)
     for method in ("draft_step", "verify"):
 
         def recording_eesd(*args, method=method):
@@ -170,14 +176,7 @@ def test_self_speculative_latencies_restore_every_slot_group():
 
 def test_chain_round_latencies_time_sd_rounds_in_their_order_from_the_same_context(tiny_lm, monkeypatch):
     target = CachedLM(build_llama(64, 32, 3, 4, 64, seed=3))
-    calls = []
-    for name, lm in (("T", target), ("D", tiny_lm)):
-
-        def recording(input_ids, num_logits=1, position_ids=None, attention_mask=None, lm=lm, name=name):
-            calls.append((name, lm.length, input_ids.shape[1]))
-            return type(lm).forward(lm, input_ids, num_logits, position_ids, attention_mask)
-
-        monkeypatch.setattr(lm, "forward", recording)
+    calls = record_forward_calls(monkeypatch, T=target, D=tiny_lm)
     rounds = chain_round_latencies(target, tiny_lm, torch.arange(3, 15).view(1, -1), 2, repeats=2)
     # each model's context once, then rounds of k = 0, 1, 2 drafts: the drafter's k one-token steps
     # right before the target's call on k + 1 tokens, both cropped back to the context after it
@@ -191,15 +190,29 @@ def test_chain_round_latencies_time_sd_rounds_in_their_order_from_the_same_conte
         chain_round_latencies(target, tiny_lm, torch.arange(3, 15).view(1, -1), 11, repeats=1)
 
 
-def test_latencies_are_the_median_over_repeats(tiny_lm, monkeypatch):
-    durations = iter([0.5, 1.0, 8.0, 3.0])  # the context's call, then one step per repeat: median 3, mean 4
-    forward = tiny_lm.forward
+def add_to_clock(monkeypatch, lm: CachedLM, seconds: list[float]) -> None:
+    """Each forward call of `lm` adds the next of these seconds to its clock (on top of its real few ms)."""
+    durations = iter(seconds)
+    forward = lm.forward
 
     def clocked(*args, **kwargs):
         out = forward(*args, **kwargs)
-        tiny_lm.seconds += next(durations)
+        lm.seconds += next(durations)
         return out
 
-    monkeypatch.setattr(tiny_lm, "forward", clocked)
+    monkeypatch.setattr(lm, "forward", clocked)
+
+
+def test_latencies_are_the_median_over_repeats(tiny_lm, monkeypatch):
+    # the context's call, then one step per repeat: median 3, mean 4
+    add_to_clock(monkeypatch, tiny_lm, [0.5, 1.0, 8.0, 3.0])
     latencies = lm_latencies(tiny_lm, torch.arange(3, 15).view(1, -1), [1], [], repeats=3)
     assert latencies.chain[1] == pytest.approx(3.0, abs=0.01)  # within the real calls' own few ms
+
+
+def test_a_round_step_costs_its_mean_over_the_rounds_that_take_it(tiny_lm, monkeypatch):
+    target = CachedLM(build_llama(64, 32, 3, 4, 64, seed=3))
+    # the drafter's calls in order: the context, then step 0 of round k=1, steps 0 and 1 of round k=2
+    add_to_clock(monkeypatch, tiny_lm, [0.0, 1.0, 3.0, 5.0])
+    rounds = chain_round_latencies(target, tiny_lm, torch.arange(3, 15).view(1, -1), 2, repeats=1)
+    assert rounds.draft == pytest.approx([2.0, 5.0], abs=0.01)  # step 0: (1 + 3) / 2; step 1: 5
