@@ -18,6 +18,9 @@ slower right after the other model ran (its weights and activations are no longe
 with the demo's 24-layer target, the drafter's first step of a round took 0.41-0.51 ms against 0.26 ms
 in a loop of its own steps, and a verification of 5 tokens 8-9% more after drafter steps than after
 target steps (bench/results/demo_task.md). Timing the models apart would charge that to the engine.
+The `ar` step likewise follows an untimed step of the target, as `ar` makes its steps: timed right
+after the other probes' calls instead, it took 6.04 ms against 5.2-6.2 ms per call (prefills included)
+in the same run's `ar` decoding, which put `sd` at 85% of an ideal it could not reach.
 Tree rounds are timed apart, size by size (their ideal leaves it out).
 
 For `eesd` the "target" of a round is the early-exit verification (the shared layers on the last
@@ -111,12 +114,22 @@ def _timed(lm: CachedLM, input_ids: Tensor) -> float:
 
 
 def _lm_once(
-    lm: CachedLM, tokens: Tensor, length: int, chain_sizes: Sequence[int], tree_sizes: Sequence[int]
+    lm: CachedLM,
+    tokens: Tensor,
+    length: int,
+    chain_sizes: Sequence[int],
+    tree_sizes: Sequence[int],
+    warm: bool = False,
 ) -> Latencies:
-    """One timing of each size after the `length` cached positions (cropped back after each)."""
+    """One timing of each size after the `length` cached positions (cropped back after each). With
+    `warm`, each chain call is timed right after an untimed call of its size, the way `ar` makes its
+    steps: one after the other, never right after another model."""
     chain: dict[int, float] = {}
     tree: dict[int, float] = {}
     for n in chain_sizes:
+        if warm:
+            lm.forward(tokens[:, :n].to(lm.device), num_logits=n)
+            lm.crop(length)
         chain[n] = _timed(lm, tokens[:, :n])
         lm.crop(length)
     for n in tree_sizes:
@@ -320,7 +333,7 @@ def run_latencies(
     drafter_samples: dict[str, list[Latencies]] = {name: [] for name in drafters}
     round_samples: dict[str, list[ChainRounds]] = {name: [] for name in [*drafters, *self_speculative]}
     for _ in range(repeats):
-        target_samples.append(_lm_once(target, tokens.to(target.device), length, [1], tree_sizes))
+        target_samples.append(_lm_once(target, tokens.to(target.device), length, [1], tree_sizes, warm=True))
         for name, lm in drafters.items():
             drafter_samples[name].append(_lm_once(lm, tokens.to(lm.device), length, [1], all_levels))
             round_samples[name].append(_rounds_once(target, lm, tokens, length, max_draft_length))

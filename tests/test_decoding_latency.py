@@ -142,7 +142,7 @@ def test_run_latencies_prefill_each_model_once_then_interleave_every_probe_per_r
     # each model takes the 12-token context once
     assert calls[:4] == [("T", 0, 12), ("D", 0, 12), ("E", "draft_step"), ("E", "verify")]
     one_repeat = [
-        ("T", 12, 1),  # the ar step
+        ("T", 12, 1), ("T", 12, 1),  # the ar step, timed right after an untimed one
         ("D", 12, 1),  # the drafter's step alone
         ("T", 12, 1), ("D", 12, 1), ("T", 12, 2),  # sd's rounds of 0 and 1 drafts
         ("E", "verify"), ("E", "draft_step"), ("E", "verify"),  # eesd's
@@ -216,3 +216,12 @@ def test_a_round_step_costs_its_mean_over_the_rounds_that_take_it(tiny_lm, monke
     add_to_clock(monkeypatch, tiny_lm, [0.0, 1.0, 3.0, 5.0])
     rounds = chain_round_latencies(target, tiny_lm, torch.arange(3, 15).view(1, -1), 2, repeats=1)
     assert rounds.draft == pytest.approx([2.0, 5.0], abs=0.01)  # step 0: (1 + 3) / 2; step 1: 5
+
+
+def test_the_ar_step_is_timed_right_after_an_untimed_target_step(monkeypatch):
+    # `ar` makes its steps one after the other: the probe's step follows one of the same model, and
+    # only the second one counts (the context's call, the untimed step, the timed step)
+    target = CachedLM(build_llama(64, 32, 3, 4, 64, seed=3))
+    add_to_clock(monkeypatch, target, [0.0, 100.0, 1.0])
+    run = run_latencies(target, {}, {}, torch.arange(3, 15).view(1, -1), 1, [], repeats=1)
+    assert run.target.chain[1] == pytest.approx(1.0, abs=0.01)
