@@ -23,16 +23,16 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(PROJECT_ROOT))
 
 from bench.sd_vs_assisted import build_pair, load_pair  # noqa: E402
-from decoding.control import BetaTS, FixedK  # noqa: E402
-from decoding.eesd import SelfSpeculative, self_speculative  # noqa: E402
-from decoding.engine import Generation, autoregressive  # noqa: E402
-from decoding.lm import CachedLM  # noqa: E402
-from decoding.metrics import summarize  # noqa: E402
-from decoding.rsd import recursive_speculative  # noqa: E402
-from decoding.sampling import Sampling  # noqa: E402
-from decoding.sd import speculative  # noqa: E402
-from decoding.tree import TreeShape  # noqa: E402
-from models.early_exit import from_target  # noqa: E402
+from polydraft.decoding.control import BetaTS, FixedK  # noqa: E402
+from polydraft.decoding.eesd import SelfSpeculative, self_speculative  # noqa: E402
+from polydraft.decoding.engine import Generation, autoregressive  # noqa: E402
+from polydraft.decoding.lm import CachedLM  # noqa: E402
+from polydraft.decoding.measurement.metrics import summarize  # noqa: E402
+from polydraft.decoding.rsd import recursive_speculative  # noqa: E402
+from polydraft.decoding.sampling import Sampling  # noqa: E402
+from polydraft.decoding.sd import speculative  # noqa: E402
+from polydraft.decoding.tree import TreeShape  # noqa: E402
+from polydraft.models.early_exit import from_target  # noqa: E402
 
 
 def main() -> None:

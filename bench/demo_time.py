@@ -35,7 +35,7 @@ def main() -> int:
     command = [
         sys.executable,
         "-m",
-        "pipelines.cli",
+        "polydraft.pipelines.cli",
         "run",
         args.recipe,
         "--run-dir",

@@ -5,7 +5,7 @@ For each depth, the pipeline itself trains the drafters (`polydraft run` of the 
 once and shared). Then, in ONE process, `ar` and `sd` with every (depth, K) decode each pair's held-out
 eval prompts with the pair's own drafter at temperature 0, the methods rotating prompt by prompt, in
 `--repetitions` disjoint prompt subsets. The ideal speedup is the one the measured forward latencies
-allow (`decoding.latency`, timed inside rounds): BE x t_T(1) / (t_T(K + 1) + t_D,1 + ... + t_D,K).
+allow (`decoding.measurement.latency`, timed inside rounds): BE x t_T(1) / (t_T(K + 1) + t_D,1 + ... + t_D,K).
 
     python -m bench.drafter_depth --out-dir /tmp/depth [--depths 1 2 3] [--ks 1 2 3 4 6 8] \
         [--prompts 8] [--repetitions 3] [--skip-train] [--record bench/results/drafter_depth.md] \
@@ -31,14 +31,14 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from decoding.control import FixedK  # noqa: E402
-from decoding.engine import autoregressive  # noqa: E402
-from decoding.latency import chain_cost, ideal_speedup, run_latencies  # noqa: E402
-from decoding.lm import CachedLM  # noqa: E402
-from decoding.measure import eos_ids_of, hardware  # noqa: E402
-from decoding.metrics import summarize  # noqa: E402
-from decoding.sampling import Sampling  # noqa: E402
-from decoding.sd import speculative  # noqa: E402
+from polydraft.decoding.control import FixedK  # noqa: E402
+from polydraft.decoding.engine import autoregressive  # noqa: E402
+from polydraft.decoding.lm import CachedLM  # noqa: E402
+from polydraft.decoding.measurement.latency import chain_cost, ideal_speedup, run_latencies  # noqa: E402
+from polydraft.decoding.measurement.measure import eos_ids_of, hardware  # noqa: E402
+from polydraft.decoding.measurement.metrics import summarize  # noqa: E402
+from polydraft.decoding.sampling import Sampling  # noqa: E402
+from polydraft.decoding.sd import speculative  # noqa: E402
 
 TRAIN_ONLY = [
     "early_exit.enabled=false",
@@ -58,7 +58,7 @@ def train(recipe: str, out_dir: Path, depths: list[int], overrides: list[str]) -
         command = [
             sys.executable,
             "-m",
-            "pipelines.cli",
+            "polydraft.pipelines.cli",
             "run",
             recipe,
             "--run-dir",
@@ -77,11 +77,11 @@ def measure(args: argparse.Namespace) -> list[str]:
     """Decode and return the result table's lines."""
     from transformers import AutoModelForCausalLM
 
-    from models.loading import load_tokenizer
-    from pipelines.recipe import load_recipe
-    from pipelines.schema.inputs import EvalPrompts
-    from pipelines.stages.measure import eval_sets_of
-    from pipelines.target import resolve_target
+    from polydraft.models.loading import load_tokenizer
+    from polydraft.pipelines.recipe import load_recipe
+    from polydraft.pipelines.schema.inputs import EvalPrompts
+    from polydraft.pipelines.stages.measure import eval_sets_of
+    from polydraft.pipelines.target import resolve_target
 
     recipe = load_recipe(Path(args.recipe), args.overrides)
     spec = resolve_target(recipe.target, recipe.data, show_progress=False)

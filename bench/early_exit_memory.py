@@ -68,14 +68,14 @@ class MedusaHead(nn.Module):
 
 def measure(method: str, target_dir: Path, shape: dict, args: argparse.Namespace) -> dict:
     """One method's loaded/trainable parameters, peak memory and step times (run in a fresh process)."""
-    from train.early_exit import head_forward
+    from polydraft.train.early_exit import head_forward
 
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     started = time.perf_counter()
     if method == "eesd":
-        from models.early_exit import build_early_exit
+        from polydraft.models.early_exit import build_early_exit
 
         drafter = build_early_exit(
             str(target_dir), shape["shared"], 1, dtype=dtype, exit_dtype=torch.float32, device=device

@@ -32,13 +32,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from decoding.blockwise import HeadsDraft, Rescoring, blockwise_chain, blockwise_tree  # noqa: E402
-from decoding.engine import autoregressive  # noqa: E402
-from decoding.lattice import CandidateTree  # noqa: E402
-from decoding.lm import CachedLM  # noqa: E402
-from decoding.measure import eos_ids_of, hardware  # noqa: E402
-from decoding.metrics import summarize  # noqa: E402
-from decoding.sampling import Sampling  # noqa: E402
+from polydraft.decoding.blockwise import HeadsDraft, Rescoring, blockwise_chain, blockwise_tree  # noqa: E402
+from polydraft.decoding.engine import autoregressive  # noqa: E402
+from polydraft.decoding.lattice import CandidateTree  # noqa: E402
+from polydraft.decoding.lm import CachedLM  # noqa: E402
+from polydraft.decoding.measurement.measure import eos_ids_of, hardware  # noqa: E402
+from polydraft.decoding.measurement.metrics import summarize  # noqa: E402
+from polydraft.decoding.sampling import Sampling  # noqa: E402
 
 
 def methods_for(args, recipe, target_lm, heads, drafter, eos_ids):
@@ -81,12 +81,12 @@ def measure(args: argparse.Namespace) -> list[str]:
     """Decode and return the result table's lines."""
     from transformers import AutoModelForCausalLM
 
-    from models.heads import attach_heads
-    from models.loading import load_tokenizer
-    from pipelines.recipe import load_recipe
-    from pipelines.schema.inputs import EvalPrompts
-    from pipelines.stages.measure import eval_sets_of
-    from pipelines.target import resolve_target
+    from polydraft.models.heads import attach_heads
+    from polydraft.models.loading import load_tokenizer
+    from polydraft.pipelines.recipe import load_recipe
+    from polydraft.pipelines.schema.inputs import EvalPrompts
+    from polydraft.pipelines.stages.measure import eval_sets_of
+    from polydraft.pipelines.target import resolve_target
 
     recipe = load_recipe(Path(args.recipe), args.overrides)
     spec = resolve_target(recipe.target, recipe.data, show_progress=False)

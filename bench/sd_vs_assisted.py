@@ -32,19 +32,19 @@ import torch
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(PROJECT_ROOT))
 
-from decoding.assisted import assisted  # noqa: E402
-from decoding.control import FixedK  # noqa: E402
-from decoding.engine import Generation, autoregressive  # noqa: E402
-from decoding.lm import CachedLM  # noqa: E402
-from decoding.metrics import summarize  # noqa: E402
-from decoding.sampling import Sampling  # noqa: E402
-from decoding.sd import speculative  # noqa: E402
+from polydraft.decoding.assisted import assisted  # noqa: E402
+from polydraft.decoding.control import FixedK  # noqa: E402
+from polydraft.decoding.engine import Generation, autoregressive  # noqa: E402
+from polydraft.decoding.lm import CachedLM  # noqa: E402
+from polydraft.decoding.measurement.metrics import summarize  # noqa: E402
+from polydraft.decoding.sampling import Sampling  # noqa: E402
+from polydraft.decoding.sd import speculative  # noqa: E402
 
 
 def build_pair(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.nn.Module]:
     from transformers import LlamaForCausalLM
 
-    from models.tiny import build_llama
+    from polydraft.models.tiny import build_llama
 
     heads = max(1, args.hidden // 64)
     target = build_llama(args.vocab, args.hidden, args.layers, heads, 4 * args.hidden, seed=0)

@@ -4,7 +4,7 @@ The demo's speedup is bounded by two ratios of forward latencies (README, demo s
 tokens against one target step, and a drafter step against a target step. Both depend on the target's
 shape, so before rebuilding the bootstrap target (an hour or more on 2 cores) this bench measures them
 on randomly initialised Llama targets of each shape, beside the demo's 1-layer drafter (hidden 128),
-with the measure stage's own latency probe (`decoding.latency.lm_latencies`, a context of
+with the measure stage's own latency probe (`decoding.measurement.latency.lm_latencies`, a context of
 `--context` tokens). Shapes are measured in turn within each repetition; cells are mean ± std over the
 repetitions. The ideal speedup BE x t_T(1) / (t_T(K+1) + K t_D(1)) is printed for block efficiencies
 given on the command line: a new target changes what the drafter can learn, so BE is an assumption
@@ -28,8 +28,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(PROJECT_ROOT))
 
-from decoding.latency import lm_latencies  # noqa: E402
-from decoding.lm import CachedLM, parameter_count  # noqa: E402
+from polydraft.decoding.lm import CachedLM, parameter_count  # noqa: E402
+from polydraft.decoding.measurement.latency import lm_latencies  # noqa: E402
 
 
 def llama(hidden: int, layers: int, intermediate: int, vocab: int, heads: int) -> CachedLM:

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from models.drafters import build_drafter
-from train.losses import ce_sum
-from train.metrics import matmul_params, mfu, peak_flops, train_flops_per_token
-from train.runtime import make_accelerator, resolve_attn_implementation, resolve_mixed_precision
-from train.schedule import build_optimizer
+from polydraft.models.drafters import build_drafter
+from polydraft.train.losses import ce_sum
+from polydraft.train.metrics import matmul_params, mfu, peak_flops, train_flops_per_token
+from polydraft.train.runtime import make_accelerator, resolve_attn_implementation, resolve_mixed_precision
+from polydraft.train.schedule import build_optimizer
 
 
 def device_name(device: torch.device) -> str:

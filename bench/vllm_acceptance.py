@@ -29,7 +29,7 @@ K = 4
 
 
 def demo_prompts(run_dir: Path, tokenizer, count: int) -> list[list[int]]:
-    from distill.prompts import encode_prompt
+    from polydraft.distill.prompts import encode_prompt
 
     rows = [json.loads(line) for line in (run_dir / "distill" / "prompts.jsonl").read_text().splitlines()]
     return [encode_prompt(tokenizer, row["prompt"]) for row in rows if row["pair"] == "de-en"][:count]
@@ -43,10 +43,10 @@ def per_position(rounds) -> list[float]:
 def polydraft_rows(target_dir: str, drafters: dict[str, str], prompts, max_new_tokens: int) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
-    from decoding.control import FixedK
-    from decoding.lm import CachedLM
-    from decoding.sampling import Sampling
-    from decoding.sd import speculative
+    from polydraft.decoding.control import FixedK
+    from polydraft.decoding.lm import CachedLM
+    from polydraft.decoding.sampling import Sampling
+    from polydraft.decoding.sd import speculative
 
     def load(path: str) -> CachedLM:
         return CachedLM(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), profile=False)
@@ -84,8 +84,8 @@ def vllm_rows(target_dir: str, drafters: dict[str, str], prompts, max_new_tokens
     import vllm
     import vllm.v1.sample.rejection_sampler as rejection
 
-    from decoding.vllm_measure import counter_delta, spec_counters
-    from distill.vllm_backend import engine_kwargs
+    from polydraft.decoding.measurement.vllm_measure import counter_delta, spec_counters
+    from polydraft.distill.vllm_backend import engine_kwargs
 
     shipped = rejection.expand_batch_to_tokens
     kwargs = engine_kwargs(target_dir, None, "auto", False, 1, 512, 0.4, 0, 0.25)

@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from decoding.engine import Generation
-from decoding.sampling import Sampling
+from polydraft.decoding.engine import Generation
+from polydraft.decoding.sampling import Sampling
 
 
 class _CallClock:

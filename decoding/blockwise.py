@@ -30,12 +30,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from decoding.engine import Generation, Output, Round, finish, next_token
-from decoding.lattice import CandidateTree, best_path, candidate_tree, head_log_probs, rescorer
-from decoding.lm import CachedLM
-from decoding.sampling import Sampling, sample
-from decoding.sd import accept_greedy, accept_sampled
-from decoding.tree import TreeShape, check_window, draft_tree, tree_inputs, verify_rows, verify_tree
+from polydraft.decoding.engine import Generation, Output, Round, finish, next_token
+from polydraft.decoding.lattice import CandidateTree, best_path, candidate_tree, head_log_probs, rescorer
+from polydraft.decoding.lm import CachedLM
+from polydraft.decoding.sampling import Sampling, sample
+from polydraft.decoding.sd import accept_greedy, accept_sampled
+from polydraft.decoding.tree import TreeShape, check_window, draft_tree, tree_inputs, verify_rows, verify_tree
 
 
 class HeadsDraft:

@@ -22,17 +22,17 @@ import time
 import torch
 from torch import Tensor
 
-from decoding.engine import Generation, Output, Round
-from decoding.sampling import Sampling, probabilities, sample
-from decoding.sd import Controller, accept_greedy, accept_sampled
+from polydraft.decoding.engine import Generation, Output, Round
+from polydraft.decoding.sampling import Sampling, probabilities, sample
+from polydraft.decoding.sd import Controller, accept_greedy, accept_sampled
 
 
 class SelfSpeculative:
     """The target and its early-exit drafter on one cache, for one sequence at a time."""
 
     def __init__(self, target: torch.nn.Module, drafter: torch.nn.Module, profile: bool = True) -> None:
-        from models.early_exit import run_layers
-        from models.partial_load import decoder_parts
+        from polydraft.models.early_exit import run_layers
+        from polydraft.models.partial_load import decoder_parts
 
         parts = decoder_parts(target)
         self.run_layers = run_layers

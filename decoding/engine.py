@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from decoding.lm import CachedLM
-from decoding.sampling import Sampling, probabilities, sample
+from polydraft.decoding.lm import CachedLM
+from polydraft.decoding.sampling import Sampling, probabilities, sample
 
 
 @dataclass

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from decoding.sampling import Sampling, gumbel_topk, probabilities
-from decoding.tree import Rescore, Tree, extend_ancestors
+from polydraft.decoding.sampling import Sampling, gumbel_topk, probabilities
+from polydraft.decoding.tree import Rescore, Tree, extend_ancestors
 
 
 def head_log_probs(logits: Tensor, sampling: Sampling) -> Tensor:

@@ -13,10 +13,10 @@ import time
 import torch
 from torch import Tensor
 
-from decoding.engine import Generation, Output, Round, finish, next_token
-from decoding.lm import CachedLM
-from decoding.sampling import Sampling
-from decoding.tree import TreeShape, check_window, draft_tree, tree_inputs, verify_rows, verify_tree
+from polydraft.decoding.engine import Generation, Output, Round, finish, next_token
+from polydraft.decoding.lm import CachedLM
+from polydraft.decoding.sampling import Sampling
+from polydraft.decoding.tree import TreeShape, check_window, draft_tree, tree_inputs, verify_rows, verify_tree
 
 
 @torch.inference_mode()

@@ -20,10 +20,10 @@ import time
 import torch
 from torch import Tensor
 
-from decoding.control import BetaTS, CaliTS, FixedK
-from decoding.engine import Generation, Output, Round, finish
-from decoding.lm import CachedLM
-from decoding.sampling import Sampling, probabilities, sample, verify_chain
+from polydraft.decoding.control import BetaTS, CaliTS, FixedK
+from polydraft.decoding.engine import Generation, Output, Round, finish
+from polydraft.decoding.lm import CachedLM
+from polydraft.decoding.sampling import Sampling, probabilities, sample, verify_chain
 
 Controller = FixedK | BetaTS | CaliTS
 

@@ -24,8 +24,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from decoding.lm import CachedLM, additive_mask
-from decoding.sampling import Sampling, gumbel_topk, probabilities, recursive_rejection, stochastic_beam_step
+from polydraft.decoding.lm import CachedLM, additive_mask
+from polydraft.decoding.sampling import (
+    Sampling,
+    gumbel_topk,
+    probabilities,
+    recursive_rejection,
+    stochastic_beam_step,
+)
 
 
 @dataclass

@@ -14,9 +14,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from distill.mix import MixWriter, mix_pairs, mix_path
-from distill.plan import Key, record_id, sample_slots
-from distill.store import StoreError, iter_records, record_files, record_key
+from polydraft.distill.mix import MixWriter, mix_pairs, mix_path
+from polydraft.distill.plan import Key, record_id, sample_slots
+from polydraft.distill.store import StoreError, iter_records, record_files, record_key
 
 EXAMPLES = 5
 PLAN_KEYS = (

@@ -11,9 +11,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from distill.mix import MixWriter
-from distill.plan import Key, in_eval_split, record_id, shard_of
-from distill.store import iter_records
+from polydraft.distill.mix import MixWriter
+from polydraft.distill.plan import Key, in_eval_split, record_id, shard_of
+from polydraft.distill.store import iter_records
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distill.offline import offline_pairs, offline_texts
+from polydraft.distill.offline import offline_pairs, offline_texts
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from distill.plan import Emit, Fail, Generation, Request, request_seed
+from polydraft.distill.plan import Emit, Fail, Generation, Request, request_seed
 
 log = logging.getLogger(__name__)
 

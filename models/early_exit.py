@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.partial_load import (
+from polydraft.models.partial_load import (
     DecoderParts,
     TargetLayoutError,
     decoder_parts,

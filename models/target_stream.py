@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from models.early_exit import attention_masks, run_layers, target_layer_types
-from models.partial_load import decoder_parts, materialise, meta_causal_lm, open_checkpoint
+from polydraft.models.early_exit import attention_masks, run_layers, target_layer_types
+from polydraft.models.partial_load import decoder_parts, materialise, meta_causal_lm, open_checkpoint
 
 
 @torch.no_grad()

@@ -11,11 +11,11 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from pipelines.preflight import InputError, check_model_folders, check_run_dir
-from pipelines.recipe import RecipeError, dump_recipe, load_recipe
-from pipelines.stage import StageFailed
+from polydraft.pipelines.preflight import InputError, check_model_folders, check_run_dir
+from polydraft.pipelines.recipe import RecipeError, dump_recipe, load_recipe
+from polydraft.pipelines.stage import StageFailed
 
-log = logging.getLogger("pipelines.cli")
+log = logging.getLogger("polydraft.pipelines.cli")
 
 EXIT_BAD_INPUT = 2
 """A recipe, option, folder or file that is refused before (or, for data, while) work starts."""
@@ -33,8 +33,7 @@ def _setup_logging(quiet: bool, verbose: bool) -> None:
     logging.basicConfig(
         format="%(asctime)s %(levelname)-7s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.WARNING
     )
-    for name in ("pipelines", "distill", "train", "models", "decoding"):
-        logging.getLogger(name).setLevel(level)
+    logging.getLogger("polydraft").setLevel(level)
     if quiet:
         import datasets
         from transformers.utils import logging as hf_logging
@@ -100,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _study(args: argparse.Namespace) -> int:
-    from pipelines.study.run import StudyOptions, run_study
+    from polydraft.pipelines.study.run import StudyOptions, run_study
 
     report = run_study(
         StudyOptions(
@@ -147,7 +146,7 @@ def _publish_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def _publish(args: argparse.Namespace) -> int:
-    from pipelines.publish import PublishError, describe, publish
+    from polydraft.pipelines.export.publish import PublishError, describe, publish
 
     try:
         plans = publish(
@@ -173,10 +172,10 @@ def _publish(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pipelines.runner import run_pipeline, summary_table
-    from pipelines.stages import default_stages
-    from pipelines.summary import results_summary
-    from pipelines.target import resolve_target
+    from polydraft.pipelines.runner import run_pipeline, summary_table
+    from polydraft.pipelines.stages import default_stages
+    from polydraft.pipelines.summary import results_summary
+    from polydraft.pipelines.target import resolve_target
 
     recipe = load_recipe(args.recipe, args.overrides)
     run_dir = args.run_dir or Path("runs") / args.recipe.stem
@@ -221,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             print(dump_recipe(load_recipe(args.recipe, args.overrides)), end="")
             return 0
         if args.command == "bootstrap":
-            from pipelines.target import resolve_target
+            from polydraft.pipelines.target import resolve_target
 
             recipe = load_recipe(args.recipe, args.overrides)
             print(resolve_target(recipe.target, recipe.data, show_progress=not args.quiet).path)
@@ -231,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "study":
             return _study(args)
         if args.command == "merge-shards":
-            from distill.merge import MergeError, merge_shards
+            from polydraft.distill.merge import MergeError, merge_shards
 
             try:
                 summary = merge_shards(args.shards, args.out)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from models.folders import ModelFolderError, check_model_folder, is_local
-from pipelines.schema import Recipe, ResolvedTarget
+from polydraft.models.folders import ModelFolderError, check_model_folder, is_local
+from polydraft.pipelines.schema import Recipe, ResolvedTarget
 
 
 class InputError(ValueError):

@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from pipelines.schema import FieldError, Recipe
+from polydraft.pipelines.schema import FieldError, Recipe
 
 
 class RecipeError(ValueError):

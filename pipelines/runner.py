@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipelines.manifest import (
+from polydraft.pipelines.manifest import (
     MANIFEST,
     ManifestError,
     canonical_hash,
@@ -33,10 +33,10 @@ from pipelines.manifest import (
     stage_manifest,
     write_json_atomic,
 )
-from pipelines.recipe import dump_recipe
-from pipelines.schema import Recipe, ResolvedTarget
-from pipelines.stage import PROJECT_ROOT, Stage, StageContext, StageFailed
-from pipelines.tracking import start_tracking
+from polydraft.pipelines.recipe import dump_recipe
+from polydraft.pipelines.schema import Recipe, ResolvedTarget
+from polydraft.pipelines.stage import PROJECT_ROOT, Stage, StageContext, StageFailed
+from polydraft.pipelines.tracking import start_tracking
 
 log = logging.getLogger(__name__)
 

@@ -22,10 +22,17 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from pipelines.schema import LaunchConfig, LoopConfig, OptimConfig, Recipe, ResolvedTarget, TrackingConfig
-from pipelines.tracking import Tracker, start_tracking
-from train.drafter import LoopSettings
-from train.step import OptimSettings
+from polydraft.pipelines.schema import (
+    LaunchConfig,
+    LoopConfig,
+    OptimConfig,
+    Recipe,
+    ResolvedTarget,
+    TrackingConfig,
+)
+from polydraft.pipelines.tracking import Tracker, start_tracking
+from polydraft.train.drafter import LoopSettings
+from polydraft.train.step import OptimSettings
 
 log = logging.getLogger(__name__)
 
@@ -195,11 +202,7 @@ def launch_training(
     command = accelerate_command(config_file, launch.num_processes, module, [str(spec_path)])
     error_file = ctx.work_dir / TRAINING_ERROR
     error_file.unlink(missing_ok=True)
-    env = {
-        **os.environ,
-        **launch.env,
-        "PYTHONPATH": os.pathsep.join([str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
+    env = {**os.environ, **launch.env}
     if launch.cpu or not torch.cuda.is_available():
         env["ACCELERATE_USE_CPU"] = "true"
         fallback = cpu_fallback(config_file)
@@ -261,7 +264,7 @@ def training_main(
     accelerator, tracker)`, which returns the stage's metrics (see `run_training_process`)."""
     import torch
 
-    from train.runtime import make_accelerator, resolve_mixed_precision
+    from polydraft.train.runtime import make_accelerator, resolve_mixed_precision
 
     spec = StageSpec.read((argv or sys.argv[1:])[0])
     setup_process_logging(spec)

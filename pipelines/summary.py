@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from decoding.report import (
+from polydraft.decoding.measurement.report import (
     BLOCKWISE,
     VLLM_NOTES,
     domain_table,
@@ -14,8 +14,8 @@ from decoding.report import (
     speedup_table,
     table,
 )
-from decoding.results import RESULTS_FILE, read_rows
-from pipelines.export_records import INDEX_FILE, ExportIndex
+from polydraft.decoding.measurement.results import RESULTS_FILE, read_rows
+from polydraft.pipelines.export.records import INDEX_FILE, ExportIndex
 
 
 def results_summary(run_dir: Path) -> str | None:

@@ -6,8 +6,8 @@ import logging
 import os
 from pathlib import Path
 
-from pipelines.manifest import canonical_hash
-from pipelines.schema import DataConfig, ResolvedTarget, TargetConfig
+from polydraft.pipelines.manifest import canonical_hash
+from polydraft.pipelines.schema import DataConfig, ResolvedTarget, TargetConfig
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def resolve_target(target: TargetConfig, data: DataConfig, show_progress: bool =
             dtype=target.dtype,
             trust_remote_code=target.trust_remote_code,
         )
-    from train.bootstrap import DONE, build_bootstrap_target
+    from polydraft.train.bootstrap import DONE, build_bootstrap_target
 
     boot = target.bootstrap
     assert boot is not None

@@ -16,9 +16,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     """A 512-token byte-level BPE trained on the offline corpus, with the Vicuna chat template."""
-    from distill.offline import offline_texts
-    from distill.prompts import VICUNA_CHAT_TEMPLATE
-    from models.tiny import train_tokenizer
+    from polydraft.distill.offline import offline_texts
+    from polydraft.distill.prompts import VICUNA_CHAT_TEMPLATE
+    from polydraft.models.tiny import train_tokenizer
 
     texts = [row["text"] for row in offline_texts(["de", "fr"], 400, seed=0)]
     return train_tokenizer(texts, vocab_size=512, chat_template=VICUNA_CHAT_TEMPLATE)
@@ -27,7 +27,7 @@ def tiny_tokenizer():
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory, tiny_tokenizer) -> Path:
     """A random 4-layer Llama (hidden 64) saved as a Hugging Face folder with its tokenizer."""
-    from models.tiny import build_llama
+    from polydraft.models.tiny import build_llama
 
     tok = tiny_tokenizer
     model = build_llama(

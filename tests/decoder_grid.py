@@ -17,15 +17,15 @@ from collections import Counter
 
 import torch
 
-from decoding.blockwise import HeadsDraft, Rescoring, blockwise_chain, blockwise_tree
-from decoding.control import BetaTS, CaliTS, FixedK
-from decoding.eesd import self_speculative
-from decoding.lattice import CandidateTree
-from decoding.rsd import recursive_speculative
-from decoding.sampling import Sampling, probabilities
-from decoding.sd import speculative
-from decoding.tree import TreeShape
-from models.heads import Heads
+from polydraft.decoding.blockwise import HeadsDraft, Rescoring, blockwise_chain, blockwise_tree
+from polydraft.decoding.control import BetaTS, CaliTS, FixedK
+from polydraft.decoding.eesd import self_speculative
+from polydraft.decoding.lattice import CandidateTree
+from polydraft.decoding.rsd import recursive_speculative
+from polydraft.decoding.sampling import Sampling, probabilities
+from polydraft.decoding.sd import speculative
+from polydraft.decoding.tree import TreeShape
+from polydraft.models.heads import Heads
 from tests.distribution_harness import assert_follows, sample_size, target_joint
 from tests.table_lm import HIDDEN, TableLM, TableModel, TableSelfSpeculative
 
@@ -148,7 +148,7 @@ GREEDY_PROMPTS = [[0, 1], [2], [1, 1, 0, 2], [2, 0], [0]]
 
 def check_greedy(method: str, new_tokens: int = 12) -> None:
     """At temperature 0 a decoder's output is the table target's greedy output (blockwise decoders)."""
-    from decoding.engine import autoregressive
+    from polydraft.decoding.engine import autoregressive
 
     greedy, generator, target = Sampling(), torch.Generator(), TableLM(TARGET)
     accepted = 0

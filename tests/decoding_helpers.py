@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from models.tiny import build_llama
+from polydraft.models.tiny import build_llama
 
 P_VALUE_THRESHOLD = 1e-3
 """Every distribution test uses a fixed seed and passes when its chi-square p-value exceeds this (no retries)."""

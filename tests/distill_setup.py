@@ -7,10 +7,10 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from pipelines.schema import Recipe, ResolvedTarget, TrackingConfig
-from pipelines.schema.inputs import DistillInputs
-from pipelines.stage import StageContext, StageResult
-from pipelines.tracking import Tracker
+from polydraft.pipelines.schema import Recipe, ResolvedTarget, TrackingConfig
+from polydraft.pipelines.schema.inputs import DistillInputs
+from polydraft.pipelines.stage import StageContext, StageResult
+from polydraft.pipelines.tracking import Tracker
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 GERMAN = [
@@ -47,7 +47,7 @@ def make_recipe(target_dir: Path, sources: list[dict], **distill: Any) -> Recipe
 
 def run_distill(recipe: Recipe, target_dir: Path, work_dir: Path) -> StageResult:
     """The distill stage of `recipe` on `target_dir`, working in `work_dir`, as the runner runs it."""
-    from pipelines.stages.distill import run
+    from polydraft.pipelines.stages.distill import run
 
     context = StageContext(
         name="distill",

@@ -6,12 +6,12 @@ import copy
 from pathlib import Path
 from typing import Any
 
-from distill.mix import MixWriter
-from distill.offline import offline_pairs
-from distill.prompts import task_prefix, vicuna_prompt
-from pipelines.schema import Recipe, ResolvedTarget, TrackingConfig
-from pipelines.stage import StageContext, StageResult
-from pipelines.tracking import Tracker
+from polydraft.distill.mix import MixWriter
+from polydraft.distill.offline import offline_pairs
+from polydraft.distill.prompts import task_prefix, vicuna_prompt
+from polydraft.pipelines.schema import Recipe, ResolvedTarget, TrackingConfig
+from polydraft.pipelines.stage import StageContext, StageResult
+from polydraft.pipelines.tracking import Tracker
 
 TINY_DRAFTER = {"arch": "custom", "hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
 TINY_LOOP = {
@@ -115,7 +115,7 @@ def context(
 
 def stage_inputs(name: str, recipe: Recipe, target_dir: Path | str) -> Any:
     """Stage `name`'s inputs object, built as the runner builds it."""
-    from pipelines.stages import default_stages
+    from polydraft.pipelines.stages import default_stages
 
     stage = next(s for s in default_stages() if s.name == name)
     return stage.inputs(recipe, target_of(target_dir))
@@ -123,7 +123,7 @@ def stage_inputs(name: str, recipe: Recipe, target_dir: Path | str) -> Any:
 
 def run_stage(name: str, recipe: Recipe, ctx: StageContext, target_dir: Path | str) -> StageResult:
     """Run stage `name` of `recipe` as the runner would, in `ctx`."""
-    from pipelines.stages import default_stages
+    from polydraft.pipelines.stages import default_stages
 
     stage = next(s for s in default_stages() if s.name == name)
     return stage.run(stage.inputs(recipe, target_of(target_dir)), ctx)

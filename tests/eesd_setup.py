@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from models.tiny import build_llama
+from polydraft.models.tiny import build_llama
 
 
 def save_layered_target(folder: Path, tokenizer, num_layers: int = 4, scale: float = 5.0) -> Path:

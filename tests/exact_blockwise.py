@@ -31,13 +31,13 @@ import pytest
 import torch
 from torch import Tensor
 
-import decoding.blockwise
-import decoding.engine
-import decoding.lattice
-import decoding.sd
-import decoding.tree
-from decoding.lattice import rescorer
-from decoding.sampling import Sampling
+import polydraft.decoding.blockwise
+import polydraft.decoding.engine
+import polydraft.decoding.lattice
+import polydraft.decoding.sd
+import polydraft.decoding.tree
+from polydraft.decoding.lattice import rescorer
+from polydraft.decoding.sampling import Sampling
 from tests import decoder_grid
 from tests.exact_sampling import PAIRS, TOLERANCE, Explorer, Rows, V, assert_target_law, tree_law
 
@@ -47,10 +47,10 @@ class DecoderExplorer(Explorer):
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         super().__init__(monkeypatch)
-        for module in (decoding.engine, decoding.sd, decoding.blockwise):
+        for module in (polydraft.decoding.engine, polydraft.decoding.sd, polydraft.decoding.blockwise):
             monkeypatch.setattr(module, "sample", self.sample)
-        monkeypatch.setattr(decoding.lattice, "gumbel_topk", self.gumbel_topk)
-        monkeypatch.setattr(decoding.tree, "stochastic_beam_step", self.beam_of_one)
+        monkeypatch.setattr(polydraft.decoding.lattice, "gumbel_topk", self.gumbel_topk)
+        monkeypatch.setattr(polydraft.decoding.tree, "stochastic_beam_step", self.beam_of_one)
 
     def sample(self, probs: Tensor, generator) -> Tensor:
         if probs.dim() == 2:

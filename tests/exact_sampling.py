@@ -29,9 +29,9 @@ import pytest
 import torch
 from torch import Tensor
 
-import decoding.sampling as sampling_module
-from decoding.sampling import Sampling, probabilities, recursive_rejection, verify_chain
-from decoding.tree import Tree, verify_tree
+import polydraft.decoding.sampling as sampling_module
+from polydraft.decoding.sampling import Sampling, probabilities, recursive_rejection, verify_chain
+from polydraft.decoding.tree import Tree, verify_tree
 
 TOLERANCE = 1e-6
 

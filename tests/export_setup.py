@@ -1,7 +1,7 @@
 """A run whose upstream stages left real artifacts, for the export and publish tests.
 
 Tiny drafters (`models.drafters`), an early-exit head and a calibration model on the tiny target, and a
-hand-written `results.jsonl` of typed rows (`decoding.results.ResultRow`). The upstream
+hand-written `results.jsonl` of typed rows (`decoding.measurement.results.ResultRow`). The upstream
 stages are stand-ins that copy these prepared folders; the export stage itself is the real one, run by
 the real runner (`run_pipeline`), so manifests are written exactly as in a pipeline run.
 """
@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from decoding.results import ResultRow
-from pipelines.runner import run_pipeline
-from pipelines.schema import ResolvedTarget
-from pipelines.stage import Stage, StageResult
+from polydraft.decoding.measurement.results import ResultRow
+from polydraft.pipelines.runner import run_pipeline
+from polydraft.pipelines.schema import ResolvedTarget
+from polydraft.pipelines.stage import Stage, StageResult
 
 TINY = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
 DATASETS = ("de-en", "fr-en")
@@ -48,7 +48,7 @@ TRAINING = {  # what the trainers' manifests report (typed metrics, `train.resul
 def save_drafter(
     folder: Path, tokenizer: Any, vocab_size: int | None = None, seed: int = 0, shape: dict | None = None
 ) -> Path:
-    from models.drafters import build_drafter, export_drafter
+    from polydraft.models.drafters import build_drafter, export_drafter
 
     model = build_drafter(
         "custom", vocab_size or len(tokenizer), bos_token_id=tokenizer.bos_token_id,
@@ -60,7 +60,7 @@ def save_drafter(
 def save_head(folder: Path, target_dir: Path) -> Path:
     from transformers import AutoModelForCausalLM
 
-    from models.early_exit import from_target, save_exit_head
+    from polydraft.models.early_exit import from_target, save_exit_head
 
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     head = from_target(target, 2, 1)
@@ -70,7 +70,7 @@ def save_head(folder: Path, target_dir: Path) -> Path:
 
 def save_calibration(folder: Path, drafter: Path, draft_hidden: int) -> Path:
     """A calibration model for the drafter in `drafter` (named by its local path, as the calibrate stage does)."""
-    from models.calibration import CalibrationModel
+    from polydraft.models.calibration import CalibrationModel
 
     model = CalibrationModel(64, draft_hidden, 10)
     head = str(drafter)
@@ -211,7 +211,7 @@ def export_stages(templates: Path, real_measure: bool = False) -> list[Stage]:
     """Stand-ins for the upstream stages (copying the templates) and the real export stage; with
     `real_measure`, the real measure stage measures the stand-ins' drafters instead of the
     hand-written rows."""
-    from pipelines.stages import default_stages
+    from polydraft.pipelines.stages import default_stages
 
     real = {s.name: s for s in default_stages()}
 

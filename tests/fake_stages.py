@@ -7,11 +7,11 @@ import os
 import time
 from pathlib import Path
 
-from pipelines.recipe import load_recipe
-from pipelines.runner import StageOutcome, reuse_outputs, run_pipeline
-from pipelines.schema import ResolvedTarget
-from pipelines.stage import Stage, StageFailed, StageResult
-from pipelines.stages import default_stages
+from polydraft.pipelines.recipe import load_recipe
+from polydraft.pipelines.runner import StageOutcome, reuse_outputs, run_pipeline
+from polydraft.pipelines.schema import ResolvedTarget
+from polydraft.pipelines.stage import Stage, StageFailed, StageResult
+from polydraft.pipelines.stages import default_stages
 
 
 def _make(name: str):

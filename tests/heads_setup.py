@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from models.heads import Heads, heads_for_target
+from polydraft.models.heads import Heads, heads_for_target
 
 
 def fit_heads(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipelines.schema import DataConfig, MeasureConfig, Recipe, SourceConfig, TargetConfig
-from pipelines.stage import StageContext, StageResult
+from polydraft.pipelines.schema import DataConfig, MeasureConfig, Recipe, SourceConfig, TargetConfig
+from polydraft.pipelines.stage import StageContext, StageResult
 from tests.drafter_setup import context, run_stage
 
 PAIRS = ["de-en", "fr-en"]

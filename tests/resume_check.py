@@ -22,16 +22,16 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from pipelines.stage import (
+from polydraft.pipelines.stage import (
     PROJECT_ROOT,
     StageContext,
     accelerate_command,
     resolve_accelerate_config,
     spec_for,
 )
+from polydraft.train.checkpoint import list_checkpoints, read_state
+from polydraft.train.steplog import read_log
 from tests.drafter_setup import run_stage, stage_inputs
-from train.checkpoint import list_checkpoints, read_state
-from train.steplog import read_log
 
 MARK = "before_kill"
 
@@ -76,7 +76,7 @@ def killed_then_resumed(
     inputs = stage_inputs(name, recipe, target_dir)
     spec = spec_for(inputs, ctx).write(ctx.work_dir / "spec.json")
     config = resolve_accelerate_config(recipe.launch.accelerate_config)
-    command = accelerate_command(config, None, f"pipelines.stages.{name}", [str(spec)])
+    command = accelerate_command(config, None, f"polydraft.pipelines.stages.{name}", [str(spec)])
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "ACCELERATE_USE_CPU": "true"}
     step = kill_after_checkpoint(command, env, checkpoints, log_path)
     checkpoint = list_checkpoints(checkpoints)[-1]

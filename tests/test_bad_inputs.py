@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from distill.sources import SourceError, read_source
-from models.folders import ModelFolderError, check_model_folder, is_local
-from pipelines.cli import main
-from pipelines.recipe import RecipeError, load_recipe
+from polydraft.distill.sources import SourceError, read_source
+from polydraft.models.folders import ModelFolderError, check_model_folder, is_local
+from polydraft.pipelines.cli import main
+from polydraft.pipelines.recipe import RecipeError, load_recipe
 
 BASE = """
 target:
@@ -200,12 +200,12 @@ def test_cli_refuses_bad_folders_before_any_stage(tmp_path, capsys):
 
 
 def test_an_unexpected_error_exits_3_with_the_traceback_in_a_file(tmp_path, capsys, monkeypatch):
-    import pipelines.runner
+    import polydraft.pipelines.runner
 
     def broken(*args, **kwargs):
         raise ZeroDivisionError("planted")
 
-    monkeypatch.setattr(pipelines.runner, "run_pipeline", broken)
+    monkeypatch.setattr(polydraft.pipelines.runner, "run_pipeline", broken)
     good = model_folder(tmp_path / "good")
     path = write(tmp_path / "r.yaml", BASE)
     assert main(["run", str(path), f"target.path={good}", "--run-dir", str(tmp_path / "run")]) == 3
@@ -266,7 +266,7 @@ def test_merge_shards_on_a_folder_that_is_not_a_shard_exits_2(tmp_path, capsys):
 
 
 def test_a_distill_source_that_yields_no_prompt_fails_before_generating(tmp_path, tiny_target_dir):
-    from pipelines.stage import StageFailed
+    from polydraft.pipelines.stage import StageFailed
     from tests.distill_setup import local_source, make_recipe, run_distill, write_jsonl
 
     data = write_jsonl(tmp_path / "data" / "empty.jsonl", [{"de": "", "en": "x"}, {"de": " ", "en": "y"}])
@@ -277,7 +277,7 @@ def test_a_distill_source_that_yields_no_prompt_fails_before_generating(tmp_path
 
 
 def test_a_mix_without_a_distilled_row_is_refused_for_finetuning(tmp_path):
-    from distill.mix import mix_path, read_mix
+    from polydraft.distill.mix import mix_path, read_mix
     from tests.distill_setup import write_jsonl
 
     row = {"pair": "de-en", "prompt": "p", "response": "r", "sample_index": 0}

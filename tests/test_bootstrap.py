@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from train import bootstrap
+from polydraft.train import bootstrap
 
 SETTINGS = dict(
     pairs=["de-en"], vocab_size=300, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,

@@ -4,12 +4,12 @@ not trained again (tests/resume_check.py)."""
 
 from __future__ import annotations
 
-from models.calibration import WEIGHTS_FILE
-from models.early_exit import build_early_exit, save_exit_head
+from polydraft.models.calibration import WEIGHTS_FILE
+from polydraft.models.early_exit import build_early_exit, save_exit_head
+from polydraft.train.calibrate import REPORT_FILE
 from tests.drafter_setup import context, run_stage, tiny_recipe, write_tiny_mix
 from tests.eesd_setup import save_layered_target
 from tests.resume_check import assert_resumed, assert_same_weights, killed_then_resumed
-from train.calibrate import REPORT_FILE
 
 STEPS = 60  # the kill comes after step 7: a wide margin, as calibration steps take milliseconds
 

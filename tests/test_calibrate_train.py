@@ -7,14 +7,12 @@ import json
 import pytest
 import torch
 
-from models.calibration import CalibrationModel
-from models.early_exit import build_early_exit, save_exit_head
-from pipelines.stage import StageFailed, optim_settings, spec_for
-from pipelines.stages.calibrate import calibrate
-from pipelines.tracking import Tracker
-from tests.drafter_setup import context, run_stage, stage_inputs, tiny_recipe, write_tiny_mix
-from tests.eesd_setup import save_layered_target
-from train.calibrate import (
+from polydraft.models.calibration import CalibrationModel
+from polydraft.models.early_exit import build_early_exit, save_exit_head
+from polydraft.pipelines.stage import StageFailed, optim_settings, spec_for
+from polydraft.pipelines.stages.calibrate import calibrate
+from polydraft.pipelines.tracking import Tracker
+from polydraft.train.calibrate import (
     REPORT_FILE,
     build_labels,
     fit,
@@ -23,8 +21,10 @@ from train.calibrate import (
     label_position,
     sample_positions,
 )
-from train.losses import IGNORE_INDEX
-from train.runtime import make_accelerator
+from polydraft.train.losses import IGNORE_INDEX
+from polydraft.train.runtime import make_accelerator
+from tests.drafter_setup import context, run_stage, stage_inputs, tiny_recipe, write_tiny_mix
+from tests.eesd_setup import save_layered_target
 
 VOCAB = 10
 
@@ -115,7 +115,7 @@ def layered_dir(tmp_path_factory, tiny_tokenizer):
 def test_real_drafter_labels_match_uncached_greedy_decoding(layered_dir):
     from transformers import AutoModelForCausalLM
 
-    from models.early_exit import from_target
+    from polydraft.models.early_exit import from_target
 
     target = AutoModelForCausalLM.from_pretrained(layered_dir).eval()
     drafter = from_target(target, 2)
@@ -136,7 +136,7 @@ def test_real_drafter_labels_match_uncached_greedy_decoding(layered_dir):
 
 
 def test_calibrate_stage_for_the_head_and_a_finetuned_drafter(tmp_path, layered_dir, tiny_tokenizer):
-    from models.tiny import build_llama
+    from polydraft.models.tiny import build_llama
 
     distill = write_tiny_mix(tmp_path / "distill", ["de-en"], train_rows=12, eval_rows=6)
     head_stage = tmp_path / "early_exit"

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from models.calibration import CalibrationModel, acceptance_labels, calibration_metrics
+from polydraft.models.calibration import CalibrationModel, acceptance_labels, calibration_metrics
 
 
 @pytest.mark.parametrize(

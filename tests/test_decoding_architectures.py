@@ -15,13 +15,13 @@ from transformers import (
     MistralForCausalLM,
 )
 
-from decoding.control import FixedK
-from decoding.engine import autoregressive
-from decoding.lm import CachedLM
-from decoding.rsd import recursive_speculative
-from decoding.sampling import Sampling
-from decoding.sd import speculative
-from decoding.tree import TreeShape
+from polydraft.decoding.control import FixedK
+from polydraft.decoding.engine import autoregressive
+from polydraft.decoding.lm import CachedLM
+from polydraft.decoding.rsd import recursive_speculative
+from polydraft.decoding.sampling import Sampling
+from polydraft.decoding.sd import speculative
+from polydraft.decoding.tree import TreeShape
 from tests.decoding_helpers import single_thread_fixture, spread
 
 single_thread = single_thread_fixture()

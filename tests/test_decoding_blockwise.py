@@ -21,13 +21,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoding.blockwise import HeadsDraft, Rescoring, blockwise_chain, blockwise_tree
-from decoding.engine import Generation, autoregressive
-from decoding.lattice import CandidateTree
-from decoding.lm import CachedLM
-from decoding.sampling import Sampling, probabilities, sample, verify_chain
-from models.heads import heads_for_target
-from models.tiny import build_llama
+from polydraft.decoding.blockwise import HeadsDraft, Rescoring, blockwise_chain, blockwise_tree
+from polydraft.decoding.engine import Generation, autoregressive
+from polydraft.decoding.lattice import CandidateTree
+from polydraft.decoding.lm import CachedLM
+from polydraft.decoding.sampling import Sampling, probabilities, sample, verify_chain
+from polydraft.models.heads import heads_for_target
+from polydraft.models.tiny import build_llama
 from tests.decoding_helpers import (
     P_VALUE_THRESHOLD,
     chi_square_pvalue,
@@ -197,8 +197,8 @@ def test_bpd_verifies_against_the_rows_its_drafts_were_drawn_from(sampled_setup,
     """Exact, where the chi-square test has little power: every row handed to `verify_chain` is the row
     the draft was sampled from, for bpd (a temperature mismatch between the two moves the output law by a
     chi-square divergence of about 0.01, below what 1500 samples detect)."""
-    import decoding.blockwise as blockwise
-    import decoding.sd as sd
+    import polydraft.decoding.blockwise as blockwise
+    import polydraft.decoding.sd as sd
 
     target_model, _, heads_models = sampled_setup
     drawn, verified = [], []

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from decoding.control import BetaTS, CaliTS, FixedK, chi_counts
+from polydraft.decoding.control import BetaTS, CaliTS, FixedK, chi_counts
 
 # (drafted K, accepted A) per round
 ROUNDS = [(4, 4), (4, 1), (3, 0), (1, 0), (5, 4), (2, 2)]

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoding.control import BetaTS, CaliTS, FixedK
-from decoding.eesd import SelfSpeculative, self_speculative
-from decoding.engine import autoregressive
-from decoding.lm import CachedLM
-from decoding.sampling import Sampling
-from models.early_exit import from_target
+from polydraft.decoding.control import BetaTS, CaliTS, FixedK
+from polydraft.decoding.eesd import SelfSpeculative, self_speculative
+from polydraft.decoding.engine import autoregressive
+from polydraft.decoding.lm import CachedLM
+from polydraft.decoding.sampling import Sampling
+from polydraft.models.early_exit import from_target
 from tests.decoding_helpers import (
     single_thread_fixture,
     tiny_pair,
@@ -91,9 +91,9 @@ def test_shared_layers_run_once_per_position(target):
 def test_measure_runs_eesd_and_cali_ts_from_upstream_folders(tmp_path, tiny_target_dir, tiny_target):
     """The measure stage finds the early-exit head and the calibration models the upstream stages
     wrote, measures `eesd` with fixed K and Cali-TS, and leaves Cali-TS out for a drafter without one."""
-    from decoding.results import RESULTS_FILE, read_rows
-    from models.calibration import CalibrationModel
-    from models.early_exit import save_exit_head
+    from polydraft.decoding.measurement.results import RESULTS_FILE, read_rows
+    from polydraft.models.calibration import CalibrationModel
+    from polydraft.models.early_exit import save_exit_head
     from tests.measure_setup import measure_context, measure_recipe, run_measure
 
     hidden = tiny_target.config.hidden_size

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoding.sampling import gumbel_topk, probabilities
+from polydraft.decoding.sampling import gumbel_topk, probabilities
 from tests.decoding_helpers import single_thread_fixture
 from tests.exact_blockwise import check_blockwise, check_rescored_tree
 from tests.exact_sampling import (
@@ -51,7 +51,7 @@ def test_gumbel_top_k_takes_the_top_k_of_the_perturbed_log_probabilities(monkeyp
     """With the noise supplied, the children are the k largest of log p + g, in decreasing order, and the
     draws past the support are marked invalid: the Gumbel-top-k trick that makes them a draw without
     replacement in order (the noise itself: test_decoding_sampling.py)."""
-    import decoding.sampling as sampling_module
+    import polydraft.decoding.sampling as sampling_module
 
     log_p = probabilities(torch.randn(5, 6, generator=torch.Generator().manual_seed(0)), TOP_K).log()
     noise = torch.randn(5, 6, generator=torch.Generator().manual_seed(1))

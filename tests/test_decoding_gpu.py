@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoding.assisted import assisted
-from decoding.control import BetaTS, FixedK
-from decoding.engine import autoregressive
-from decoding.lm import CachedLM
-from decoding.rsd import recursive_speculative
-from decoding.sampling import Sampling
-from decoding.sd import speculative
-from decoding.tree import TreeShape
+from polydraft.decoding.assisted import assisted
+from polydraft.decoding.control import BetaTS, FixedK
+from polydraft.decoding.engine import autoregressive
+from polydraft.decoding.lm import CachedLM
+from polydraft.decoding.rsd import recursive_speculative
+from polydraft.decoding.sampling import Sampling
+from polydraft.decoding.sd import speculative
+from polydraft.decoding.tree import TreeShape
 from tests.decoding_helpers import tiny_pair
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -1,12 +1,13 @@
-"""Forward latencies and the ideal speedup they imply (`decoding.latency`)."""
+"""Forward latencies and the ideal speedup they imply (`decoding.measurement.latency`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from decoding.engine import Generation, Round
-from decoding.latency import (
+from polydraft.decoding.engine import Generation, Round
+from polydraft.decoding.lm import CachedLM
+from polydraft.decoding.measurement.latency import (
     ChainRounds,
     Latencies,
     ar_cost,
@@ -18,9 +19,8 @@ from decoding.latency import (
     self_speculative_latencies,
     tree_cost,
 )
-from decoding.lm import CachedLM
-from decoding.tree import TreeShape
-from models.tiny import build_llama
+from polydraft.decoding.tree import TreeShape
+from polydraft.models.tiny import build_llama
 from tests.decoding_helpers import single_thread_fixture
 
 single_thread = single_thread_fixture()
@@ -92,8 +92,8 @@ def test_lm_latencies_time_each_size_from_the_same_cached_context(tiny_lm, monke
 
 
 def test_run_latencies_cover_every_round_the_decoders_can_make(tiny_lm):
-    from decoding.eesd import SelfSpeculative
-    from models.early_exit import from_target
+    from polydraft.decoding.eesd import SelfSpeculative
+    from polydraft.models.early_exit import from_target
 
     target = build_llama(64, 32, 4, 4, 64, seed=2)
     eesd = SelfSpeculative(target, from_target(target, 2, 1))
@@ -123,8 +123,8 @@ def record_forward_calls(monkeypatch, **lms: CachedLM) -> list[tuple[str, int, i
 
 
 def test_run_latencies_prefill_each_model_once_then_interleave_every_probe_per_repeat(tiny_lm, monkeypatch):
-    from decoding.eesd import SelfSpeculative
-    from models.early_exit import from_target
+    from polydraft.decoding.eesd import SelfSpeculative
+    from polydraft.models.early_exit import from_target
 
     target = CachedLM(build_llama(64, 32, 3, 4, 64, seed=3))
     eesd = SelfSpeculative(
@@ -152,8 +152,8 @@ def test_run_latencies_prefill_each_model_once_then_interleave_every_probe_per_r
 
 
 def test_self_speculative_latencies_restore_every_slot_group():
-    from decoding.eesd import SelfSpeculative
-    from models.early_exit import from_target
+    from polydraft.decoding.eesd import SelfSpeculative
+    from polydraft.models.early_exit import from_target
 
     target = build_llama(64, 32, 4, 4, 64, seed=2)
     model = SelfSpeculative(target, from_target(target, 2, 1))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoding.lattice import (
+from polydraft.decoding.lattice import (
     CandidateTree,
     best_path,
     candidate_tree,
@@ -19,10 +19,10 @@ from decoding.lattice import (
     head_log_probs,
     rescorer,
 )
-from decoding.lm import CachedLM
-from decoding.sampling import Sampling
-from decoding.tree import Tree, TreeShape, draft_tree
-from models.tiny import build_llama
+from polydraft.decoding.lm import CachedLM
+from polydraft.decoding.sampling import Sampling
+from polydraft.decoding.tree import Tree, TreeShape, draft_tree
+from polydraft.models.tiny import build_llama
 from tests.decoding_helpers import P_VALUE_THRESHOLD, chi_square_pvalue, single_thread_fixture, spread
 
 single_thread = single_thread_fixture()

@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoding.control import BetaTS, CaliTS, FixedK
-from decoding.engine import Generation, autoregressive
-from decoding.lm import CachedLM
-from decoding.rsd import recursive_speculative
-from decoding.sampling import Sampling, probabilities
-from decoding.sd import speculative
-from decoding.tree import TreeShape, draft_tree, tree_attention
+from polydraft.decoding.control import BetaTS, CaliTS, FixedK
+from polydraft.decoding.engine import Generation, autoregressive
+from polydraft.decoding.lm import CachedLM
+from polydraft.decoding.rsd import recursive_speculative
+from polydraft.decoding.sampling import Sampling, probabilities
+from polydraft.decoding.sd import speculative
+from polydraft.decoding.tree import TreeShape, draft_tree, tree_attention
 from tests.decoding_helpers import single_thread_fixture, tiny_pair
 
 single_thread = single_thread_fixture()

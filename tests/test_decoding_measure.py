@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from decoding.results import RESULTS_FILE, read_rows
-from models.tiny import build_llama
-from pipelines.schema import DataConfig, MeasureConfig, SourceConfig
-from pipelines.stage import StageFailed
+from polydraft.decoding.measurement.results import RESULTS_FILE, read_rows
+from polydraft.models.tiny import build_llama
+from polydraft.pipelines.schema import DataConfig, MeasureConfig, SourceConfig
+from polydraft.pipelines.stage import StageFailed
 from tests.decoding_helpers import single_thread_fixture
 from tests.measure_setup import PAIRS, measure_context, measure_recipe, run_measure
 
@@ -137,9 +137,9 @@ def test_measure_config_errors():
 
 def test_eval_prompts_are_built_like_distill_prompts(tmp_path, tiny_tokenizer):
     """Chat rows give their first user turn in the Vicuna format; over-long prompts are skipped, counted."""
-    from distill.prompts import build_prompt, encode_prompt
-    from pipelines.schema.inputs import EvalPrompts
-    from pipelines.stages.measure import eval_sets_of
+    from polydraft.distill.prompts import build_prompt, encode_prompt
+    from polydraft.pipelines.schema.inputs import EvalPrompts
+    from polydraft.pipelines.stages.measure import eval_sets_of
 
     rows = [
         {"conversations": [{"from": "human", "value": "Hello there"}, {"from": "gpt", "value": "Hi"}]},
@@ -183,8 +183,8 @@ def test_measure_names_the_decoder_a_target_cannot_run(tmp_path, tiny_tokenizer)
 
 
 def test_disjoint_prompts_give_each_seed_its_own_prompts(tmp_path, tiny_target_dir, monkeypatch):
-    import pipelines.stages.measure as stage
-    from decoding.inputs import repetition_prompts
+    import polydraft.pipelines.stages.measure as stage
+    from polydraft.decoding.measurement.inputs import repetition_prompts
 
     decoded = []
     group = stage.measure_group

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from decoding.engine import Generation, Round
-from decoding.metrics import mean_std, summarize
+from polydraft.decoding.engine import Generation, Round
+from polydraft.decoding.measurement.metrics import mean_std, summarize
 
 
 def trace() -> list[Generation]:

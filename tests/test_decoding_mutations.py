@@ -33,22 +33,22 @@ from collections.abc import Callable
 import pytest
 import torch
 
-import decoding.blockwise
-import decoding.eesd
-import decoding.lattice
-import decoding.rsd
-import decoding.sampling
-import decoding.sd
-import decoding.tree
-from decoding.control import FixedK
-from decoding.eesd import SelfSpeculative, self_speculative
-from decoding.engine import autoregressive
-from decoding.lm import CachedLM
-from decoding.rsd import recursive_speculative
-from decoding.sampling import Sampling
-from decoding.sd import speculative
-from decoding.tree import TreeShape
-from models.early_exit import from_target
+import polydraft.decoding.blockwise
+import polydraft.decoding.eesd
+import polydraft.decoding.lattice
+import polydraft.decoding.rsd
+import polydraft.decoding.sampling
+import polydraft.decoding.sd
+import polydraft.decoding.tree
+from polydraft.decoding.control import FixedK
+from polydraft.decoding.eesd import SelfSpeculative, self_speculative
+from polydraft.decoding.engine import autoregressive
+from polydraft.decoding.lm import CachedLM
+from polydraft.decoding.rsd import recursive_speculative
+from polydraft.decoding.sampling import Sampling
+from polydraft.decoding.sd import speculative
+from polydraft.decoding.tree import TreeShape
+from polydraft.models.early_exit import from_target
 from tests import decoder_grid
 from tests.decoding_helpers import single_thread_fixture, tiny_pair
 from tests.exact_blockwise import check_blockwise, check_rescored_tree
@@ -100,7 +100,7 @@ def check_greedy(models, decoder: str) -> None:
         assert got.tokens == expected, (decoder, prompt.tolist())
 
 
-SAMPLING = decoding.sampling
+SAMPLING = polydraft.decoding.sampling
 VARIANTS: dict[str, tuple[object, str, str, str, list[str]]] = {
     "residual not renormalised": (
         SAMPLING, "residual", "diff / total.clamp(min=torch.finfo(diff.dtype).tiny)", "diff",
@@ -126,43 +126,43 @@ VARIANTS: dict[str, tuple[object, str, str, str, list[str]]] = {
         SAMPLING, "verify_chain", "if u * p >= q:", "if u * q >= p:", ["chain:1:top-k", "chain:3:mixed"],
     ),
     "tree verified against the root's draft row": (
-        decoding.tree, "verify_tree", "p = draft_probs[node + 1] if kids else q", "p = draft_probs[0] if kids else q",
+        polydraft.decoding.tree, "verify_tree", "p = draft_probs[node + 1] if kids else q", "p = draft_probs[0] if kids else q",
         ["tree:rsd_c-332:top-k"],
     ),
     "sd draft probabilities taken before top-k/top-p": (
-        decoding.sd, "speculative", "draft_probs.append(p)",
+        polydraft.decoding.sd, "speculative", "draft_probs.append(p)",
         "draft_probs.append(probabilities(logits[-1], Sampling(sampling.temperature)))",
         ["grid:sd-fixed:T1-topk2"],
     ),
     "eesd draft probabilities taken before top-k/top-p": (
-        decoding.eesd, "self_speculative", "draft_probs.append(p)",
+        polydraft.decoding.eesd, "self_speculative", "draft_probs.append(p)",
         "draft_probs.append(probabilities(logits, Sampling(sampling.temperature)))",
         ["grid:eesd-beta_ts:T0.7-topp0.8"],
     ),
     "tree draft probabilities taken before top-k/top-p": (
-        decoding.tree, "_log_dist", "return probs.log(), probs",
+        polydraft.decoding.tree, "_log_dist", "return probs.log(), probs",
         "return probs.log(), probabilities(logits, Sampling(sampling.temperature))",
         ["grid:rsd_s:T1-topk2"],
     ),
     "wrong tree-mask row (a child copies the row of the node before its parent)": (
-        decoding.tree, "extend_ancestors", "ancestors[parents.clamp(min=0)]",
+        polydraft.decoding.tree, "extend_ancestors", "ancestors[parents.clamp(min=0)]",
         "ancestors[(parents - 1).clamp(min=0)]", ["greedy:rsd", "grid:rsd_s:T1-topp0.8"],
     ),
     "wrong tree position ids (depth + n)": (
-        decoding.tree, "tree_inputs", "torch.tensor(tree.depths, device=device) + (length - 1)",
+        polydraft.decoding.tree, "tree_inputs", "torch.tensor(tree.depths, device=device) + (length - 1)",
         "torch.tensor(tree.depths, device=device) + length", ["greedy:rsd", "grid:rsd_c:T0.7-topk2"],
     ),
     "sd target cache not cropped after a rejection": (
-        decoding.sd, "speculative", "target.crop(n + accepted)", "target.crop(n + k)",
+        polydraft.decoding.sd, "speculative", "target.crop(n + accepted)", "target.crop(n + k)",
         ["greedy:sd", "grid:sd-cali_ts:T0.7-topp0.8"],
     ),
     "eesd cache not cropped after a rejection": (
-        decoding.eesd, "self_speculative", "model.crop(n + accepted, exit_length)",
+        polydraft.decoding.eesd, "self_speculative", "model.crop(n + accepted, exit_length)",
         "model.crop(n + k, exit_length)",
         ["greedy:eesd", "grid:eesd-fixed:T1-topk2"],
     ),
     "tree cache keeps the first nodes, not the accepted path": (
-        decoding.rsd, "recursive_speculative", "target.keep(n, path)", "target.crop(n + len(path))",
+        polydraft.decoding.rsd, "recursive_speculative", "target.keep(n, path)", "target.crop(n + len(path))",
         ["greedy:rsd", "grid:rsd_s:T0.7-topk2"],
     ),
     "Gumbel-top-k children in increasing order": (
@@ -171,26 +171,26 @@ VARIANTS: dict[str, tuple[object, str, str, str, list[str]]] = {
     ),
     # the blockwise decoders (seed 000) and the rescored lattice
     "bpd+rescore verified against the heads' rows, not the rescored rows its path was drawn from": (
-        decoding.blockwise, "blockwise_chain",
+        polydraft.decoding.blockwise, "blockwise_chain",
         "draft_probs = dists[torch.tensor([0] + [node + 1 for node in path[:-1]], device=dists.device)]",
         "draft_probs = head_logp[:k].exp()", ["exact:bpd+rescore:T1-topp0.8", "grid:bpd+rescore:T1-topk2"],
     ),
     "medusa children verified against the row of the head before theirs": (
-        decoding.lattice, "candidate_tree", "rows = torch.tensor([0, *depths], device=device)",
+        polydraft.decoding.lattice, "candidate_tree", "rows = torch.tensor([0, *depths], device=device)",
         "rows = torch.tensor([0, *[d - 1 for d in depths]], device=device)",
         ["exact:medusa:T0.7-topk2", "grid:medusa:T1-topk2"],
     ),
     "wrong tree mask for the medusa tree (a node does not see its ancestors)": (
-        decoding.lattice, "candidate_tree", "torch.tensor(parents[start:], dtype=torch.long, device=device)",
+        polydraft.decoding.lattice, "candidate_tree", "torch.tensor(parents[start:], dtype=torch.long, device=device)",
         "torch.full((len(parents) - start,), -1, dtype=torch.long, device=device)",
         ["greedy-table:medusa", "exact:medusa:T1-topp0.8"],
     ),
     "rescored lattice rows not renormalised over the top k": (
-        decoding.lattice, "rescorer", "out[:, tokens] = torch.log_softmax(mixed, dim=-1)",
+        polydraft.decoding.lattice, "rescorer", "out[:, tokens] = torch.log_softmax(mixed, dim=-1)",
         "out[:, tokens] = mixed", ["exact:bpd+rescore:T0.7-topk2", "tree-rescored:top-k"],
     ),
     "medusa cache keeps the first nodes, not the accepted path": (
-        decoding.blockwise, "blockwise_tree", "target.keep(n, path)", "target.crop(n + len(path))",
+        polydraft.decoding.blockwise, "blockwise_tree", "target.keep(n, path)", "target.crop(n + len(path))",
         ["greedy-table:medusa", "grid:medusa:T0.7-topp0.8"],
     ),
 }  # fmt: skip

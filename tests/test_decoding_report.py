@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import math
 
-from decoding.report import domain_table, pooled_std, repetitions, rescoring_table, speedup_table, table
-from decoding.results import ResultRow
+from polydraft.decoding.measurement.report import (
+    domain_table,
+    pooled_std,
+    repetitions,
+    rescoring_table,
+    speedup_table,
+    table,
+)
+from polydraft.decoding.measurement.results import ResultRow
 
 CONTEXT = {"target": "t", "device": "cpu", "hardware": "cpu", "date": "d", "torch": "2", "transformers": "4"}
 METRICS = {

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoding.sampling import (
+from polydraft.decoding.sampling import (
     Sampling,
     gumbel_topk,
     probabilities,

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from decoding.lm import additive_mask
-from decoding.tree import Tree, TreeShape, extend_ancestors, tree_attention
+from polydraft.decoding.lm import additive_mask
+from polydraft.decoding.tree import Tree, TreeShape, extend_ancestors, tree_attention
 
 
 def random_tree(rng: random.Random, levels: int) -> Tree:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from distill.openai_backend import (
+from polydraft.distill.openai_backend import (
     PATHS,
     REQUEST_OPTIONS,
     MalformedAnswer,
@@ -27,9 +27,9 @@ from distill.openai_backend import (
     retry_after,
     retryable,
 )
-from distill.plan import PromptItem, Request
-from distill.store import iter_records, record_key
-from pipelines.stage import StageFailed
+from polydraft.distill.plan import PromptItem, Request
+from polydraft.distill.store import iter_records, record_key
+from polydraft.pipelines.stage import StageFailed
 from tests.distill_setup import free_port, local_source, make_recipe, run_distill, translation_file
 
 SECRET = "sk-polydraft-test-secret-0123456789"
@@ -98,7 +98,7 @@ def openai_recipe(model: Path, data: Path, temperatures: tuple[float, ...] = (0.
 def test_transformers_serve_two_temperatures_two_samples(tmp_path, served_model, monkeypatch, caplog):
     from transformers import AutoTokenizer
 
-    from distill.prompts import encode_prompt
+    from polydraft.distill.prompts import encode_prompt
 
     model, base_url = served_model
     monkeypatch.setenv("POLYDRAFT_TEST_KEY", SECRET)
@@ -136,7 +136,7 @@ def test_transformers_serve_two_temperatures_two_samples(tmp_path, served_model,
 def test_chat_endpoint_records_the_template_the_server_applies(tmp_path, served_model):
     from transformers import AutoTokenizer
 
-    from distill.prompts import encode_prompt
+    from polydraft.distill.prompts import encode_prompt
 
     model, base_url = served_model
     data = translation_file(tmp_path, 2)
@@ -212,7 +212,7 @@ def _request(temperature: float, indices: list[int]) -> Request:
 
 
 def test_request_building_and_answer_parsing():
-    from distill.openai_backend import ServerSettings
+    from polydraft.distill.openai_backend import ServerSettings
 
     settings = ServerSettings(["u"], "m", "completions", SECRET, 1, 1.0, 0, 0.0, 0.0, 1, True)
     body = request_body(
@@ -258,7 +258,7 @@ def test_the_request_sent_is_the_one_create_sends(endpoint):
     import httpx2
     import openai
 
-    from distill.openai_backend import ServerSettings
+    from polydraft.distill.openai_backend import ServerSettings
 
     answer = {"id": "x", "object": "text_completion", "created": 0, "model": "m", "choices": []}
     sent: list[httpx2.Request] = []

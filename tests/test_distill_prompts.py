@@ -5,9 +5,15 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from distill.plan import in_eval_split, sample_slots, shard_of
-from distill.prompts import build_prompt, chat_turns, encode_prompt, translation_messages, vicuna_prompt
-from pipelines.schema import DistillConfig
+from polydraft.distill.plan import in_eval_split, sample_slots, shard_of
+from polydraft.distill.prompts import (
+    build_prompt,
+    chat_turns,
+    encode_prompt,
+    translation_messages,
+    vicuna_prompt,
+)
+from polydraft.pipelines.schema import DistillConfig
 
 
 def test_translation_prompt_is_the_seed_003_format():

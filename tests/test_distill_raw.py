@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from distill.mix import read_mix
-from distill.plan import open_rows, prompt_items
-from distill.prompts import VICUNA_SYSTEM, build_prompt, encode_prompt, text_prefix
-from distill.sources import SourceRows
-from distill.store import iter_records
-from pipelines.recipe import RecipeError, load_recipe
-from pipelines.stage import PROJECT_ROOT
+from polydraft.distill.mix import read_mix
+from polydraft.distill.plan import open_rows, prompt_items
+from polydraft.distill.prompts import VICUNA_SYSTEM, build_prompt, encode_prompt, text_prefix
+from polydraft.distill.sources import SourceRows
+from polydraft.distill.store import iter_records
+from polydraft.pipelines.recipe import RecipeError, load_recipe
+from polydraft.pipelines.stage import PROJECT_ROOT
+from polydraft.train.data import encode_rows, encode_texts
+from polydraft.train.losses import IGNORE_INDEX
 from tests.distill_setup import make_recipe, run_distill, write_jsonl
-from train.data import encode_rows, encode_texts
-from train.losses import IGNORE_INDEX
 
 DOCUMENTS = [
     "Der Bahnhof liegt am Rande der Stadt, und der Zug nach Berlin fährt jede Stunde ab.",
@@ -154,9 +154,9 @@ def test_raw_with_translation_or_chat_sources_is_a_clear_error(tmp_path):
 
 
 def test_measure_builds_raw_prompts_from_text_and_prompt_sources(tmp_path, tiny_tokenizer):
-    from pipelines.schema import Recipe
-    from pipelines.schema.inputs import EvalPrompts
-    from pipelines.stages.measure import eval_sets_of
+    from polydraft.pipelines.schema import Recipe
+    from polydraft.pipelines.schema.inputs import EvalPrompts
+    from polydraft.pipelines.stages.measure import eval_sets_of
 
     texts = write_jsonl(tmp_path / "eval_texts.jsonl", [{"text": DOCUMENTS[0]}])
     questions = write_jsonl(tmp_path / "eval_q.jsonl", [{"question": "How many trains leave?"}])
@@ -208,7 +208,7 @@ def test_hf_answer_text_keeps_the_space_a_sentencepiece_decode_drops():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from distill.hf_backend import answer_text
+    from polydraft.distill.hf_backend import answer_text
 
     # Llama's tokenizer marks a word start with `▁` and drops it on the first token it decodes
     words = ["<unk>", "▁The", "▁cat", "▁sat", "▁on", "▁the", "▁mat"]

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from distill.mix import read_mix
-from distill.plan import record_id
-from distill.prompts import vicuna_prompt
-from distill.store import iter_records, record_files, record_key
-from pipelines.stage import StageFailed
+from polydraft.distill.mix import read_mix
+from polydraft.distill.plan import record_id
+from polydraft.distill.prompts import vicuna_prompt
+from polydraft.distill.store import iter_records, record_files, record_key
+from polydraft.pipelines.stage import StageFailed
 from tests.distill_setup import (
     PROJECT_ROOT,
     local_source,
@@ -231,9 +231,9 @@ def test_kill_mid_run_then_rerun_writes_every_record_exactly_once(tmp_path, tiny
 def test_long_prompts_are_counted_and_answers_fit_the_context(
     tmp_path, tiny_target_dir, tiny_target, tiny_tokenizer
 ):
-    from distill.hf_backend import generate_hf
-    from distill.plan import PromptItem, Request
-    from distill.prompts import encode_prompt
+    from polydraft.distill.hf_backend import generate_hf
+    from polydraft.distill.plan import PromptItem, Request
+    from polydraft.distill.prompts import encode_prompt
 
     data = write_jsonl(
         tmp_path / "mixed.jsonl", [{"de": "kurz", "en": "short"}, {"de": "lang " * 100, "en": "long"}]

@@ -13,10 +13,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from distill.plan import PromptItem, Request, request_seed
-from distill.store import RecordStore, iter_records, record_files, record_key
-from distill.vllm_backend import INSTALL_HINT, engine_inputs, engine_kwargs, generate_vllm, parse_output
-from pipelines.stage import StageFailed
+from polydraft.distill.plan import PromptItem, Request, request_seed
+from polydraft.distill.store import RecordStore, iter_records, record_files, record_key
+from polydraft.distill.vllm_backend import (
+    INSTALL_HINT,
+    engine_inputs,
+    engine_kwargs,
+    generate_vllm,
+    parse_output,
+)
+from polydraft.pipelines.stage import StageFailed
 from tests.distill_setup import local_source, make_recipe, run_distill, translation_file
 from tests.vllm_setup import PROJECT_ROOT, demo_target, engine_env, require_vllm, stop_group
 
@@ -150,7 +156,7 @@ def test_real_vllm_four_temperatures_kill_and_rerun_gives_every_record_once(tmp_
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from distill.prompts import encode_prompt
+    from polydraft.distill.prompts import encode_prompt
 
     target = demo_target()
     data = translation_file(tmp_path, 12)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from distill.store import RecordStore, iter_records, record_files, record_key
+from polydraft.distill.store import RecordStore, iter_records, record_files, record_key
 from tests.distill_setup import (
     PROJECT_ROOT,
     free_port,
@@ -92,7 +92,7 @@ def served_recipe(target: Path, data: Path, urls: list[str], **distill):
 def test_completions_through_two_servers_with_vllm_token_ids(tmp_path, vllm_servers):
     from transformers import AutoTokenizer
 
-    from distill.prompts import encode_prompt
+    from polydraft.distill.prompts import encode_prompt
 
     target, urls = vllm_servers
     data = translation_file(tmp_path, 6)

@@ -6,16 +6,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from models.drafters import (
+from polydraft.models.drafters import (
     DrafterMismatch,
     build_drafter,
     check_drafter_compatible,
     drafter_shape,
     export_drafter,
 )
-from pipelines.recipe import RecipeError, load_recipe
-from pipelines.schema import Recipe
-from pipelines.stage import StageFailed
+from polydraft.pipelines.recipe import RecipeError, load_recipe
+from polydraft.pipelines.schema import Recipe
+from polydraft.pipelines.stage import StageFailed
 from tests.drafter_setup import context, run_stage, tiny_recipe
 
 IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}
@@ -65,8 +65,8 @@ def test_same_seed_same_weights_and_the_global_rng_is_left_alone():
 
 
 def test_vocabulary_size_and_tokenizer_mismatches_are_errors(tiny_tokenizer):
-    from distill.offline import offline_texts
-    from models.tiny import train_tokenizer
+    from polydraft.distill.offline import offline_texts
+    from polydraft.models.tiny import train_tokenizer
 
     with pytest.raises(DrafterMismatch, match="vocabulary of 32000 tokens but the target has 512"):
         check_drafter_compatible(32000, 512, tiny_tokenizer)
@@ -99,8 +99,8 @@ def test_a_drafter_checkpoint_with_another_vocabulary_stops_before_training(tmp_
 
 
 def _drafter_tokenizer_stub():
-    from distill.offline import offline_texts
-    from models.tiny import train_tokenizer
+    from polydraft.distill.offline import offline_texts
+    from polydraft.models.tiny import train_tokenizer
 
     return train_tokenizer([row["text"] for row in offline_texts(["zh"], 200, seed=1)], vocab_size=1000)
 

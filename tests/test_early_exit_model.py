@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from models.early_exit import (
+from polydraft.models.early_exit import (
     CONFIG_FILE,
     attach_exit_head,
     build_early_exit,
@@ -16,8 +16,8 @@ from models.early_exit import (
     read_head_config,
     save_exit_head,
 )
-from models.partial_load import TargetLayoutError, decoder_parts
-from models.tiny import build_llama
+from polydraft.models.partial_load import TargetLayoutError, decoder_parts
+from polydraft.models.tiny import build_llama
 
 N = 2  # shared layers of the 4-layer tiny target
 
@@ -260,7 +260,7 @@ def test_bad_sizes_and_missing_checkpoint(tiny_target_dir, tmp_path):
 def test_streamed_target_tokens_equal_the_full_forward(tiny_target_dir, tiny_target, untied_dir):
     from transformers import AutoModelForCausalLM
 
-    from models.target_stream import streamed_greedy_tokens
+    from polydraft.models.target_stream import streamed_greedy_tokens
 
     for folder, target in ((tiny_target_dir, tiny_target), (untied_dir, None)):
         target = target or AutoModelForCausalLM.from_pretrained(folder).eval()

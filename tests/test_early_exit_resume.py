@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
+from polydraft.train.early_exit import HEAD_DIR, LOG_FILE
+from polydraft.train.steplog import read_log
 from tests.drafter_setup import context, run_stage, tiny_recipe, write_tiny_mix
 from tests.resume_check import assert_resumed, assert_same_weights, killed_then_resumed
-from train.early_exit import HEAD_DIR, LOG_FILE
-from train.steplog import read_log
 
 LOOP = {"max_length": 96, "per_device_batch_size": 2, "grad_accum_steps": 2, "max_steps": 24, "log_every": 4, "eval_every": 0,
         "eval_batches": 1, "checkpoint_every": 4, "keep_checkpoints": 2}  # fmt: skip

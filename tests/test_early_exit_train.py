@@ -7,16 +7,16 @@ import json
 import pytest
 import torch
 
-from models.early_exit import attach_exit_head, build_early_exit, from_target, read_head_config
-from pipelines.stage import TRAINING_METRICS as METRICS_FILE
-from pipelines.stage import StageFailed, spec_for
-from pipelines.stages.early_exit import train_early_exit
-from pipelines.tracking import Tracker
+from polydraft.models.early_exit import attach_exit_head, build_early_exit, from_target, read_head_config
+from polydraft.pipelines.stage import TRAINING_METRICS as METRICS_FILE
+from polydraft.pipelines.stage import StageFailed, spec_for
+from polydraft.pipelines.stages.early_exit import train_early_exit
+from polydraft.pipelines.tracking import Tracker
+from polydraft.train.early_exit import HEAD_DIR, LOG_FILE, exit_loss, head_forward, teacher_logits
+from polydraft.train.losses import ce_sum, topk_kl_sum
+from polydraft.train.runtime import make_accelerator
 from tests.drafter_setup import context, run_stage, stage_inputs, tiny_recipe, write_tiny_mix
 from tests.eesd_setup import save_layered_target
-from train.early_exit import HEAD_DIR, LOG_FILE, exit_loss, head_forward, teacher_logits
-from train.losses import ce_sum, topk_kl_sum
-from train.runtime import make_accelerator
 
 LOOP = {"max_length": 96, "per_device_batch_size": 4, "grad_accum_steps": 1, "max_steps": 4, "log_every": 1,
         "eval_every": 2, "eval_batches": 2, "checkpoint_every": 2}  # fmt: skip
@@ -98,7 +98,7 @@ def test_kl_loss_trains_and_its_teacher_is_the_full_target(tmp_path, layered_dir
 def test_the_exit_loss_windowed_to_the_responses_is_the_loss_of_all_logits(layered_dir, tiny_tokenizer):
     from transformers import AutoModelForCausalLM
 
-    from train.data import collate, encode_texts
+    from polydraft.train.data import collate, encode_texts
 
     target = AutoModelForCausalLM.from_pretrained(layered_dir).eval()
     drafter = from_target(target, 2)

@@ -183,10 +183,10 @@ def test_card_metadata(exported):
 
 
 def test_a_hub_target_is_the_base_model(exported):
-    from pipelines.cards import render_card
-    from pipelines.export_info import public_target
-    from pipelines.export_records import ExportResults
-    from pipelines.schema import ResolvedTarget
+    from polydraft.pipelines.export.cards import render_card
+    from polydraft.pipelines.export.info import public_target
+    from polydraft.pipelines.export.records import ExportResults
+    from polydraft.pipelines.schema import ResolvedTarget
 
     run_dir, _, _ = exported
     info = ExportResults.model_validate(results(run_dir, "de-en"))
@@ -224,8 +224,8 @@ def test_no_local_path_leaves_in_an_exported_folder(exported, tiny_target_dir):
 def test_the_exported_head_attaches_to_the_target(exported, tiny_target_dir):
     from transformers import AutoModelForCausalLM
 
-    from models.calibration import CalibrationModel
-    from models.early_exit import attach_exit_head, read_head_config
+    from polydraft.models.calibration import CalibrationModel
+    from polydraft.models.early_exit import attach_exit_head, read_head_config
 
     run_dir, _, _ = exported
     folder = run_dir / "export" / "early_exit"
@@ -241,7 +241,7 @@ def test_the_exported_head_attaches_to_the_target(exported, tiny_target_dir):
 
 def test_export_reads_what_the_real_measure_stage_writes(tmp_path, tiny_tokenizer, tiny_target_dir):
     """The measure stage itself (not hand-written rows) measures the drafters; the card shows its rows."""
-    from decoding.results import read_rows
+    from polydraft.decoding.measurement.results import read_rows
 
     templates = build_templates(tmp_path / "templates", tiny_tokenizer, tiny_target_dir)
     recipe = export_recipe(
@@ -277,10 +277,10 @@ def test_export_reads_what_the_real_measure_stage_writes(tmp_path, tiny_tokenize
 
 def test_a_card_shows_both_engines_and_where_they_differ(exported):
     """vLLM rows of the drafter (engine `vllm`) appear beside polydraft's, each method naming its engine."""
-    from decoding.results import BatchRate
-    from pipelines.cards import render_card
-    from pipelines.export_info import measurements
-    from pipelines.export_records import ExportResults
+    from polydraft.decoding.measurement.results import BatchRate
+    from polydraft.pipelines.export.cards import render_card
+    from polydraft.pipelines.export.info import measurements
+    from polydraft.pipelines.export.records import ExportResults
 
     run_dir, _, _ = exported
     info = ExportResults.model_validate(results(run_dir, "de-en"))

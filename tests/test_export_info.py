@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from decoding.results import ResultRow
-from pipelines.export_info import best_draft_length, measurements, public_target, rows_for
-from pipelines.schema import ResolvedTarget
+from polydraft.decoding.measurement.results import ResultRow
+from polydraft.pipelines.export.info import best_draft_length, measurements, public_target, rows_for
+from polydraft.pipelines.schema import ResolvedTarget
 from tests.export_setup import measure_rows, result_row
 
 

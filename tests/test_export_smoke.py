@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from distill.prompts import encode_prompt, translation_messages, vicuna_prompt
-from pipelines.smoke import VLLM_ARCHITECTURES, drafter_checks, passed, vllm_rule_checks
-from pipelines.stage import StageFailed
+from polydraft.distill.prompts import encode_prompt, translation_messages, vicuna_prompt
+from polydraft.pipelines.export.smoke import VLLM_ARCHITECTURES, drafter_checks, passed, vllm_rule_checks
+from polydraft.pipelines.stage import StageFailed
 from tests.decoding_helpers import single_thread_fixture
 from tests.drafter_setup import context, run_stage
 from tests.export_setup import TRAINING, export_recipe, save_drafter
@@ -129,7 +129,7 @@ def demo_drafters(tmp_path_factory):
 
 def test_real_vllm_runs_the_drafter_with_the_targets_greedy_output(demo_drafters):
     """The real CPU build of vLLM: target alone, then with the exported drafter as draft model."""
-    from pipelines.smoke import vllm_generation_check
+    from polydraft.pipelines.export.smoke import vllm_generation_check
     from tests.vllm_setup import require_vllm
 
     require_vllm()
@@ -152,7 +152,7 @@ def test_real_vllm_runs_the_drafter_with_the_targets_greedy_output(demo_drafters
 
 
 def test_real_vllm_names_why_a_drafter_does_not_load(demo_drafters):
-    from pipelines.smoke import vllm_generation_check
+    from polydraft.pipelines.export.smoke import vllm_generation_check
     from tests.vllm_setup import require_vllm
 
     require_vllm()
@@ -168,7 +168,7 @@ def test_real_vllm_names_why_a_drafter_does_not_load(demo_drafters):
 def test_vllm_generation_is_skipped_or_required(monkeypatch):
     import importlib.util
 
-    from pipelines.smoke import vllm_generation_check
+    from polydraft.pipelines.export.smoke import vllm_generation_check
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     target = {"path": "t", "revision": None, "trust_remote_code": False}

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from decoding.results import ResultRow
-from models.heads import (
+from polydraft.decoding.measurement.results import ResultRow
+from polydraft.models.heads import (
     VLLM_LM_HEAD_FILE,
     add_vllm_medusa,
     attach_heads,
@@ -21,9 +21,9 @@ from models.heads import (
     load_vllm_medusa,
     save_heads,
 )
-from pipelines.runner import run_pipeline
-from pipelines.schema import ResolvedTarget
-from pipelines.stage import Stage
+from polydraft.pipelines.runner import run_pipeline
+from polydraft.pipelines.schema import ResolvedTarget
+from polydraft.pipelines.stage import Stage
 from tests.decoding_helpers import single_thread_fixture
 from tests.export_setup import _provider, _row, export_recipe
 
@@ -80,7 +80,7 @@ def templates(root: Path, target_dir: Path, kind: str) -> Path:
 
 
 def run_heads_export(root: Path, target_dir: Path, kind: str, break_folder=None):
-    from pipelines.stages import default_stages
+    from polydraft.pipelines.stages import default_stages
 
     source = templates(root / "templates", target_dir, kind)
     if break_folder is not None:

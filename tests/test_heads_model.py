@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from models.heads import (
+from polydraft.models.heads import (
     VLLM_CONFIG_FILE,
     VLLM_LM_HEAD_FILE,
     WEIGHTS_FILE,
@@ -21,7 +21,7 @@ from models.heads import (
     read_heads_config,
     save_heads,
 )
-from models.tiny import build_llama
+from polydraft.models.tiny import build_llama
 
 
 @pytest.fixture(scope="module")

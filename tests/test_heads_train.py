@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.heads import load_heads, load_vllm_medusa, read_heads_config
-from pipelines.recipe import load_recipe
-from pipelines.stage import PROJECT_ROOT, StageSpec, spec_for
-from pipelines.stages.heads import train_heads
-from pipelines.tracking import Tracker
+from polydraft.models.heads import load_heads, load_vllm_medusa, read_heads_config
+from polydraft.pipelines.recipe import load_recipe
+from polydraft.pipelines.stage import PROJECT_ROOT, StageSpec, spec_for
+from polydraft.pipelines.stages.heads import train_heads
+from polydraft.pipelines.tracking import Tracker
+from polydraft.train.heads import HEADS_DIR, LOG_FILE, head_labels
+from polydraft.train.losses import IGNORE_INDEX
+from polydraft.train.runtime import make_accelerator
 from tests.drafter_setup import context, stage_inputs, tiny_recipe, write_tiny_mix
-from train.heads import HEADS_DIR, LOG_FILE, head_labels
-from train.losses import IGNORE_INDEX
-from train.runtime import make_accelerator
 
 X = IGNORE_INDEX
 
@@ -95,7 +95,7 @@ def test_killed_run_resumes_with_the_same_losses(tmp_path, tiny_target_dir):
     killed = Path(spec.work_dir)
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "ACCELERATE_USE_CPU": "true"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "pipelines.stages.heads", str(spec.write(killed / "spec.json"))], env=env,
+        [sys.executable, "-m", "polydraft.pipelines.stages.heads", str(spec.write(killed / "spec.json"))], env=env,
         start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     first = killed / "checkpoints" / "step-00000002" / "state.json"
@@ -132,11 +132,11 @@ def test_the_step_loss_is_the_decay_weighted_sum_of_each_heads_token_mean(
 ):
     """Step 1's logged loss, recomputed from the initial heads on that step's two micro-batches: head i's
     summed cross-entropy over both, divided by its own token count, weighted 0.8^i."""
-    from models.heads import heads_for_target
-    from models.loading import load_tokenizer
-    from train.data import MixBatches, pad_id_of
-    from train.early_exit import load_examples
-    from train.heads import ce_sums, head_labels, heads_forward, last_hidden
+    from polydraft.models.heads import heads_for_target
+    from polydraft.models.loading import load_tokenizer
+    from polydraft.train.data import MixBatches, pad_id_of
+    from polydraft.train.early_exit import load_examples
+    from polydraft.train.heads import ce_sums, head_labels, heads_forward, last_hidden
 
     distill = write_tiny_mix(tmp_path / "distill", ["de-en", "fr-en"], train_rows=16, eval_rows=4)
     spec, inputs = job(tmp_path, tiny_target_dir, distill, "run", max_steps=1)

@@ -2,7 +2,7 @@
 
 Medusa heads, and BPD heads (vLLM's `original_lm_head`: one shared copy of the target's lm head), fitted to the demo target's own greedy continuations (so that drafts are accepted, partly)
 are saved in polydraft's format plus vLLM's medusa config (`models.heads.add_vllm_medusa`), the way the
-heads stage writes them and the export stage ships them. vLLM (in a subprocess, `pipelines.smoke`) then
+heads stage writes them and the export stage ships them. vLLM (in a subprocess, `pipelines.export.smoke`) then
 generates greedily with the target alone and with the folder as `speculative_config={"method": "medusa",
 ...}`: the outputs must be identical, and vLLM's medusa proposer (each head's argmax, a chain) must accept
 exactly the draft tokens polydraft's `bpd` decoder accepts on the same prompts, position by position.
@@ -30,7 +30,7 @@ SOURCES = [
 
 def demo_prompts(tokenizer) -> list[list[int]]:
     """The demo's own kind of prompt (Vicuna format, seed 003's task prefix): real translations follow."""
-    from distill.prompts import build_prompt, encode_prompt, translation_messages
+    from polydraft.distill.prompts import build_prompt, encode_prompt, translation_messages
 
     return [encode_prompt(tokenizer, build_prompt(translation_messages(p, t), "vicuna")) for p, t in SOURCES]
 
@@ -39,10 +39,10 @@ def demo_prompts(tokenizer) -> list[list[int]]:
 def heads_folder(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from decoding.engine import autoregressive
-    from decoding.lm import CachedLM
-    from decoding.sampling import Sampling
-    from models.heads import add_vllm_medusa, save_heads
+    from polydraft.decoding.engine import autoregressive
+    from polydraft.decoding.lm import CachedLM
+    from polydraft.decoding.sampling import Sampling
+    from polydraft.models.heads import add_vllm_medusa, save_heads
 
     target = AutoModelForCausalLM.from_pretrained(demo_target(), dtype=torch.float32).eval()
     prompts = demo_prompts(AutoTokenizer.from_pretrained(demo_target()))
@@ -69,10 +69,10 @@ def polydraft_bpd(target, folder, prompts, eos_id: int) -> tuple[list[list[int]]
     polydraft decodes NUM_HEADS + 1 tokens more without stopping, and a round counts while the output before
     it is shorter than NEW_TOKENS and holds no EOS (a round of a accepted drafts counts at positions 0..a-1).
     """
-    from decoding.blockwise import HeadsDraft, blockwise_chain
-    from decoding.lm import CachedLM
-    from decoding.sampling import Sampling
-    from models.heads import attach_heads
+    from polydraft.decoding.blockwise import HeadsDraft, blockwise_chain
+    from polydraft.decoding.lm import CachedLM
+    from polydraft.decoding.sampling import Sampling
+    from polydraft.models.heads import attach_heads
 
     target_lm = CachedLM(target, profile=False)
     draft = HeadsDraft(attach_heads(target, folder), target_lm, profile=False)
@@ -93,7 +93,7 @@ def polydraft_bpd(target, folder, prompts, eos_id: int) -> tuple[list[list[int]]
 
 
 def test_real_vllm_runs_the_heads_as_its_medusa_draft(heads_folder):
-    from pipelines.smoke import vllm_generation
+    from polydraft.pipelines.export.smoke import vllm_generation
 
     require_vllm()
     target, folder, prompts = heads_folder

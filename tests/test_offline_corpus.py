@@ -2,9 +2,9 @@ import pytest
 from num2words import num2words
 from pydantic import ValidationError
 
-from distill.offline import offline_pairs
-from distill.prompts import VICUNA_CHAT_TEMPLATE, task_prefix, vicuna_prompt
-from pipelines.schema.common import OfflineCorpusConfig, SourceConfig, reader_args
+from polydraft.distill.offline import offline_pairs
+from polydraft.distill.prompts import VICUNA_CHAT_TEMPLATE, task_prefix, vicuna_prompt
+from polydraft.pipelines.schema.common import OfflineCorpusConfig, SourceConfig, reader_args
 
 
 def test_offline_pairs_are_deterministic_and_split_disjoint():

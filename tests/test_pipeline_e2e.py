@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.cli import main
+from polydraft.pipelines.cli import main
 from tests.wandb_log import wait_for_record
 
 RECIPE = """

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.publish import PublishError, publish
+from polydraft.pipelines.export.publish import PublishError, publish
 from tests.decoding_helpers import single_thread_fixture
 from tests.export_setup import build_templates, export_recipe, run_export
 
@@ -76,7 +76,7 @@ class NoNetwork:
 def test_dry_run_lists_repos_files_and_cards_and_pushes_nothing(run_dir, capsys, monkeypatch):
     import huggingface_hub
 
-    from pipelines.cli import main
+    from polydraft.pipelines.cli import main
 
     monkeypatch.setattr(huggingface_hub, "HfApi", NoNetwork)
     code = main(

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.recipe import RecipeError, dump_recipe, load_recipe, parse_override
+from polydraft.pipelines.recipe import RecipeError, dump_recipe, load_recipe, parse_override
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -156,7 +156,7 @@ def test_accelerate_configs_are_valid_yaml():
 
 
 def test_gpu_only_accelerate_configs_are_flagged_on_a_cpu():
-    from pipelines.stage import cpu_fallback
+    from polydraft.pipelines.stage import cpu_fallback
 
     flagged = {}
     for path in sorted((ROOT / "recipes" / "accelerate").glob("*.yaml")):

@@ -11,7 +11,7 @@ from typing import Any, Literal
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from pipelines.schema import Recipe
+from polydraft.pipelines.schema import Recipe
 
 BASE: dict[str, Any] = {"target": {"path": "org/target"}, "data": {"pairs": ["de-en"]}}
 F_ONLY = {"pretrain": {"enabled": False}}

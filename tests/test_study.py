@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.cli import main
-from pipelines.study.findings import all_findings
-from pipelines.study.model import HEADS, VariantData
-from pipelines.study.verdicts import VERDICTS, compare, log_fit, slope_check, verdict_of
+from polydraft.pipelines.cli import main
+from polydraft.pipelines.study.findings import all_findings
+from polydraft.pipelines.study.model import HEADS, VariantData
+from polydraft.pipelines.study.verdicts import VERDICTS, compare, log_fit, slope_check, verdict_of
 from tests.export_setup import result_row
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from polydraft.train.steplog import read_log
 from tests.drafter_setup import context, run_stage, tiny_recipe, write_tiny_mix
-from train.steplog import read_log
 
 
 def _finetune(tmp_path, target_dir, distill, name, **loop_and_launch):

@@ -8,12 +8,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from distill.prompts import task_prefix, vicuna_prompt
+from polydraft.distill.prompts import task_prefix, vicuna_prompt
+from polydraft.train.drafter import step_loss
+from polydraft.train.losses import ce_sum, loss_window, topk_kl_sum
+from polydraft.train.steplog import read_log
 from tests.drafter_setup import context, run_stage, tiny_recipe, write_tiny_mix
 from tests.wandb_log import read_wandb_records
-from train.drafter import step_loss
-from train.losses import ce_sum, loss_window, topk_kl_sum
-from train.steplog import read_log
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +116,8 @@ def test_rerun_of_a_finished_finetune_trains_nothing_again(pf_run, tiny_target_d
 
 
 def test_kd_adds_the_weighted_kl_to_the_targets_top_k(tiny_target, tiny_tokenizer):
-    from models.drafters import build_drafter
-    from train.data import collate, encode_texts
+    from polydraft.models.drafters import build_drafter
+    from polydraft.train.data import collate, encode_texts
 
     example = encode_texts(tiny_tokenizer, [("USER: Hallo ASSISTANT:", " Hello there")], 64)[0]
     batch = collate([example], tiny_tokenizer.pad_token_id)
@@ -138,8 +138,8 @@ def test_kd_adds_the_weighted_kl_to_the_targets_top_k(tiny_target, tiny_tokenize
 
 
 def test_the_head_runs_from_the_first_response_token_and_the_loss_is_that_of_all_logits(tiny_tokenizer):
-    from models.drafters import build_drafter
-    from train.data import collate, encode_texts
+    from polydraft.models.drafters import build_drafter
+    from polydraft.train.data import collate, encode_texts
 
     pairs = [
         ("USER: Hallo Welt, wie geht es dir heute? ASSISTANT:", " Hello world"),

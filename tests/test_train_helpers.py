@@ -7,18 +7,18 @@ import math
 import pytest
 import torch
 
-from train.checkpoint import (
+from polydraft.train.checkpoint import (
     STATE_FILE,
     list_checkpoints,
     load_checkpoint,
     resume_checkpoint,
     save_checkpoint,
 )
-from train.data import collate, encode_texts, epoch_order, micro_batch_indices
-from train.losses import IGNORE_INDEX, ce_sum, scale_for_step, top1_matches, topk_kl_sum
-from train.packing import PackedStream, PackPosition
-from train.runtime import NonFiniteLoss, check_finite
-from train.schedule import build_scheduler, lr_multiplier, warmup_steps_for
+from polydraft.train.data import collate, encode_texts, epoch_order, micro_batch_indices
+from polydraft.train.losses import IGNORE_INDEX, ce_sum, scale_for_step, top1_matches, topk_kl_sum
+from polydraft.train.packing import PackedStream, PackPosition
+from polydraft.train.runtime import NonFiniteLoss, check_finite
+from polydraft.train.schedule import build_scheduler, lr_multiplier, warmup_steps_for
 
 
 def _docs(count: int, seed: int = 0) -> list[list[int]]:
@@ -231,7 +231,7 @@ def test_resume_names_a_truncated_latest_checkpoint_and_falls_back_to_the_previo
         save_checkpoint(accelerator, root, n, {"position": n}, keep=2)
     latest = root / "step-00000002" / "model.safetensors"
     latest.write_bytes(latest.read_bytes()[:-10])  # a disk that filled up while saving
-    with caplog.at_level("WARNING", logger="train.checkpoint"):
+    with caplog.at_level("WARNING", logger="polydraft.train.checkpoint"):
         checkpoint, state = resume_checkpoint(accelerator, root)
     assert checkpoint.name == "step-00000001" and state == {"step": 1, "position": 1}
     assert torch.equal(model.weight, weights[0])

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines.stage import StageFailed
+from polydraft.pipelines.stage import StageFailed
+from polydraft.train.checkpoint import list_checkpoints, read_state
 from tests.drafter_setup import context, run_stage, tiny_recipe, write_tiny_mix
 from tests.resume_check import assert_resumed, assert_same_weights, killed_then_resumed
-from train.checkpoint import list_checkpoints, read_state
 
 STEPS = 60  # per pair: a wide margin after the first checkpoint for the kill, as tiny steps take ms
 

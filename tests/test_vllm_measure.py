@@ -1,13 +1,13 @@
-"""The measure stage with `measure.vllm: require` on the real CPU build of vLLM (`decoding.vllm_measure` in
+"""The measure stage with `measure.vllm: require` on the real CPU build of vLLM (`decoding.measurement.vllm_measure` in
 a subprocess): the demo target drafting for itself, where the greedy answer is known exactly (every vLLM
 draft token accepted, output identical to vLLM's target alone), rows of both engines in one results.jsonl,
 and a rerun that keeps them without starting vLLM again."""
 
 from __future__ import annotations
 
-import pipelines.stages.measure as measure_stage
-from decoding.report import engine_differences
-from decoding.results import RESULTS_FILE, read_rows
+import polydraft.pipelines.stages.measure as measure_stage
+from polydraft.decoding.measurement.report import engine_differences
+from polydraft.decoding.measurement.results import RESULTS_FILE, read_rows
 from tests.measure_setup import PAIRS, measure_context, measure_recipe, run_measure
 from tests.vllm_setup import demo_target, require_vllm
 

@@ -9,14 +9,14 @@ import math
 
 import pytest
 
-from decoding.inputs import DrafterSource, EvalSet
-from decoding.report import engine_differences, markdown
-from decoding.results import RESULTS_FILE, write_rows
-from decoding.vllm_rows import vllm_rows
-from pipelines.export_info import best_draft_length, measurements
-from pipelines.schema import MeasureConfig
-from pipelines.stage import StageFailed
-from pipelines.summary import results_summary
+from polydraft.decoding.measurement.inputs import DrafterSource, EvalSet
+from polydraft.decoding.measurement.report import engine_differences, markdown
+from polydraft.decoding.measurement.results import RESULTS_FILE, write_rows
+from polydraft.decoding.measurement.vllm_rows import vllm_rows
+from polydraft.pipelines.export.info import best_draft_length, measurements
+from polydraft.pipelines.schema import MeasureConfig
+from polydraft.pipelines.stage import StageFailed
+from polydraft.pipelines.summary import results_summary
 from tests.export_setup import result_row
 
 CONTEXT = {
@@ -149,7 +149,7 @@ def test_vllm_rows_do_not_pick_polydrafts_best_k_nor_its_headline():
 def test_measure_vllm_without_vllm(mode, monkeypatch, caplog, tmp_path):
     import importlib.util
 
-    from pipelines.stages.measure import add_vllm_rows
+    from polydraft.pipelines.stages.measure import add_vllm_rows
 
     real = importlib.util.find_spec
     monkeypatch.setattr(

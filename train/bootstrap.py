@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from distill.offline import offline_pairs, offline_texts
-from distill.prompts import VICUNA_CHAT_TEMPLATE, task_prefix, vicuna_prompt
-from models.tiny import build_llama, train_tokenizer
+from polydraft.distill.offline import offline_pairs, offline_texts
+from polydraft.distill.prompts import VICUNA_CHAT_TEMPLATE, task_prefix, vicuna_prompt
+from polydraft.models.tiny import build_llama, train_tokenizer
 
 log = logging.getLogger(__name__)
 

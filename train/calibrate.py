@@ -27,14 +27,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from models.calibration import acceptance_labels
-from train.checkpoint import resume_checkpoint, save_checkpoint
-from train.data import epoch_order, micro_batch_indices
-from train.losses import IGNORE_INDEX, scale_for_step
-from train.runtime import check_finite, configure_deepspeed
-from train.schedule import build_optimizer, build_scheduler
-from train.step import OptimSettings
-from train.steplog import append_log, truncate_log
+from polydraft.models.calibration import acceptance_labels
+from polydraft.train.checkpoint import resume_checkpoint, save_checkpoint
+from polydraft.train.data import epoch_order, micro_batch_indices
+from polydraft.train.losses import IGNORE_INDEX, scale_for_step
+from polydraft.train.runtime import check_finite, configure_deepspeed
+from polydraft.train.schedule import build_optimizer, build_scheduler
+from polydraft.train.step import OptimSettings
+from polydraft.train.steplog import append_log, truncate_log
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +252,7 @@ def load_target(
     this is the only process, else on this process's device."""
     from transformers import AutoModelForCausalLM
 
-    from models.loading import load_causal_lm, resolve_dtype
+    from polydraft.models.loading import load_causal_lm, resolve_dtype
 
     device = accelerator.device
     if device.type == "cuda" and accelerator.num_processes == 1:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from models.folders import safetensors_problem
+from polydraft.models.folders import safetensors_problem
 
 log = logging.getLogger(__name__)
 

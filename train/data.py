@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from distill.prompts import vicuna_prompt
-from train.losses import IGNORE_INDEX
-from train.packing import PackedStream, PackPosition
+from polydraft.distill.prompts import vicuna_prompt
+from polydraft.train.losses import IGNORE_INDEX
+from polydraft.train.packing import PackedStream, PackPosition
 
 _END = object()
 
@@ -142,7 +142,7 @@ def iter_source_rows(source: dict[str, Any], seed: int) -> Iterator[dict[str, An
     Streaming `hf` sources are read lazily (C4 does not fit in memory) and yield None for a row skipped
     as invalid, so that positions count raw rows; other sources go through `read_source` whole.
     """
-    from distill.sources import describe, normalise, read_source
+    from polydraft.distill.sources import describe, normalise, read_source
 
     if not (source["kind"] == "hf" and source["streaming"]):
         yield from read_source(**{**source, "seed": seed}).rows

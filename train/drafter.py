@@ -21,17 +21,17 @@ from typing import Any
 
 import torch
 
-from models.drafters import build_drafter, export_drafter, load_drafter
-from train.checkpoint import resume_checkpoint, save_checkpoint
-from train.data import MixBatches, PackedBatches, tokenized_documents
-from train.evaluation import eval_log, evaluate
-from train.losses import ce_sum, loss_window, topk_kl_sum
-from train.metrics import matmul_params, peak_flops, train_flops_per_token
-from train.results import DrafterMetrics
-from train.runtime import check_finite, configure_deepspeed, unwrap
-from train.schedule import build_optimizer, build_scheduler
-from train.step import OptimSettings, StepLog, train_step
-from train.steplog import mean_loss, truncate_log
+from polydraft.models.drafters import build_drafter, export_drafter, load_drafter
+from polydraft.train.checkpoint import resume_checkpoint, save_checkpoint
+from polydraft.train.data import MixBatches, PackedBatches, tokenized_documents
+from polydraft.train.evaluation import eval_log, evaluate
+from polydraft.train.losses import ce_sum, loss_window, topk_kl_sum
+from polydraft.train.metrics import matmul_params, peak_flops, train_flops_per_token
+from polydraft.train.results import DrafterMetrics
+from polydraft.train.runtime import check_finite, configure_deepspeed, unwrap
+from polydraft.train.schedule import build_optimizer, build_scheduler
+from polydraft.train.step import OptimSettings, StepLog, train_step
+from polydraft.train.steplog import mean_loss, truncate_log
 
 log = logging.getLogger(__name__)
 

@@ -25,15 +25,15 @@ from typing import Any
 
 import torch
 
-from models.early_exit import EarlyExitDrafter, attention_masks, run_layers
-from models.partial_load import decoder_parts
-from train.checkpoint import resume_checkpoint, save_checkpoint
-from train.data import MixBatches, collate, encode_rows
-from train.losses import IGNORE_INDEX, ce_sum, loss_window, topk_kl_sum
-from train.results import HeadEval
-from train.runtime import check_finite
-from train.step import StepLog, train_step
-from train.steplog import mean_loss, truncate_log
+from polydraft.models.early_exit import EarlyExitDrafter, attention_masks, run_layers
+from polydraft.models.partial_load import decoder_parts
+from polydraft.train.checkpoint import resume_checkpoint, save_checkpoint
+from polydraft.train.data import MixBatches, collate, encode_rows
+from polydraft.train.losses import IGNORE_INDEX, ce_sum, loss_window, topk_kl_sum
+from polydraft.train.results import HeadEval
+from polydraft.train.runtime import check_finite
+from polydraft.train.step import StepLog, train_step
+from polydraft.train.steplog import mean_loss, truncate_log
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def load_examples(
 ) -> list[dict[str, list[int]]]:
     """Encoded mix rows of every pair; `loss_on: all` puts the labels on the prompt tokens too.
     ValueError when the distill folder holds no mix, FileNotFoundError when a pair has no train split."""
-    from distill.mix import mix_pairs, read_mix
+    from polydraft.distill.mix import mix_pairs, read_mix
 
     pairs = mix_pairs(distill_dir)
     if not pairs:
@@ -99,7 +99,7 @@ def eval_reference(
 ) -> list[torch.Tensor]:
     """The full target's (path, revision, trust_remote_code) greedy tokens on this process's held-out
     batches, streamed once and cached."""
-    from models.target_stream import streamed_greedy_tokens
+    from polydraft.models.target_stream import streamed_greedy_tokens
 
     if not sequences:
         return []

@@ -29,13 +29,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from train.checkpoint import resume_checkpoint, save_checkpoint
-from train.data import MixBatches
-from train.losses import IGNORE_INDEX
-from train.results import HeadScore, HeadsEval
-from train.runtime import check_finite
-from train.step import StepLog, token_counts, train_step
-from train.steplog import mean_loss, truncate_log
+from polydraft.train.checkpoint import resume_checkpoint, save_checkpoint
+from polydraft.train.data import MixBatches
+from polydraft.train.losses import IGNORE_INDEX
+from polydraft.train.results import HeadScore, HeadsEval
+from polydraft.train.runtime import check_finite
+from polydraft.train.step import StepLog, token_counts, train_step
+from polydraft.train.steplog import mean_loss, truncate_log
 
 log = logging.getLogger(__name__)
 

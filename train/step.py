@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from train.losses import IGNORE_INDEX, scale_for_step
-from train.metrics import Throughput, mfu
-from train.steplog import append_log
+from polydraft.train.losses import IGNORE_INDEX, scale_for_step
+from polydraft.train.metrics import Throughput, mfu
+from polydraft.train.steplog import append_log
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from pipelines.schema.common import (
+from polydraft.pipelines.schema.common import (
     BootstrapConfig,
     DataConfig,
     FieldError,
@@ -15,9 +15,9 @@ from pipelines.schema.common import (
     TargetConfig,
     TrackingConfig,
 )
-from pipelines.schema.distill import DistillConfig
-from pipelines.schema.measure import ExportConfig, MeasureConfig
-from pipelines.schema.train import (
+from polydraft.pipelines.schema.distill import DistillConfig
+from polydraft.pipelines.schema.measure import ExportConfig, MeasureConfig
+from polydraft.pipelines.schema.train import (
     CalibrateConfig,
     DrafterConfig,
     EarlyExitConfig,

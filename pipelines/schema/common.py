@@ -9,8 +9,8 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from distill.offline import KINDS
-from distill.prompts import PAIRS
+from polydraft.distill.offline import KINDS
+from polydraft.distill.prompts import PAIRS
 
 LanguagePair = Literal[PAIRS]  # type: ignore[valid-type]
 """A translation direction, source language first (`distill.prompts.PAIRS`)."""

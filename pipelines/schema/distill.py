@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from pipelines.schema.common import FieldError, StrictModel, Temperature, UniqueList
+from polydraft.pipelines.schema.common import FieldError, StrictModel, Temperature, UniqueList
 
 
 class HFGenerateConfig(StrictModel):

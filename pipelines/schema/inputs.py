@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pipelines.schema import Recipe
-from pipelines.schema.common import (
+from polydraft.pipelines.schema import Recipe
+from polydraft.pipelines.schema.common import (
     LanguagePair,
     LaunchConfig,
     OfflineCorpusConfig,
@@ -20,9 +20,9 @@ from pipelines.schema.common import (
     SourceConfig,
     StrictModel,
 )
-from pipelines.schema.distill import DistillConfig
-from pipelines.schema.measure import ExportConfig, MeasureConfig
-from pipelines.schema.train import (
+from polydraft.pipelines.schema.distill import DistillConfig
+from polydraft.pipelines.schema.measure import ExportConfig, MeasureConfig
+from polydraft.pipelines.schema.train import (
     CalibrateConfig,
     DrafterArch,
     EarlyExitConfig,

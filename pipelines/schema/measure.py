@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from pipelines.schema.common import FieldError, PositiveInt, StrictModel, Temperature, UniqueList
+from polydraft.pipelines.schema.common import FieldError, PositiveInt, StrictModel, Temperature, UniqueList
 
 Decoder = Literal[
     "ar", "sd", "rsd_c", "rsd_s", "eesd", "assisted", "bpd", "medusa", "bpd+rescore", "medusa+rescore"

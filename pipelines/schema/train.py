@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from pipelines.schema.common import FieldError, StrictModel, Temperature, UniqueList
+from polydraft.pipelines.schema.common import FieldError, StrictModel, Temperature, UniqueList
 
 DrafterArch = Literal["llama-68m", "vicuna-68m", "gemma-250m", "custom"]
 

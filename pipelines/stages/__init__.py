@@ -7,7 +7,7 @@ plain arguments. Training stages also hold the `main()` that `accelerate launch`
 
 from __future__ import annotations
 
-from pipelines.schema.inputs import (
+from polydraft.pipelines.schema.inputs import (
     CalibrateInputs,
     DistillInputs,
     EarlyExitInputs,
@@ -17,12 +17,21 @@ from pipelines.schema.inputs import (
     MeasureInputs,
     PretrainInputs,
 )
-from pipelines.stage import Stage
+from polydraft.pipelines.stage import Stage
 
 
 def default_stages() -> list[Stage]:
     """distill -> pretrain -> finetune -> early_exit -> heads -> calibrate -> measure -> export."""
-    from pipelines.stages import calibrate, distill, early_exit, export, finetune, heads, measure, pretrain
+    from polydraft.pipelines.stages import (
+        calibrate,
+        distill,
+        early_exit,
+        export,
+        finetune,
+        heads,
+        measure,
+        pretrain,
+    )
 
     return [
         Stage("distill", distill.run, DistillInputs.of),

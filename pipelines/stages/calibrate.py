@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from models.calibration import CalibrationModel, calibration_metrics
-from models.drafters import DrafterMismatch, load_drafter
-from models.loading import load_tokenizer
-from pipelines.schema.inputs import CalibrateInputs
-from pipelines.stage import (
+from polydraft.models.calibration import CalibrationModel, calibration_metrics
+from polydraft.models.drafters import DrafterMismatch, load_drafter
+from polydraft.models.loading import load_tokenizer
+from polydraft.pipelines.schema.inputs import CalibrateInputs
+from polydraft.pipelines.stage import (
     StageContext,
     StageFailed,
     StageResult,
@@ -33,8 +33,8 @@ from pipelines.stage import (
     optim_settings,
     training_main,
 )
-from pipelines.tracking import Tracker
-from train.calibrate import (
+from polydraft.pipelines.tracking import Tracker
+from polydraft.train.calibrate import (
     REPORT_FILE,
     Forward,
     build_labels,
@@ -46,8 +46,8 @@ from train.calibrate import (
     predict,
     sample_positions,
 )
-from train.data import encode_rows
-from train.results import CalibrateMetrics, CalibrationReport
+from polydraft.train.data import encode_rows
+from polydraft.train.results import CalibrateMetrics, CalibrationReport
 
 Loader = Callable[[], tuple[Forward, Callable[[], Any], int, str]]
 """Loads a drafter: (forward, new cache, hidden size, where it came from)."""
@@ -60,7 +60,7 @@ def run(inputs: CalibrateInputs, ctx: StageContext) -> StageResult:
             raise StageFailed(f"calibrate needs the {needed} stage's output: enable the {needed} stage")
     if inputs.calibrate.drafters == "all" and "finetune" not in ctx.upstream:
         raise StageFailed("calibrate.drafters: all needs the finetune stage; enable it or use `early_exit`")
-    metrics = launch_training(inputs, inputs.launch, ctx, "pipelines.stages.calibrate")
+    metrics = launch_training(inputs, inputs.launch, ctx, "polydraft.pipelines.stages.calibrate")
     return StageResult(metrics=CalibrateMetrics.model_validate(metrics).model_dump())
 
 
@@ -74,7 +74,7 @@ def drafters_of(
 ) -> list[tuple[str, Loader, list[str] | None]]:
     """(name, loader, pairs) per drafter; `pairs` None: every pair of the mix (the early-exit head serves
     them all)."""
-    from models.early_exit import attach_exit_head
+    from polydraft.models.early_exit import attach_exit_head
 
     def early_exit() -> tuple[Forward, Callable[[], Any], int, str]:
         head = Path(spec.upstream["early_exit"]) / "head"
@@ -158,7 +158,7 @@ def calibrate_drafter(
     """Labels (train and held-out), the trained model saved in `folder`, and the report."""
     from accelerate.utils import set_seed
 
-    from distill.mix import mix_pairs, read_mix
+    from polydraft.distill.mix import mix_pairs, read_mix
 
     block = inputs.calibrate
     loop, device, k = block.loop, accelerator.device, block.draft_length

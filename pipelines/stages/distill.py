@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from distill.openai_backend import ServerSettings, generate_openai
-from distill.plan import (
+from polydraft.distill.openai_backend import ServerSettings, generate_openai
+from polydraft.distill.plan import (
     PromptItem,
     Request,
     open_rows,
@@ -30,8 +30,8 @@ from distill.plan import (
     sample_slots,
     shard_of,
 )
-from distill.prompts import encode_prompt
-from distill.report import (
+from polydraft.distill.prompts import encode_prompt
+from polydraft.distill.report import (
     NOT_REACHED,
     DistillMetrics,
     build_mix,
@@ -39,12 +39,12 @@ from distill.report import (
     record_stats,
     write_failures,
 )
-from distill.sources import SourceError, read_source
-from distill.store import RecordStore, RecordWriter, StoreError
-from models.loading import load_tokenizer
-from pipelines.schema.common import SourceConfig, reader_args
-from pipelines.schema.inputs import DistillInputs
-from pipelines.stage import StageContext, StageFailed, StageResult
+from polydraft.distill.sources import SourceError, read_source
+from polydraft.distill.store import RecordStore, RecordWriter, StoreError
+from polydraft.models.loading import load_tokenizer
+from polydraft.pipelines.schema.common import SourceConfig, reader_args
+from polydraft.pipelines.schema.inputs import DistillInputs
+from polydraft.pipelines.stage import StageContext, StageFailed, StageResult
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +227,7 @@ def generate(
     cfg, target = inputs.distill, inputs.target
     sampling = {"top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens, "stop": cfg.stop, "seed": cfg.seed}
     if cfg.backend == "hf":
-        from distill.hf_backend import generate_hf, load_model
+        from polydraft.distill.hf_backend import generate_hf, load_model
 
         model = load_model(
             target.path, target.revision, target.dtype, target.trust_remote_code, cfg.hf.device
@@ -243,7 +243,7 @@ def generate(
         )
         return {}
     if cfg.backend == "vllm":
-        from distill.vllm_backend import engine_kwargs, generate_vllm, import_vllm, on_cpu
+        from polydraft.distill.vllm_backend import engine_kwargs, generate_vllm, import_vllm, on_cpu
 
         try:
             vllm = import_vllm()

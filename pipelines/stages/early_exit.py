@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from models.early_exit import EarlyExitDrafter, build_early_exit, from_target, save_exit_head
-from models.loading import load_causal_lm, load_tokenizer, resolve_dtype
-from pipelines.schema.inputs import EarlyExitInputs
-from pipelines.stage import (
+from polydraft.models.early_exit import EarlyExitDrafter, build_early_exit, from_target, save_exit_head
+from polydraft.models.loading import load_causal_lm, load_tokenizer, resolve_dtype
+from polydraft.pipelines.schema.inputs import EarlyExitInputs
+from polydraft.pipelines.stage import (
     StageContext,
     StageFailed,
     StageResult,
@@ -27,19 +27,19 @@ from pipelines.stage import (
     optim_settings,
     training_main,
 )
-from pipelines.tracking import Tracker
-from train.data import MixBatches, pad_id_of
-from train.early_exit import HEAD_DIR, eval_reference, eval_set, fit, load_examples
-from train.results import EarlyExitMetrics
-from train.runtime import configure_deepspeed, resolve_attn_implementation
-from train.schedule import build_optimizer, build_scheduler
+from polydraft.pipelines.tracking import Tracker
+from polydraft.train.data import MixBatches, pad_id_of
+from polydraft.train.early_exit import HEAD_DIR, eval_reference, eval_set, fit, load_examples
+from polydraft.train.results import EarlyExitMetrics
+from polydraft.train.runtime import configure_deepspeed, resolve_attn_implementation
+from polydraft.train.schedule import build_optimizer, build_scheduler
 
 
 def run(inputs: EarlyExitInputs, ctx: StageContext) -> StageResult:
     """Launch the training subprocess, return its metrics."""
     if "distill" not in ctx.upstream:
         raise StageFailed("early_exit trains on the distill stage's mix: enable the distill stage")
-    metrics = launch_training(inputs, inputs.launch, ctx, "pipelines.stages.early_exit")
+    metrics = launch_training(inputs, inputs.launch, ctx, "polydraft.pipelines.stages.early_exit")
     return StageResult(metrics=EarlyExitMetrics.model_validate(metrics).model_dump())
 
 

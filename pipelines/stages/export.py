@@ -11,16 +11,16 @@ as `pretrain`), for the early-exit head (`early_exit/head/`) and for the blockwi
   `heads.safetensors`; `attach_heads`) and vLLM's `medusa` speculative method's (`config.json`, the same
   weights, and for BPD heads `lm_head.safetensors`); their card carries the `bpd`, `medusa` and `+rescore`
   rows, and their smoke check runs vLLM with the folder as the target's `medusa` draft
-  (`pipelines.smoke_heads`);
+  (`pipelines.export.smoke_heads`);
 - a calibration model (Cali-TS) goes into a `calibration/` sub-folder (`CalibrationModel.load` reads it):
   vLLM loads every top-level `*.safetensors` of a draft model folder as the drafter's weights;
 - `results.json` (every fact of the card, machine-readable: the measure rows of this drafter and of the
   `ar` baseline beside it, their summary, training facts, the smoke check), `README.md` (the card,
-  `pipelines.cards`), and per-drafter `summary.md` and PNG plots from the measure stage's report code.
+  `pipelines.export.cards`), and per-drafter `summary.md` and PNG plots from the measure stage's report code.
 `export.json` indexes the folders for `polydraft publish`.
 
 Each folder is written as `<name>.tmp/` and renamed when complete, so a rerun after a crash redoes only
-the unfinished ones. Smoke checks (`pipelines.smoke`) run on the staged folder, i.e. on exactly what
+the unfinished ones. Smoke checks (`pipelines.export.smoke`) run on the staged folder, i.e. on exactly what
 would be published; their result goes into the card, `results.json`, `export.json` and the manifest.
 """
 
@@ -33,11 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from decoding.inputs import DrafterSource, discover_drafters
-from decoding.results import RESULTS_FILE as MEASURE_RESULTS
-from decoding.results import ResultsError, read_rows
-from pipelines.cards import render_card
-from pipelines.export_info import (
+from polydraft.decoding.measurement.inputs import DrafterSource, discover_drafters
+from polydraft.decoding.measurement.results import RESULTS_FILE as MEASURE_RESULTS
+from polydraft.decoding.measurement.results import ResultsError, read_rows
+from polydraft.pipelines.export.cards import render_card
+from polydraft.pipelines.export.info import (
     calibration_facts,
     early_exit_facts,
     finetune_facts,
@@ -49,7 +49,7 @@ from pipelines.export_info import (
     pretrain_facts,
     public_target,
 )
-from pipelines.export_records import (
+from polydraft.pipelines.export.records import (
     CARD_FILE,
     INDEX_FILE,
     RESULTS_FILE,
@@ -67,12 +67,12 @@ from pipelines.export_records import (
     SmokeResult,
     TrainingCard,
 )
-from pipelines.manifest import git_state, write_json_atomic
-from pipelines.schema.inputs import ExportInputs
-from pipelines.smoke import Check, drafter_checks, head_checks, passed, vllm_generation_check
-from pipelines.smoke_heads import heads_checks
-from pipelines.stage import PROJECT_ROOT, StageContext, StageFailed, StageResult
-from train.results import CalibrationReport
+from polydraft.pipelines.export.smoke import Check, drafter_checks, head_checks, passed, vllm_generation_check
+from polydraft.pipelines.export.smoke_heads import heads_checks
+from polydraft.pipelines.manifest import git_state, write_json_atomic
+from polydraft.pipelines.schema.inputs import ExportInputs
+from polydraft.pipelines.stage import PROJECT_ROOT, StageContext, StageFailed, StageResult
+from polydraft.train.results import CalibrationReport
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def stage_drafter(item: Item, tokenizer: Any, threshold: float) -> None:
     """The drafter's Hugging Face folder, its calibration model, and a generation config drafting K."""
     from transformers import GenerationConfig
 
-    from pipelines.smoke import TOKENIZER_FILES
+    from polydraft.pipelines.export.smoke import TOKENIZER_FILES
 
     copy_files(Path(item.source.path), item.staged)
     if not any((item.staged / name).is_file() for name in TOKENIZER_FILES):
@@ -125,7 +125,7 @@ def stage_drafter(item: Item, tokenizer: Any, threshold: float) -> None:
 
 def stage_head(item: Item, target: PublicTarget) -> dict[str, Any]:
     """The head's weights and config (naming the public target, never a local path), its calibration."""
-    from models.early_exit import CONFIG_FILE, WEIGHTS_FILE, read_head_config
+    from polydraft.models.early_exit import CONFIG_FILE, WEIGHTS_FILE, read_head_config
 
     config = read_head_config(item.source.path)
     config["target"] = {"path": target.id, "revision": target.revision}
@@ -138,7 +138,13 @@ def stage_head(item: Item, target: PublicTarget) -> dict[str, Any]:
 def stage_heads(item: Item, target: PublicTarget) -> dict[str, Any]:
     """The heads folder, both formats (`models.heads`): `heads.json` naming the public target, the weights,
     vLLM's medusa `config.json` and, for BPD heads, the copy of the target's lm head vLLM loads."""
-    from models.heads import CONFIG_FILE, VLLM_CONFIG_FILE, VLLM_LM_HEAD_FILE, WEIGHTS_FILE, read_heads_config
+    from polydraft.models.heads import (
+        CONFIG_FILE,
+        VLLM_CONFIG_FILE,
+        VLLM_LM_HEAD_FILE,
+        WEIGHTS_FILE,
+        read_heads_config,
+    )
 
     config = read_heads_config(item.source.path)
     config["target"] = {"path": target.id, "revision": target.revision}
@@ -189,8 +195,8 @@ def smoke_prompts(inputs: ExportInputs, tokenizer: Any, count: int) -> dict[str 
     measure stage builds them; generic prompts when the recipe has no eval sets."""
     import torch
 
-    from distill.prompts import build_prompt, encode_prompt
-    from pipelines.stages.measure import eval_sets_of
+    from polydraft.distill.prompts import build_prompt, encode_prompt
+    from polydraft.pipelines.stages.measure import eval_sets_of
 
     if not inputs.eval.sources:
         texts = [
@@ -215,7 +221,7 @@ def prompts_for(prompts: dict[str | None, list[Any]], pair: str | None, count: i
 
 def prompt_example(prompt_format: str, tokenizer: Any, pair: str | None) -> PromptExample:
     """The prompt format the drafter was trained on, with a placeholder, for the card's usage snippet."""
-    from distill.prompts import build_prompt, translation_messages
+    from polydraft.distill.prompts import build_prompt, translation_messages
 
     messages = translation_messages(pair, "{text}") if pair else [{"role": "user", "content": "{question}"}]
     example = build_prompt(messages, prompt_format, tokenizer)
@@ -301,7 +307,7 @@ def repo_name(target: PublicTarget, run_name: str, item: Item) -> str:
 
 def run(inputs: ExportInputs, ctx: StageContext) -> StageResult:
     """One smoke-checked Hugging Face folder with a card per drafter and head."""
-    from models.loading import load_tokenizer
+    from polydraft.models.loading import load_tokenizer
 
     cfg, resolved = inputs.export, inputs.target
     try:
@@ -348,9 +354,9 @@ def finish_items(
     items: list[Item], inputs: ExportInputs, ctx: StageContext, target: PublicTarget, tokenizer: Any
 ) -> None:
     """Stage each folder's files, smoke-check them, write results.json and the card, rename into place."""
-    from decoding.measure import eos_ids_of
-    from decoding.report import write_report
-    from models.loading import load_causal_lm
+    from polydraft.decoding.measurement.measure import eos_ids_of
+    from polydraft.decoding.measurement.report import write_report
+    from polydraft.models.loading import load_causal_lm
 
     cfg, resolved = inputs.export, inputs.target
     extras: dict[str, dict[str, Any]] = {}

@@ -16,10 +16,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from models.drafters import target_vocab_size
-from models.loading import load_causal_lm, load_tokenizer
-from pipelines.schema.inputs import FinetuneInputs
-from pipelines.stage import (
+from polydraft.models.drafters import target_vocab_size
+from polydraft.models.loading import load_causal_lm, load_tokenizer
+from polydraft.pipelines.schema.inputs import FinetuneInputs
+from polydraft.pipelines.stage import (
     StageContext,
     StageFailed,
     StageResult,
@@ -29,13 +29,13 @@ from pipelines.stage import (
     optim_settings,
     training_main,
 )
-from pipelines.stages.pretrain import preflight
-from pipelines.tracking import Tracker
-from train.data import MixBatches, encode_rows, pad_id_of
-from train.drafter import export, initial_drafter, train_drafter
-from train.evaluation import read_eval_sets
-from train.results import DrafterMetrics, FinetuneMetrics, Launched
-from train.runtime import resolve_attn_implementation
+from polydraft.pipelines.stages.pretrain import preflight
+from polydraft.pipelines.tracking import Tracker
+from polydraft.train.data import MixBatches, encode_rows, pad_id_of
+from polydraft.train.drafter import export, initial_drafter, train_drafter
+from polydraft.train.evaluation import read_eval_sets
+from polydraft.train.results import DrafterMetrics, FinetuneMetrics, Launched
+from polydraft.train.runtime import resolve_attn_implementation
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def run(inputs: FinetuneInputs, ctx: StageContext) -> StageResult:
             preflight(ctx.name, drafter.init, drafter.revision, inputs.target)
         todo = inputs.model_copy(update={"pairs": pending})
         launched = Launched.model_validate(
-            launch_training(todo, inputs.launch, ctx, "pipelines.stages.finetune")
+            launch_training(todo, inputs.launch, ctx, "polydraft.pipelines.stages.finetune")
         )
     pairs = {
         pair: DrafterMetrics.model_validate_json(
@@ -78,7 +78,7 @@ def finetune(spec: StageSpec, inputs: FinetuneInputs, accelerator: Any, tracker:
     """One drafter per pair of `inputs.pairs`, each exported to `<pair>/` with its metrics file."""
     from accelerate.utils import set_seed
 
-    from distill.mix import read_mix
+    from polydraft.distill.mix import read_mix
 
     block, target, work_dir = inputs.finetune, inputs.target, Path(spec.work_dir)
     loop = block.loop

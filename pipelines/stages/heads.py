@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from models.heads import Heads, add_vllm_medusa, heads_for_target, save_heads
-from models.loading import load_causal_lm, load_tokenizer
-from pipelines.schema.inputs import HeadsInputs
-from pipelines.stage import (
+from polydraft.models.heads import Heads, add_vllm_medusa, heads_for_target, save_heads
+from polydraft.models.loading import load_causal_lm, load_tokenizer
+from polydraft.pipelines.schema.inputs import HeadsInputs
+from polydraft.pipelines.stage import (
     StageContext,
     StageFailed,
     StageResult,
@@ -28,20 +28,20 @@ from pipelines.stage import (
     optim_settings,
     training_main,
 )
-from pipelines.tracking import Tracker
-from train.data import MixBatches, pad_id_of
-from train.early_exit import eval_set, load_examples
-from train.heads import HEADS_DIR, fit
-from train.results import HeadsMetrics
-from train.runtime import configure_deepspeed
-from train.schedule import build_optimizer, build_scheduler
+from polydraft.pipelines.tracking import Tracker
+from polydraft.train.data import MixBatches, pad_id_of
+from polydraft.train.early_exit import eval_set, load_examples
+from polydraft.train.heads import HEADS_DIR, fit
+from polydraft.train.results import HeadsMetrics
+from polydraft.train.runtime import configure_deepspeed
+from polydraft.train.schedule import build_optimizer, build_scheduler
 
 
 def run(inputs: HeadsInputs, ctx: StageContext) -> StageResult:
     """Launch the training subprocess, return its metrics."""
     if "distill" not in ctx.upstream:
         raise StageFailed("heads trains on the distill stage's mix: enable the distill stage")
-    metrics = launch_training(inputs, inputs.launch, ctx, "pipelines.stages.heads")
+    metrics = launch_training(inputs, inputs.launch, ctx, "polydraft.pipelines.stages.heads")
     return StageResult(metrics=HeadsMetrics.model_validate(metrics).model_dump())
 
 

@@ -1,11 +1,11 @@
 """Stage `measure`: speculative decoders x eval sets x temperatures x seeds for every drafter of the run.
 
-Drafters are found upstream (`decoding.inputs.discover_drafters`); for each (eval set, temperature, seed)
-group every method decodes the same prompts in one process (`decoding.measure.measure_group`) and the
-group's typed rows are appended to `results.jsonl` (`decoding.results`), so a killed run resumes with the
+Drafters are found upstream (`decoding.measurement.inputs.discover_drafters`); for each (eval set, temperature, seed)
+group every method decodes the same prompts in one process (`decoding.measurement.measure.measure_group`) and the
+group's typed rows are appended to `results.jsonl` (`decoding.measurement.results`), so a killed run resumes with the
 groups it has not finished. With `measure.vllm` the standalone drafters are then measured inside vLLM too
-(`decoding.vllm_rows`), rows of engine `vllm` beside polydraft's. Ends with `summary.md` and PNG plots
-(`decoding.report`).
+(`decoding.measurement.vllm_rows`), rows of engine `vllm` beside polydraft's. Ends with `summary.md` and PNG plots
+(`decoding.measurement.report`).
 """
 
 from __future__ import annotations
@@ -19,15 +19,20 @@ from typing import Any
 
 import torch
 
-from decoding.assisted import assisted
-from decoding.blockwise import HeadsDraft, Rescoring, blockwise_chain, blockwise_tree
-from decoding.control import BetaTS, CaliTS, FixedK
-from decoding.engine import autoregressive
-from decoding.inputs import EvalSet, discover_drafters, load_eval_sets, repetition_prompts
-from decoding.latency import RunLatencies, ar_cost, chain_cost, run_latencies, tree_cost
-from decoding.lattice import CandidateTree
-from decoding.lm import CachedLM
-from decoding.measure import (
+from polydraft.decoding.assisted import assisted
+from polydraft.decoding.blockwise import HeadsDraft, Rescoring, blockwise_chain, blockwise_tree
+from polydraft.decoding.control import BetaTS, CaliTS, FixedK
+from polydraft.decoding.engine import autoregressive
+from polydraft.decoding.lattice import CandidateTree
+from polydraft.decoding.lm import CachedLM
+from polydraft.decoding.measurement.inputs import (
+    EvalSet,
+    discover_drafters,
+    load_eval_sets,
+    repetition_prompts,
+)
+from polydraft.decoding.measurement.latency import RunLatencies, ar_cost, chain_cost, run_latencies, tree_cost
+from polydraft.decoding.measurement.measure import (
     Drafter,
     Method,
     UnsupportedDecoder,
@@ -38,18 +43,30 @@ from decoding.measure import (
     load_drafters,
     measure_group,
 )
-from decoding.report import write_report
-from decoding.results import RESULTS_FILE, ResultRow, ResultsError, append_rows, read_rows, write_rows
-from decoding.rsd import recursive_speculative
-from decoding.sampling import Sampling
-from decoding.sd import speculative
-from decoding.tree import TreeShape
-from decoding.vllm_rows import VllmMeasureFailed, measure_subprocess, vllm_rows, vllm_unavailable
-from models.drafters import DrafterMismatch
-from pipelines.schema import MeasureConfig
-from pipelines.schema.common import reader_args
-from pipelines.schema.inputs import EvalPrompts, MeasureInputs
-from pipelines.stage import StageContext, StageFailed, StageResult
+from polydraft.decoding.measurement.report import write_report
+from polydraft.decoding.measurement.results import (
+    RESULTS_FILE,
+    ResultRow,
+    ResultsError,
+    append_rows,
+    read_rows,
+    write_rows,
+)
+from polydraft.decoding.measurement.vllm_rows import (
+    VllmMeasureFailed,
+    measure_subprocess,
+    vllm_rows,
+    vllm_unavailable,
+)
+from polydraft.decoding.rsd import recursive_speculative
+from polydraft.decoding.sampling import Sampling
+from polydraft.decoding.sd import speculative
+from polydraft.decoding.tree import TreeShape
+from polydraft.models.drafters import DrafterMismatch
+from polydraft.pipelines.schema import MeasureConfig
+from polydraft.pipelines.schema.common import reader_args
+from polydraft.pipelines.schema.inputs import EvalPrompts, MeasureInputs
+from polydraft.pipelines.stage import StageContext, StageFailed, StageResult
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +87,7 @@ def run(inputs: MeasureInputs, ctx: StageContext) -> StageResult:
     """Writes results.jsonl, summary.md and plots into the stage folder."""
     import transformers
 
-    from models.loading import default_device, load_causal_lm, load_tokenizer
+    from polydraft.models.loading import default_device, load_causal_lm, load_tokenizer
 
     cfg, spec = inputs.measure, inputs.target
     device = default_device()
@@ -333,7 +350,7 @@ def build_methods(
             continue
         if d.self_speculative is not None:
             if "eesd" in cfg.decoders:
-                from decoding.eesd import self_speculative
+                from polydraft.decoding.eesd import self_speculative
 
                 for control, k, controller in controls_for(cfg, cfg.eesd_k, seed, d.predict):
                     methods.append(

@@ -13,11 +13,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from models.drafters import DrafterMismatch, check_drafter, target_vocab_size
-from models.loading import load_tokenizer
-from pipelines.schema.common import ResolvedTarget, reader_args
-from pipelines.schema.inputs import PretrainInputs
-from pipelines.stage import (
+from polydraft.models.drafters import DrafterMismatch, check_drafter, target_vocab_size
+from polydraft.models.loading import load_tokenizer
+from polydraft.pipelines.schema.common import ResolvedTarget, reader_args
+from polydraft.pipelines.schema.inputs import PretrainInputs
+from polydraft.pipelines.stage import (
     StageContext,
     StageFailed,
     StageResult,
@@ -27,11 +27,11 @@ from pipelines.stage import (
     optim_settings,
     training_main,
 )
-from pipelines.tracking import Tracker
-from train.data import PackedBatches, pad_id_of, tokenized_documents
-from train.drafter import export, initial_drafter, pretrain_steps, train_drafter
-from train.results import PretrainMetrics
-from train.runtime import resolve_attn_implementation
+from polydraft.pipelines.tracking import Tracker
+from polydraft.train.data import PackedBatches, pad_id_of, tokenized_documents
+from polydraft.train.drafter import export, initial_drafter, pretrain_steps, train_drafter
+from polydraft.train.results import PretrainMetrics
+from polydraft.train.runtime import resolve_attn_implementation
 
 
 def run(inputs: PretrainInputs, ctx: StageContext) -> StageResult:
@@ -42,7 +42,7 @@ def run(inputs: PretrainInputs, ctx: StageContext) -> StageResult:
         )
     drafter = inputs.pretrain.drafter
     preflight(ctx.name, drafter.init, drafter.revision, inputs.target)
-    metrics = launch_training(inputs, inputs.launch, ctx, "pipelines.stages.pretrain")
+    metrics = launch_training(inputs, inputs.launch, ctx, "polydraft.pipelines.stages.pretrain")
     return StageResult(metrics=PretrainMetrics.model_validate(metrics).model_dump())
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from typing import get_args
 
-from decoding.results import DecoderName, ResultRow
-from pipelines.study.model import (
+from polydraft.decoding.measurement.results import DecoderName, ResultRow
+from polydraft.pipelines.study.model import (
     BUDGETS,
     DISTILL_T0,
     EESD,
@@ -35,7 +35,7 @@ from pipelines.study.model import (
     temperatures,
     where,
 )
-from pipelines.study.verdicts import Check, Fit, Stat, compare, log_fit, slope_check, stat
+from polydraft.pipelines.study.verdicts import Check, Fit, Stat, compare, log_fit, slope_check, stat
 
 
 def pretrain_finetune(runs: Runs, k: int) -> Finding:

@@ -1,5 +1,5 @@
 """What the findings are made of: the variants' names and data, the typed finding, and the helpers that
-select rows (`decoding.results.ResultRow`) by every field that defines them, never by a label."""
+select rows (`decoding.measurement.results.ResultRow`) by every field that defines them, never by a label."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from decoding.results import ResultRow
-from pipelines.study.verdicts import Check, Verdict, verdict_of
+from polydraft.decoding.measurement.results import ResultRow
+from polydraft.pipelines.study.verdicts import Check, Verdict, verdict_of
 
 # variant names (the variants themselves are built in `pipelines.study.variants`)
 PF = "pf"

@@ -11,11 +11,11 @@ import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pipelines.manifest import git_state, write_json_atomic
-from pipelines.stage import PROJECT_ROOT
-from pipelines.study import verdicts
-from pipelines.study.model import Finding, Panel
-from pipelines.study.verdicts import Check
+from polydraft.pipelines.manifest import git_state, write_json_atomic
+from polydraft.pipelines.stage import PROJECT_ROOT
+from polydraft.pipelines.study import verdicts
+from polydraft.pipelines.study.model import Finding, Panel
+from polydraft.pipelines.study.verdicts import Check
 
 REPORT = "report.md"
 PLOTS = "plots"

@@ -9,18 +9,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from decoding.results import RESULTS_FILE, read_rows
-from pipelines.manifest import MANIFEST, file_hash, read_manifest
-from pipelines.preflight import InputError, check_model_folders, check_run_dir
-from pipelines.recipe import load_recipe
-from pipelines.runner import reuse_outputs, run_pipeline, stale_stages
-from pipelines.stage import StageFailed
-from pipelines.stages import default_stages
-from pipelines.study.findings import all_findings
-from pipelines.study.model import VariantData
-from pipelines.study.report import VariantRecord, write_report
-from pipelines.study.variants import MIN_SEEDS, Variant, quick_overrides, variants
-from pipelines.target import resolve_target
+from polydraft.decoding.measurement.results import RESULTS_FILE, read_rows
+from polydraft.pipelines.manifest import MANIFEST, file_hash, read_manifest
+from polydraft.pipelines.preflight import InputError, check_model_folders, check_run_dir
+from polydraft.pipelines.recipe import load_recipe
+from polydraft.pipelines.runner import reuse_outputs, run_pipeline, stale_stages
+from polydraft.pipelines.stage import StageFailed
+from polydraft.pipelines.stages import default_stages
+from polydraft.pipelines.study.findings import all_findings
+from polydraft.pipelines.study.model import VariantData
+from polydraft.pipelines.study.report import VariantRecord, write_report
+from polydraft.pipelines.study.variants import MIN_SEEDS, Variant, quick_overrides, variants
+from polydraft.pipelines.target import resolve_target
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import yaml
 
-from pipelines.schema import Recipe
-from pipelines.study.model import (
+from polydraft.pipelines.schema import Recipe
+from polydraft.pipelines.study.model import (
     BUDGETS,
     DISTILL_T0,
     EESD,

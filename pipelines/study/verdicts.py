@@ -17,8 +17,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from decoding.metrics import mean_std
-from decoding.report import pooled_std
+from polydraft.decoding.measurement.metrics import mean_std
+from polydraft.decoding.measurement.report import pooled_std
 
 Outcome = Literal["holds", "contradicted", "within noise", "too few repetitions"]
 Verdict = Literal["reproduced", "not reproduced", "inconclusive", "not run"]

@@ -2,7 +2,7 @@
 
 Each exported folder (`<run_dir>/export/<name>/`, indexed by `export.json`) becomes one model repo,
 written in ONE commit (`HfApi.create_commit`) whose message carries the measured headline. The card is
-rendered again (`pipelines.cards.render_card`) with the repo id it is pushed to, so its usage snippets
+rendered again (`pipelines.export.cards.render_card`) with the repo id it is pushed to, so its usage snippets
 load from the right place; every other file is uploaded as exported.
 
 Nothing is pushed when any selected folder failed its smoke check or has no measurements, unless
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipelines.cards import render_card
-from pipelines.export_records import (
+from polydraft.pipelines.export.cards import render_card
+from polydraft.pipelines.export.records import (
     CARD_FILE,
     INDEX_FILE,
     RESULTS_FILE,
@@ -29,8 +29,8 @@ from pipelines.export_records import (
     ExportRecord,
     ExportResults,
 )
-from pipelines.manifest import MANIFEST, read_manifest, write_json_atomic
-from pipelines.schema.inputs import ExportInputs
+from polydraft.pipelines.manifest import MANIFEST, read_manifest, write_json_atomic
+from polydraft.pipelines.schema.inputs import ExportInputs
 
 LOG_FILE = "publish.json"
 

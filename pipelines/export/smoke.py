@@ -34,9 +34,8 @@ from typing import Any
 
 import torch
 
-from decoding.vllm_measure import PER_POSITION, spec_counters
-from decoding.vllm_rows import vllm_unavailable
-from pipelines.stage import PROJECT_ROOT
+from polydraft.decoding.measurement.vllm_measure import PER_POSITION, spec_counters
+from polydraft.decoding.measurement.vllm_rows import vllm_unavailable
 
 # Architectures of vLLM's text-generation registry (vllm/model_executor/models/registry.py) that small
 # drafters use; checked against vLLM's own registry instead whenever vllm is importable.
@@ -201,7 +200,7 @@ def drafter_checks(
     """Every check of a standalone drafter's exported folder except the real vLLM generation."""
     from transformers import AutoModelForCausalLM
 
-    from models.drafters import DrafterMismatch, check_drafter, drafter_tokenizer
+    from polydraft.models.drafters import DrafterMismatch, check_drafter, drafter_tokenizer
 
     checks = [file_checks(folder)]
     try:
@@ -234,7 +233,7 @@ def drafter_checks(
 
 def calibration_check(folder: Path, target_hidden: int, draft_hidden: int, device: Any) -> Check:
     """The calibration model (Cali-TS) loads and takes the two models' hidden states."""
-    from models.calibration import CalibrationModel
+    from polydraft.models.calibration import CalibrationModel
 
     try:
         calibration = CalibrationModel.load(folder, device)
@@ -257,12 +256,12 @@ def head_checks(
     folder: Path, target: Any, prompts: list[torch.Tensor], max_new_tokens: int, eos_ids: set[int], k: int
 ) -> list[Check]:
     """The head attaches to the target, self-speculates losslessly, and its calibration model fits."""
-    from decoding.control import FixedK
-    from decoding.eesd import SelfSpeculative, self_speculative
-    from decoding.engine import autoregressive
-    from decoding.lm import CachedLM
-    from decoding.sampling import Sampling
-    from models.early_exit import attach_exit_head
+    from polydraft.decoding.control import FixedK
+    from polydraft.decoding.eesd import SelfSpeculative, self_speculative
+    from polydraft.decoding.engine import autoregressive
+    from polydraft.decoding.lm import CachedLM
+    from polydraft.decoding.sampling import Sampling
+    from polydraft.models.early_exit import attach_exit_head
 
     try:
         head = attach_exit_head(target, folder)
@@ -371,12 +370,12 @@ def vllm_generation(
         "prompts": prompts,
         "max_new_tokens": max_new_tokens,
     }
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = dict(os.environ)
     # engine core and worker inside the subprocess: the load error surfaces there, not in another process
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "pipelines.smoke"],
+            [sys.executable, "-m", "polydraft.pipelines.export.smoke"],
             input=json.dumps(request),
             capture_output=True,
             text=True,
@@ -399,7 +398,7 @@ def _vllm_main() -> None:
 
     import vllm
 
-    from distill.vllm_backend import engine_kwargs, on_cpu
+    from polydraft.distill.vllm_backend import engine_kwargs, on_cpu
 
     request = json.loads(sys.stdin.read())
     target, prompts = request["target"], request["prompts"]

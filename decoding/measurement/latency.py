@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from decoding.engine import Generation, Round
-from decoding.lm import CachedLM
-from decoding.tree import TreeShape, tree_attention
+from polydraft.decoding.engine import Generation, Round
+from polydraft.decoding.lm import CachedLM
+from polydraft.decoding.tree import TreeShape, tree_attention
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Model cards (`README.md` with Hub metadata) rendered from an exported folder's `results.json`.
 
 `render_card(info, repo_id)` is a pure function of the record the export stage writes as `results.json`
-(`pipelines.export_records.ExportResults`, built by `pipelines.export_info` from the run's files): every number in a card comes from there. The
-measured tables are the measure stage's own (`decoding.report.table`: methods x dataset x temperature,
+(`pipelines.export.records.ExportResults`, built by `pipelines.export.info` from the run's files): every number in a card comes from there. The
+measured tables are the measure stage's own (`decoding.measurement.report.table`: methods x dataset x temperature,
 mean ± std over seeds) restricted to this drafter and the `ar` baseline of the same groups.
 `polydraft publish` renders the card again with the repo id it pushes to.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from decoding.report import domain_table, table, vllm_section
-from pipelines.export_records import ExportResults
+from polydraft.decoding.measurement.report import domain_table, table, vllm_section
+from polydraft.pipelines.export.records import ExportResults
 
 PLOT_TITLES = {
     "block_efficiency.png": "Block efficiency per dataset and temperature",

@@ -8,7 +8,7 @@ The folder is both formats (`models.heads`): polydraft's (`heads.json`, `heads.s
   same heads, and for BPD heads with the target's own lm head;
 - give, with polydraft's `bpd` and `medusa` decoders at temperature 0, the target's own greedy output;
 - when vLLM can run here, generate greedily in vLLM with the folder as the target's `medusa` draft, with the
-  target's own greedy output (`pipelines.smoke.vllm_generation_check`, `method="medusa"`; the caller runs it,
+  target's own greedy output (`pipelines.export.smoke.vllm_generation_check`, `method="medusa"`; the caller runs it,
   in a subprocess, before this process loads the target).
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from pipelines.smoke import Check
+from polydraft.pipelines.export.smoke import Check
 
 
 @torch.inference_mode()
@@ -27,7 +27,13 @@ def heads_checks(
     folder: Path, target: Any, prompts: list[torch.Tensor], max_new_tokens: int, eos_ids: set[int]
 ) -> list[Check]:
     """Every check of an exported heads folder except the real vLLM generation."""
-    from models.heads import CONFIG_FILE, VLLM_CONFIG_FILE, VLLM_LM_HEAD_FILE, WEIGHTS_FILE, attach_heads
+    from polydraft.models.heads import (
+        CONFIG_FILE,
+        VLLM_CONFIG_FILE,
+        VLLM_LM_HEAD_FILE,
+        WEIGHTS_FILE,
+        attach_heads,
+    )
 
     needed = [CONFIG_FILE, WEIGHTS_FILE, VLLM_CONFIG_FILE]
     missing = [name for name in needed if not (folder / name).is_file()]
@@ -56,7 +62,7 @@ def heads_checks(
 
 def vllm_format_check(folder: Path, heads: Any, target: Any) -> Check:
     """vLLM's reading of the folder gives the heads polydraft attached (and, for BPD, the target's lm head)."""
-    from models.heads import load_vllm_medusa
+    from polydraft.models.heads import load_vllm_medusa
 
     try:
         read, shared = load_vllm_medusa(folder)
@@ -85,11 +91,11 @@ def greedy_check(
     heads: Any, target: Any, prompts: list[torch.Tensor], max_new_tokens: int, eos_ids: set[int]
 ) -> Check:
     """polydraft's `bpd` and `medusa` (a chain of every head as the tree) give the target's greedy output."""
-    from decoding.blockwise import HeadsDraft, blockwise_chain, blockwise_tree
-    from decoding.engine import autoregressive
-    from decoding.lattice import CandidateTree
-    from decoding.lm import CachedLM
-    from decoding.sampling import Sampling
+    from polydraft.decoding.blockwise import HeadsDraft, blockwise_chain, blockwise_tree
+    from polydraft.decoding.engine import autoregressive
+    from polydraft.decoding.lattice import CandidateTree
+    from polydraft.decoding.lm import CachedLM
+    from polydraft.decoding.sampling import Sampling
 
     greedy, target_lm = Sampling(0.0), CachedLM(target, profile=False)
     draft = HeadsDraft(heads, target_lm, profile=False)

@@ -7,8 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from decoding.results import DrafterKind, Engine, ResultRow
-from train.results import CalibrationScores
+from polydraft.decoding.measurement.results import DrafterKind, Engine, ResultRow
+from polydraft.train.results import CalibrationScores
 
 RESULTS_FORMAT = "polydraft-export-results/1"
 INDEX_FORMAT = "polydraft-export/1"

@@ -1,11 +1,11 @@
-"""summary.md and PNG plots from the rows of results.jsonl (`decoding.results.ResultRow`).
+"""summary.md and PNG plots from the rows of results.jsonl (`decoding.measurement.results.ResultRow`).
 
 Tables are shaped like the seeds' (seed 000 Tables A-D, seed 003 Table 1): one row per method, one
 column per dataset x temperature, each cell the mean +- sample std over seeds (repetitions); a cell
 measured once says `(n=1)` instead of a spread it does not have; methods measured inside vLLM are
 labelled `(vLLM)` and also get a table beside polydraft's own rows, with the differences beyond noise
 said in words. Speedup cells carry the ideal speedup implied by the measured forward latencies
-(`decoding.latency`) and the share of it that was reached. The in-domain vs out-of-domain table
+(`decoding.measurement.latency`) and the share of it that was reached. The in-domain vs out-of-domain table
 compares block efficiencies against their pooled spread, and so does the table of local rescoring's gain
 over the same proposal heads alone (also paired by seed). Plots: block
 efficiency and speedup per dataset and temperature (bars with std error bars), and speedup against
@@ -19,8 +19,8 @@ import math
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from decoding.metrics import mean_std
-from decoding.results import ResultRow
+from polydraft.decoding.measurement.metrics import mean_std
+from polydraft.decoding.measurement.results import ResultRow
 
 Row = ResultRow
 

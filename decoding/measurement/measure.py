@@ -1,6 +1,6 @@
 """The measurement engine of the measure stage: decode the same prompts with every method in one process,
 the method order rotating from prompt to prompt so that timing noise hits all of them alike, and turn the
-generations into typed result rows (`decoding.results.ResultRow`) with speedups relative to `ar` in the
+generations into typed result rows (`decoding.measurement.results.ResultRow`) with speedups relative to `ar` in the
 same group (eval set x temperature x seed). At temperature 0 each method's output is compared with `ar`'s.
 
 The stage entry point (which methods a recipe asks for, the resumable loop over groups, the report) is
@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from decoding.engine import Generation
-from decoding.inputs import DrafterSource, EvalSet
-from decoding.latency import RoundCost, ideal_speedup
-from decoding.lm import CachedLM, parameter_count
-from decoding.metrics import summarize
-from decoding.results import MeasureMetrics, MethodHeadline, ResultRow
+from polydraft.decoding.engine import Generation
+from polydraft.decoding.lm import CachedLM, parameter_count
+from polydraft.decoding.measurement.inputs import DrafterSource, EvalSet
+from polydraft.decoding.measurement.latency import RoundCost, ideal_speedup
+from polydraft.decoding.measurement.metrics import summarize
+from polydraft.decoding.measurement.results import MeasureMetrics, MethodHeadline, ResultRow
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class Method:
     fields: dict[str, Any]
     decode: Callable[[torch.Tensor, int], Generation]
     cost: RoundCost | None = None
-    """A round's cost from measured forward latencies (`decoding.latency`); None: no ideal speedup."""
+    """A round's cost from measured forward latencies (`decoding.measurement.latency`); None: no ideal speedup."""
     generations: list[Generation] = field(default_factory=list)
 
 
@@ -82,7 +82,7 @@ def load_drafters(
     """Standalone drafters on the target's device and dtype, checked to share its vocabulary (DrafterMismatch
     otherwise); the early-exit head attached to the target (ValueError for a head of another target); their
     calibration models when they have one."""
-    from models.drafters import load_drafter
+    from polydraft.models.drafters import load_drafter
 
     target_size = parameter_count(target)
     vocab = target.config.get_text_config().vocab_size
@@ -90,12 +90,12 @@ def load_drafters(
     for source in sources:
         predict = None
         if source.calibration is not None:
-            from models.calibration import CalibrationModel
+            from polydraft.models.calibration import CalibrationModel
 
             predict = CalibrationModel.load(source.calibration, device).predict
         if source.kind == "early_exit":
-            from decoding.eesd import SelfSpeculative
-            from models.early_exit import attach_exit_head
+            from polydraft.decoding.eesd import SelfSpeculative
+            from polydraft.models.early_exit import attach_exit_head
 
             head = attach_exit_head(target, source.path)
             loaded.append(
@@ -109,7 +109,7 @@ def load_drafters(
             )
             continue
         if source.kind == "heads":
-            from models.heads import attach_heads
+            from polydraft.models.heads import attach_heads
 
             heads = attach_heads(target, source.path)
             loaded.append(Drafter(source, heads, parameter_count(heads) / target_size))

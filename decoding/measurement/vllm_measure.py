@@ -1,9 +1,9 @@
 """A drafter measured inside vLLM (`speculative_config={"method": "draft_model", ...}`), beside polydraft's
 own engine: acceptance per draft position, mean accepted length and block efficiency from vLLM's own
 spec-decode counters, and tokens/s with and without the drafter at several batch sizes on the same prompts.
-The measure stage turns the results into result rows of engine `vllm` (`decoding.vllm_rows`).
+The measure stage turns the results into result rows of engine `vllm` (`decoding.measurement.vllm_rows`).
 
-The definitions are those of `decoding.metrics`, computed from vLLM's counters: a request's first target
+The definitions are those of `decoding.measurement.metrics`, computed from vLLM's counters: a request's first target
 step (the prefill) yields one token and drafts nothing, every later step verifies one draft of K tokens, so
 - block efficiency = generated tokens / (requests + drafts);
 - mean accepted length = accepted draft tokens / drafts;
@@ -60,7 +60,7 @@ def counter_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
 
 
 def acceptance_metrics(counters: dict[str, Any], requests: int, new_tokens: int) -> dict[str, Any]:
-    """The metrics of `decoding.metrics` from vLLM's counters over `requests` generations of `new_tokens`
+    """The metrics of `decoding.measurement.metrics` from vLLM's counters over `requests` generations of `new_tokens`
     tokens in all."""
     drafts = counters["vllm:spec_decode_num_drafts"]
     draft_tokens = counters["vllm:spec_decode_num_draft_tokens"]
@@ -119,7 +119,7 @@ def measure_in_vllm(
     """
     import vllm
 
-    from distill.vllm_backend import engine_kwargs, on_cpu
+    from polydraft.distill.vllm_backend import engine_kwargs, on_cpu
 
     cpu = on_cpu()
     longest = max(len(p) for prompts in prompt_sets.values() for p in prompts)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from distill.prompts import (
+from polydraft.distill.prompts import (
     PAIRS,
     build_prompt,
     chat_turns,
@@ -34,7 +34,7 @@ from distill.prompts import (
     text_prefix,
     translation_messages,
 )
-from distill.sources import read_source
+from polydraft.distill.sources import read_source
 
 log = logging.getLogger(__name__)
 

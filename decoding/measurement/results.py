@@ -2,8 +2,8 @@
 setting), written by the measure stage group by group and read by the export stage, the run summary and the
 reports. The row is defined here, once.
 
-Rows of engine `polydraft` come from polydraft's own decoders (batch 1, `decoding.measure`); rows of engine
-`vllm` from the same drafters run as vLLM's draft model on the same prompts (`decoding.vllm_measure`), with
+Rows of engine `polydraft` come from polydraft's own decoders (batch 1, `decoding.measurement.measure`); rows of engine
+`vllm` from the same drafters run as vLLM's draft model on the same prompts (`decoding.measurement.vllm_measure`), with
 vLLM's own target-alone run as their baseline.
 """
 
@@ -107,7 +107,7 @@ class ResultRow(BaseModel):
     batch_rates: list[BatchRate] | None
     """For `vllm`: tokens/s without and with the drafter per batch size."""
     ideal_speedup: float | None = None
-    """The speedup the measured forward latencies allow for these rounds (`decoding.latency`)."""
+    """The speedup the measured forward latencies allow for these rounds (`decoding.measurement.latency`)."""
     matches_ar: bool | None
     """Temperature 0: identical tokens to `ar`'s on every prompt (for `vllm`: to vLLM's target alone);
     None otherwise."""

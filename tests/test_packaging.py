@@ -1,0 +1,67 @@
+"""The installed distribution: one `polydraft` namespace, every package listed, nothing generic in
+site-packages (a wheel is built from the checkout and installed into a folder of its own)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FOLDERS = ("pipelines", "distill", "train", "models", "decoding")
+
+
+def _setuptools() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+
+
+def test_every_package_folder_is_listed_under_the_polydraft_namespace():
+    config = _setuptools()
+    assert config["package-dir"] == {f"polydraft.{folder}": folder for folder in FOLDERS}
+    on_disk = sorted(
+        "polydraft." + ".".join(init.parent.relative_to(ROOT).parts)
+        for folder in FOLDERS
+        for init in (ROOT / folder).rglob("__init__.py")
+    )
+    assert sorted(config["packages"]) == on_disk
+
+
+def test_the_wheel_installs_only_polydraft_and_import_models_fails_outside_the_checkout(tmp_path):
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path / "dist"), str(ROOT)],
+        capture_output=True,
+        text=True,
+    )
+    assert build.returncode == 0, build.stderr
+    (wheel,) = (tmp_path / "dist").glob("polydraft-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        entry_points = archive.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    assert {name.split("/")[0] for name in names} == {"polydraft", wheel.name.split("-py3")[0] + ".dist-info"}
+    assert "polydraft = polydraft.pipelines.cli:main" in entry_points
+    site = tmp_path / "site"
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+        capture_output=True,
+        text=True,
+    )
+    assert install.returncode == 0, install.stderr
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    code = (
+        "import importlib.util, sys\n"
+        f"sys.path.insert(0, {str(site)!r})\n"
+        "import polydraft.models, polydraft.pipelines.cli, polydraft.decoding.measurement.report\n"
+        "print(polydraft.models.__file__)\n"
+        "print([name for name in ('models', 'train', 'pipelines', 'distill', 'decoding')"
+        " if importlib.util.find_spec(name) is not None])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=outside, capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    models_file, generic = done.stdout.splitlines()
+    assert Path(models_file).is_relative_to(site)
+    assert generic == "[]"
