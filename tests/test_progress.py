@@ -17,7 +17,13 @@ class FakeClock:
 
 def test_duration_and_number_formats():
     assert [duration(s) for s in (0, 42.4, 187, 7500)] == ["0s", "42s", "3m07s", "2h05m"]
-    assert [number(v) for v in (4.44444, 0.0023684, 13020.0, 7, "1/4")] == ["4.444", "2.37e-03", "13.0k", "7", "1/4"]
+    assert [number(v) for v in (4.44444, 0.0023684, 13020.0, 7, "1/4")] == [
+        "4.444",
+        "2.37e-03",
+        "13.0k",
+        "7",
+        "1/4",
+    ]
 
 
 def test_a_line_every_n_units_and_at_the_end_with_rate_and_time_left(caplog):

@@ -88,7 +88,9 @@ class ProgressLine:
         if rate is not None:
             if self.unit != "step":
                 parts.append(f"{number(rate)} {self.unit}s/s")
-            parts.append(f"{duration((self.total - self.done) / rate)} left" if self.done < self.total else "done")
+            parts.append(
+                f"{duration((self.total - self.done) / rate)} left" if self.done < self.total else "done"
+            )
         return f"[{self.label}] " + ", ".join(parts)
 
     def update(self, n: int = 1, **fields: Any) -> None:
