@@ -9,13 +9,15 @@ import sys
 import zipfile
 from pathlib import Path
 
-import tomllib
+import pytest
+
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = ("pipelines", "distill", "train", "models", "decoding")
 
 
 def _setuptools() -> dict:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+ (CI's); 3.10 has no TOML reader
     return tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
 
 
