@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = ("pipelines", "distill", "train", "models", "decoding")
 
