@@ -10,7 +10,7 @@ first i+1 drafts were all accepted, K=4) from:
 The drafters: the run's exported de-en drafter, and the target drafting for itself (exact speculative
 sampling then accepts every draft). Numbers and the explanation: bench/results/vllm_acceptance.md.
 
-    VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv/bin/python bench/vllm_acceptance.py runs/demo [--target DIR]
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv/bin/python bench/vllm_acceptance.py runs/demo/demo [--target DIR]
 
 (the engine in this process, so that the replacement reaches vLLM's rejection sampler).
 """

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from polydraft.pipelines.preflight import InputError, check_model_folders, check_run_dir
 from polydraft.pipelines.recipe import RecipeError, dump_recipe, load_recipe
+from polydraft.pipelines.rundir import RunDirTaken, claim_run_dir, default_run_dir
 from polydraft.pipelines.stage import StageFailed
 
 log = logging.getLogger("polydraft.pipelines.cli")
@@ -55,12 +56,45 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="run a recipe's stages (skipping those already up to date)")
     _common(run)
-    run.add_argument("--run-dir", type=Path, help="run directory (default: runs/<recipe name>)")
+    run.add_argument(
+        "--run-dir", type=Path,
+        help="run directory (default: runs/<the recipe's path under recipes/>, e.g. runs/vicuna-7b/de)",
+    )  # fmt: skip
     run.add_argument(
         "--from", dest="start", choices=STAGE_NAMES, help="start at this stage; earlier ones must be complete"
     )
     run.add_argument("--only", choices=STAGE_NAMES, help="run only this stage")
-    run.add_argument("--force", action="store_true", help="rerun the selected stages even if up to date")
+    run.add_argument(
+        "--force", action="store_true",
+        help="rerun the selected stages even if up to date; delete (not move aside) what they replace; "
+        "run in a directory another recipe file made",
+    )  # fmt: skip
+    run.add_argument(
+        "--rerun-stale", action="store_true",
+        help="rerun the stages whose folders other code made (kept by default, with a warning)",
+    )  # fmt: skip
+
+    status = commands.add_parser(
+        "status", help="what a rerun would do to each stage of a run directory, and why (runs nothing)"
+    )
+    status.add_argument("run_dir", type=Path, help="a run directory")
+    status.add_argument(
+        "--recipe", type=Path, help="the recipe to compare with (default: the one its latest run used)"
+    )
+    status.add_argument(
+        "overrides", nargs="*", metavar="key.path=value",
+        help="overrides (default: those of its latest run, when --recipe is not given)",
+    )  # fmt: skip
+    status.add_argument("--quiet", action="store_true")
+    status.add_argument("--verbose", action="store_true")
+
+    recipes = commands.add_parser("recipes", help="list the shipped recipes, or copy one to edit")
+    recipes.add_argument(
+        "--copy", nargs=2, metavar=("NAME", "DEST"),
+        help="write recipe NAME (as listed) as one standalone file DEST, its `extends` chain merged",
+    )  # fmt: skip
+    recipes.add_argument("--quiet", action="store_true")
+    recipes.add_argument("--verbose", action="store_true")
 
     show = commands.add_parser("show", help="print the fully resolved recipe (defaults included)")
     _common(show)
@@ -178,11 +212,12 @@ def _run(args: argparse.Namespace) -> int:
     from polydraft.pipelines.target import resolve_target
 
     recipe = load_recipe(args.recipe, args.overrides)
-    run_dir = args.run_dir or Path("runs") / args.recipe.stem
+    run_dir = args.run_dir or default_run_dir(args.recipe)
     check_run_dir(run_dir)
     target = resolve_target(recipe.target, recipe.data, show_progress=not args.quiet)
     check_model_folders(recipe, target)
     command = shlex.join(["polydraft", *sys.argv[1:]])
+    claim_run_dir(run_dir, args.recipe, args.overrides, command, force=args.force)
     outcomes = run_pipeline(
         recipe,
         run_dir,
@@ -192,6 +227,7 @@ def _run(args: argparse.Namespace) -> int:
         only=args.only,
         start=args.start,
         force=args.force,
+        rerun_stale=args.rerun_stale,
         quiet=args.quiet,
         verbose=args.verbose,
     )
@@ -200,6 +236,52 @@ def _run(args: argparse.Namespace) -> int:
     results = results_summary(run_dir)
     if results:
         print(f"\n{results}")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from polydraft.pipelines.rundir import ORIGIN_FILE, read_origin
+    from polydraft.pipelines.stages import default_stages
+    from polydraft.pipelines.status import stage_states, status_table
+    from polydraft.pipelines.target import resolve_target
+
+    if not args.run_dir.is_dir():
+        raise InputError(f"{args.run_dir}: no such run directory")
+    recipe_file, overrides = args.recipe, args.overrides
+    if recipe_file is None:
+        origin = read_origin(args.run_dir)
+        if origin is None:
+            raise InputError(
+                f"{args.run_dir} has no readable {ORIGIN_FILE} naming its recipe: give it with --recipe"
+            )
+        recipe_file, overrides = Path(origin["recipe"]), overrides or origin["overrides"]
+    recipe = load_recipe(recipe_file, overrides)
+    target = resolve_target(recipe.target, recipe.data, show_progress=False, build=False)
+    print(f"{args.run_dir}: {shlex.join(['polydraft', 'run', str(recipe_file), *overrides])}\n")
+    print(status_table(stage_states(recipe, args.run_dir, default_stages(), target)))
+    return 0
+
+
+def _recipes(args: argparse.Namespace) -> int:
+    from polydraft.pipelines.recipe import copy_recipe, shipped_recipes
+    from polydraft.pipelines.stage import PROJECT_ROOT
+
+    root = PROJECT_ROOT / "recipes"
+    if not root.is_dir():
+        raise InputError(f"{root}: no recipes here (they ship with a clone of the repository)")
+    found = {r.name: r for r in shipped_recipes(root)}
+    if args.copy:
+        name, destination = args.copy
+        name = name.removeprefix("recipes/").removesuffix(".yaml")
+        if name not in found:
+            raise InputError(f"--copy {args.copy[0]}: no such recipe (see `polydraft recipes`)")
+        copy_recipe(found[name].path, Path(destination))
+        print(
+            f"{destination}: standalone copy of {found[name].path}; run it with `polydraft run {destination}`"
+        )
+        return 0
+    for recipe in found.values():
+        print(f"{recipe.name}\n    {recipe.description}\n    $ {recipe.launch}")
     return 0
 
 
@@ -227,6 +309,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "publish":
             return _publish(args)
+        if args.command == "status":
+            return _status(args)
+        if args.command == "recipes":
+            return _recipes(args)
         if args.command == "study":
             return _study(args)
         if args.command == "merge-shards":
@@ -239,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                 return EXIT_BAD_INPUT
             print(json.dumps(summary, indent=2))
             return 0
-    except (RecipeError, InputError) as err:
+    except (RecipeError, InputError, RunDirTaken) as err:
         print(f"polydraft: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except StageFailed as err:
@@ -264,7 +350,7 @@ def _write_traceback(args: argparse.Namespace) -> Path:
     run_dir = (
         getattr(args, "run_dir", None)
         or getattr(args, "study_dir", None)
-        or (Path("runs") / args.recipe.stem if args.command == "run" else None)
+        or (default_run_dir(args.recipe) if args.command == "run" else None)
     )
     if run_dir is not None and Path(run_dir).is_dir():
         path = Path(run_dir) / "crash.log"

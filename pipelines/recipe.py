@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import re
+import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -242,3 +244,67 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
 def dump_recipe(recipe: Recipe) -> str:
     """The fully resolved recipe (defaults included) as YAML."""
     return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+
+
+# ----------------------------------------------------------------------------- shipped recipes
+
+
+@dataclass(frozen=True)
+class ShippedRecipe:
+    name: str
+    """The path under `recipes/` without `.yaml` (`vicuna-7b/de`): also its default run directory."""
+    path: Path
+    launch: str
+    """The launch command its first comment line gives."""
+    description: str
+    """The first sentence of the comment after it."""
+
+
+def header(path: Path) -> tuple[str, str]:
+    """(launch command, description) from a recipe's leading comment: its first line is the command (a
+    test holds every shipped recipe to it), the first sentence after it says what the recipe is."""
+    lines = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line.lstrip("#").strip())
+    launch = lines[0] if lines else ""
+    text = " ".join(line for line in lines[1:] if line)
+    return launch, re.split(r"(?<=[.!?])\s", text, maxsplit=1)[0]
+
+
+def shipped_recipes(root: Path) -> list[ShippedRecipe]:
+    """Every recipe under `root` (the repository's `recipes/`; accelerate and DeepSpeed configs excluded)."""
+    found = []
+    for path in sorted(root.rglob("*.yaml")):
+        if path.relative_to(root).parts[0] == "accelerate":
+            continue
+        launch, description = header(path)
+        found.append(
+            ShippedRecipe(path.relative_to(root).with_suffix("").as_posix(), path, launch, description)
+        )
+    return found
+
+
+def copy_recipe(source: Path, destination: Path) -> None:
+    """Write `source` as one standalone recipe at `destination`: its `extends` chain merged, relative local
+    paths made absolute (they were relative to the files that wrote them), checked to load the same."""
+    if destination.exists():
+        raise RecipeError(f"{destination}: already exists; give a new file name")
+    provenance: dict[tuple, str] = {}
+    data = _read_with_extends(source, provenance)
+    anchor_paths(data, provenance)
+    expected = validate(copy.deepcopy(data), dict(provenance), str(source))
+    _, description = header(source)
+    lines = [
+        f"# polydraft run {destination}",
+        *(f"# {line}" for line in textwrap.wrap(description, 100)),
+        f"# A standalone copy of {source} made by `polydraft recipes --copy`: its `extends` chain merged,",
+        "# local paths made absolute, nothing else changed (the schema's defaults apply as in the original).",
+    ]
+    text = "\n".join(lines) + "\n" + yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    destination.write_text(text, encoding="utf-8")
+    if load_recipe(destination) != expected:
+        destination.unlink()
+        raise RecipeError(f"{source}: its standalone copy does not load as the same recipe (a bug)")

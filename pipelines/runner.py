@@ -8,7 +8,15 @@ new manifest changes the keys of everything downstream, and nothing upstream mov
 While it runs, a stage writes into `<run_dir>/<stage>.partial/`. Only after the stage function returned
 and its manifest was written there is that folder renamed to `<run_dir>/<stage>/`, so a folder without
 `.partial` is always complete. A crash or kill leaves the `.partial` folder, which a rerun with the same
-key resumes from (checkpoints, distilled records) and a rerun with another key discards.
+key resumes from (checkpoints, distilled records). Nothing a run made is deleted without `--force`: a
+`.partial` folder left by another config, and a complete folder that a rerun with another config (or other
+code) replaces, are moved to `<run_dir>/aside/` with a message that says where.
+
+Each manifest also records the fingerprint of the code that made the folder (`pipelines.fingerprint`: the
+stage's module and every polydraft module it imports). A folder up to date with the recipe but made by
+other code is kept, with a warning naming the stage and the modules that differ, unless `rerun_stale`
+(`--rerun-stale`): the closure of every stage holds shared modules (the schema, the runner), so rerunning on
+any edit would redo days of distillation for a changed docstring; the user decides.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from polydraft.pipelines.fingerprint import CodeFingerprint, code_changes, code_fingerprint
 from polydraft.pipelines.manifest import (
     MANIFEST,
     ManifestError,
@@ -34,6 +43,7 @@ from polydraft.pipelines.manifest import (
     write_json_atomic,
 )
 from polydraft.pipelines.recipe import dump_recipe
+from polydraft.pipelines.rundir import move_aside
 from polydraft.pipelines.schema import Recipe, ResolvedTarget
 from polydraft.pipelines.stage import PROJECT_ROOT, Stage, StageContext, StageFailed
 from polydraft.pipelines.tracking import start_tracking
@@ -67,13 +77,17 @@ def _select(stages: list[Stage], only: str | None, start: str | None) -> set[str
     return set(names)
 
 
-def _swap_into_place(work_dir: Path, final_dir: Path) -> None:
-    """Replace `final_dir` by `work_dir` with renames only, so no reader sees a half-written folder."""
+def _swap_into_place(work_dir: Path, final_dir: Path, delete_old: bool, why: str) -> None:
+    """Replace `final_dir` by `work_dir` with renames only, so no reader sees a half-written folder. The
+    folder replaced is moved aside (`why` says what made it stale), or deleted when `delete_old` (--force)."""
     trash = final_dir.with_name(f".{final_dir.name}.old")
     if trash.exists():
         shutil.rmtree(trash)
     if final_dir.exists():
-        final_dir.rename(trash)
+        if delete_old:
+            final_dir.rename(trash)
+        else:
+            move_aside(final_dir, final_dir.parent, why)
     work_dir.rename(final_dir)
     if trash.exists():
         shutil.rmtree(trash)
@@ -104,14 +118,31 @@ def _checked_manifest(final_dir: Path, replace: bool) -> dict[str, Any] | None:
     return manifest
 
 
-def _prepare_work_dir(work_dir: Path, key: str) -> None:
-    """Keep a partial folder left by an interrupted run of the same key (to resume); discard any other."""
+def _prepare_work_dir(work_dir: Path, key: str, force: bool) -> None:
+    """Keep a partial folder left by an interrupted run of the same key (to resume); move any other one
+    aside (delete it with --force)."""
     key_file = work_dir / KEY_FILE
     if work_dir.exists() and (not key_file.is_file() or key_file.read_text().strip() != key):
-        log.info("discarding %s: it was left by a run with another config", work_dir)
-        shutil.rmtree(work_dir)
+        if force:
+            log.info("deleting %s (--force): it was left by a run with another config", work_dir)
+            shutil.rmtree(work_dir)
+        else:
+            move_aside(work_dir, work_dir.parent, "was left by a run with another config")
     work_dir.mkdir(parents=True, exist_ok=True)
     key_file.write_text(key + "\n")
+
+
+def stage_code(stage: Stage) -> CodeFingerprint:
+    """The code a stage runs: its module and the polydraft modules it imports."""
+    return code_fingerprint(stage.run.__module__)
+
+
+def code_drift(manifest: dict[str, Any], code: CodeFingerprint) -> list[str]:
+    """The modules that differ between the code that made a stage folder and this code (empty: the same)."""
+    recorded = (manifest.get("code") or {}).get("modules")
+    if recorded is None:
+        return ["(the folder records no code: made before polydraft recorded it)"]
+    return code_changes(recorded, code.modules)
 
 
 def stage_key(config: dict[str, Any], upstream_hashes: dict[str, str]) -> str:
@@ -130,10 +161,12 @@ def run_pipeline(
     only: str | None = None,
     start: str | None = None,
     force: bool = False,
+    rerun_stale: bool = False,
     quiet: bool = False,
     verbose: bool = False,
 ) -> list[StageOutcome]:
-    """Run the recipe's enabled stages in order, skipping those whose manifest matches."""
+    """Run the recipe's enabled stages in order, skipping those whose manifest matches (and, unless
+    `rerun_stale`, those made by other code, with a warning)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     enabled = [s for s in stages if _enabled(recipe, s.name)]
     selected = _select(enabled, only, start)
@@ -153,11 +186,20 @@ def run_pipeline(
         upstream_hashes = {u: file_hash(run_dir / u / MANIFEST) for u in upstream if fresh.get(u)}
         key = stage_key(config, upstream_hashes)
         keys[stage.name] = key
+        code = stage_code(stage)
         up_to_date = not missing and manifest is not None and manifest.get("key") == key
-        if stage.name not in selected or (up_to_date and not force):
+        drift = code_drift(manifest, code) if up_to_date and manifest is not None else []
+        rerun_for_code = bool(drift) and rerun_stale and stage.name in selected
+        if stage.name not in selected or (up_to_date and not force and not rerun_for_code):
             fresh[stage.name] = up_to_date
             status = "skipped (up to date)" if up_to_date else "not selected (out of date)"
-            if up_to_date or stage.name not in selected:
+            if drift:
+                status = "skipped (ran with other code)"
+                log.warning(
+                    "%-10s up to date with the recipe but made by other code: %s. Kept; `--rerun-stale` "
+                    "reruns it (and what depends on it)", stage.name, ", ".join(drift),
+                )  # fmt: skip
+            elif up_to_date or stage.name not in selected:
                 log.info("%-10s %s", stage.name, status)
             outcomes.append(StageOutcome(stage.name, status, (manifest or {}).get("metrics", {})))
             continue
@@ -169,7 +211,7 @@ def run_pipeline(
             )
 
         work_dir = run_dir / f"{stage.name}.partial"
-        _prepare_work_dir(work_dir, key)
+        _prepare_work_dir(work_dir, key, force)
         tracking = recipe.tracking
         tracker = start_tracking(
             stage=stage.name,
@@ -232,6 +274,7 @@ def run_pipeline(
                 "finished_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                 "duration_s": round(duration, 3),
                 "metrics": result.metrics,
+                "code": code.record(),
                 **environment,
             },
         )
@@ -239,7 +282,8 @@ def run_pipeline(
         failure = work_dir / "failure.json"
         if failure.exists():
             failure.unlink()
-        _swap_into_place(work_dir, final_dir)
+        why = "was made by other code" if rerun_for_code else "was made with another config"
+        _swap_into_place(work_dir, final_dir, delete_old=force, why=why)
         fresh[stage.name] = True
         log.info("%-10s done in %.1f s", stage.name, duration)
         outcomes.append(StageOutcome(stage.name, "ran", result.metrics, duration))
@@ -312,10 +356,12 @@ def reuse_outputs(
         if staging.exists():
             shutil.rmtree(staging)
         shutil.copytree(donor, staging, symlinks=True)
-        _swap_into_place(staging, final_dir)
+        _swap_into_place(
+            staging, final_dir, delete_old=False, why=f"was made with another config than {donor}'s"
+        )
         partial = run_dir / f"{stage.name}.partial"
         if partial.exists():  # an interrupted run of some config: the copy is complete
-            shutil.rmtree(partial)
+            move_aside(partial, run_dir, f"was left by an interrupted run; {donor} is complete")
         fresh.add(stage.name)
         copied.append((stage.name, donor))
         log.info("%-10s reused from %s", stage.name, donor)

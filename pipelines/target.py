@@ -29,8 +29,11 @@ def bootstrap_key(target: TargetConfig, data: DataConfig) -> str:
     )[:16]
 
 
-def resolve_target(target: TargetConfig, data: DataConfig, show_progress: bool = True) -> ResolvedTarget:
-    """The target as stages load it; a bootstrap target is built once per settings hash, then reused."""
+def resolve_target(
+    target: TargetConfig, data: DataConfig, show_progress: bool = True, build: bool = True
+) -> ResolvedTarget:
+    """The target as stages load it; a bootstrap target is built once per settings hash, then reused
+    (`build=False`: where it would be, built or not, for questions that must not start work)."""
     if target.path is not None:
         return ResolvedTarget(
             path=target.path,
@@ -45,7 +48,7 @@ def resolve_target(target: TargetConfig, data: DataConfig, show_progress: bool =
     folder = Path(os.path.expanduser(boot.cache_dir)) / bootstrap_key(target, data)
     if (folder / DONE).is_file():
         log.info("bootstrap target: reusing %s", folder)
-    else:
+    elif build:
         log.info("bootstrap target: building %s (%d steps on the offline corpus)", folder, boot.steps)
         folder.parent.mkdir(parents=True, exist_ok=True)
         build_bootstrap_target(

@@ -4,7 +4,14 @@ from pathlib import Path
 
 import pytest
 
-from polydraft.pipelines.recipe import RecipeError, dump_recipe, load_recipe, parse_override
+from polydraft.pipelines.recipe import (
+    RecipeError,
+    copy_recipe,
+    dump_recipe,
+    header,
+    load_recipe,
+    parse_override,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -127,15 +134,33 @@ RECIPES = sorted(p for p in (ROOT / "recipes").rglob("*.yaml") if "accelerate" n
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=[str(p.relative_to(ROOT)) for p in RECIPES])
-def test_every_shipped_recipe_loads(path):
-    text = path.read_text()
-    is_base = path.stem == "base" or "base" in path.parts
+def test_every_shipped_recipe_loads_and_starts_with_its_launch_command(path, tmp_path):
     recipe = load_recipe(path)
     assert recipe.data.pairs or not recipe.finetune.enabled
-    if not is_base:
-        assert text.startswith("#") and "polydraft run" in text.splitlines()[0] + "".join(
-            text.splitlines()[1:4]
-        ), "a recipe starts with a comment giving its launch command"
+    launch, description = header(path)
+    assert launch == f"polydraft run {path.relative_to(ROOT)}", "the first line is its own launch command"
+    assert description.endswith(".") and len(description) > 20, "then a sentence that says what it is"
+    copy = tmp_path / "copy" / "standalone.yaml"
+    copy_recipe(path, copy)  # standalone: `extends` merged, local paths absolute, loading to the same recipe
+    assert "\nextends:" not in copy.read_text() and load_recipe(copy) == recipe
+    assert header(copy)[0] == f"polydraft run {copy}"
+
+
+def test_polydraft_recipes_lists_every_recipe_and_copies_one(tmp_path, capsys):
+    from polydraft.pipelines.cli import main
+
+    assert main(["recipes"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if not line.startswith(" ")] == [
+        str(p.relative_to(ROOT / "recipes").with_suffix("")) for p in RECIPES
+    ]
+    assert "    $ polydraft run recipes/vicuna-7b/de.yaml" in out
+    destination = tmp_path / "mine.yaml"
+    assert main(["recipes", "--copy", "vicuna-7b/de", str(destination)]) == 0
+    assert load_recipe(destination) == load_recipe(ROOT / "recipes" / "vicuna-7b" / "de.yaml")
+    assert main(["recipes", "--copy", "vicuna-7b/de", str(destination)]) == 2  # never overwritten
+    assert "already exists" in capsys.readouterr().err
+    assert main(["recipes", "--copy", "vicuna-7b/xx", str(tmp_path / "other.yaml")]) == 2
 
 
 def test_accelerate_configs_are_valid_yaml():
