@@ -72,7 +72,9 @@ def _read(module: str, origin: str, mtime_ns: int, size: int) -> tuple[str, froz
     stage on every run, and the stages share most of their modules)."""
     source = Path(origin).read_bytes()
     tree = ast.parse(source, filename=origin)
-    return hashlib.sha256(source).hexdigest(), frozenset(_imports(module, tree, origin.endswith("__init__.py")))
+    return hashlib.sha256(source).hexdigest(), frozenset(
+        _imports(module, tree, origin.endswith("__init__.py"))
+    )
 
 
 def code_fingerprint(start: str) -> CodeFingerprint:
