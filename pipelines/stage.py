@@ -14,10 +14,10 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel
@@ -32,11 +32,13 @@ from polydraft.pipelines.schema import (
 )
 from polydraft.pipelines.tracking import Tracker, start_tracking
 from polydraft.train.drafter import LoopSettings
+from polydraft.train.progress import ProgressLine
 from polydraft.train.step import OptimSettings
 
 log = logging.getLogger(__name__)
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
 
 
 class StageFailed(RuntimeError):
@@ -64,20 +66,17 @@ class StageContext:
     quiet: bool = False
     verbose: bool = False
 
-    def progress(
-        self, iterable: Any = None, total: int | None = None, desc: str = "", unit: str = "it"
-    ) -> Any:
-        """A tqdm progress bar, hidden with --quiet."""
-        from tqdm.auto import tqdm
+    def progress(self, total: int, verb: str, unit: str, initial: int = 0) -> ProgressLine:
+        """A line of progress every 5% of `total` units, with the rate and the time left (none with
+        --quiet): `update(n)` counts units done."""
+        return ProgressLine(self.name, total, unit, initial=initial, verb=verb, enabled=not self.quiet)
 
-        return tqdm(
-            iterable,
-            total=total,
-            desc=f"{self.name}: {desc}" if desc else self.name,
-            unit=unit,
-            disable=self.quiet,
-            dynamic_ncols=True,
-        )
+    def track(self, items: list[T], verb: str, unit: str) -> Iterator[T]:
+        """The items, one at a time, with a `progress` line as they are done."""
+        progress = self.progress(len(items), verb, unit)
+        for item in items:
+            yield item
+            progress.update()
 
 
 @dataclass(frozen=True)

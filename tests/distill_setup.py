@@ -45,7 +45,7 @@ def make_recipe(target_dir: Path, sources: list[dict], **distill: Any) -> Recipe
     )
 
 
-def run_distill(recipe: Recipe, target_dir: Path, work_dir: Path) -> StageResult:
+def run_distill(recipe: Recipe, target_dir: Path, work_dir: Path, quiet: bool = True) -> StageResult:
     """The distill stage of `recipe` on `target_dir`, working in `work_dir`, as the runner runs it."""
     from polydraft.pipelines.stages.distill import run
 
@@ -56,7 +56,7 @@ def run_distill(recipe: Recipe, target_dir: Path, work_dir: Path) -> StageResult
         upstream={},
         tracker=Tracker(None, "distill"),
         tracking=TrackingConfig(mode="disabled"),
-        quiet=True,
+        quiet=quiet,
     )
     target = ResolvedTarget(path=str(target_dir), revision=None, dtype="auto", trust_remote_code=False)
     return run(DistillInputs.of(recipe, target), context)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -32,14 +33,21 @@ def keys_of(work_dir: Path) -> list[tuple]:
     return [record_key(r) for r in iter_records(work_dir)]
 
 
-def test_hf_backend_end_to_end(tmp_path, tiny_target_dir):
-    """Every (prompt, temperature, sample) once, with the exact prompt, token ids, metrics and the mix."""
+def test_hf_backend_end_to_end(tmp_path, tiny_target_dir, caplog):
+    """Every (prompt, temperature, sample) once, with the exact prompt, token ids, metrics and the mix,
+    and progress lines with the total."""
     import datasets
 
     data = translation_file(tmp_path, 4)
     recipe = make_recipe(tiny_target_dir, [local_source(data)], eval_fraction=0.25, stop=["xyz"])
     work = tmp_path / "run" / "distill"
-    result = run_distill(recipe, tiny_target_dir, work)
+    with caplog.at_level("INFO", logger="polydraft.train.progress"):
+        result = run_distill(recipe, tiny_target_dir, work, quiet=False)
+    assert caplog.messages[-1].startswith("[distill] generated 12/12 samples (100%), ")
+    assert all(
+        re.fullmatch(r"\[distill\] generated \d+/12 samples \(\d+%\), .* (left|done)", m)
+        for m in caplog.messages
+    )
 
     keys = keys_of(work)
     assert len(keys) == len(set(keys)) == 4 * 3  # greedy once + 2 samples at T=1

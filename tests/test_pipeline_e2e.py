@@ -59,7 +59,9 @@ def tiny_run(tmp_path_factory):
 
 def test_every_stage_produces_its_outputs(tiny_run, capsys):
     _, run_dir = tiny_run
-    assert sorted(p.name for p in run_dir.iterdir()) == sorted(["recipe.yaml", "run.json", *STAGES])
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted(
+        ["origin.json", "recipe.yaml", "run.json", *STAGES]
+    )
     for stage in STAGES:
         manifest = json.loads((run_dir / stage / "manifest.json").read_text())
         assert manifest["status"] == "completed" and manifest["stage"] == stage
@@ -111,6 +113,26 @@ def test_rerun_skips_every_stage_and_prints_the_results_table(tiny_run, capsys):
     assert out.count("skipped (up to date)") == len(STAGES)
     assert before == {s: (run_dir / s / "manifest.json").stat().st_mtime_ns for s in STAGES}
     assert "Wall-clock speedup over ar" in out and "| sd[de-en] K=4 |" in out
+
+
+def test_in_process_stages_log_progress_lines_with_their_totals(tiny_run, caplog):
+    recipe, run_dir = tiny_run
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "polydraft.train.progress"]
+
+    with caplog.at_level("INFO"):
+        assert main(["run", str(recipe), "--run-dir", str(run_dir), "--from", "measure", "--force"]) == 0
+    assert any(line.startswith("[measure] measured 2/2 groups (100%), ") for line in lines())
+    assert lines()[-1].startswith("[export] staged and checked 4/4 folders (100%), ")
+    assert not any("\r" in line for line in lines())
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        assert (
+            main(["run", str(recipe), "--run-dir", str(run_dir), "--only", "export", "--force", "--quiet"])
+            == 0
+        )
+    assert lines() == []
 
 
 def test_export_logs_each_folder_as_a_wandb_model_artifact_when_asked(tiny_run):

@@ -356,7 +356,7 @@ def run(inputs: DistillInputs, ctx: StageContext) -> StageResult:
         cfg.backend,
     )
     meta = {"backend": cfg.backend, "model": model_name, "model_revision": target.revision or ""}
-    bar = ctx.progress(total=todo, desc="generate", unit="sample")
+    bar = ctx.progress(todo, "generated", "sample")
     writer = RecordWriter(store, meta, cfg.seed, cfg.batch_size, done, bar, ctx.tracker.log)
     generation_started = time.time()
     try:
@@ -364,7 +364,6 @@ def run(inputs: DistillInputs, ctx: StageContext) -> StageResult:
     finally:
         writer.flush()
         store.close()
-        bar.close()
     generation_time = time.time() - generation_started
 
     missing = expected - writer.done

@@ -360,7 +360,7 @@ def finish_items(
 
     cfg, resolved = inputs.export, inputs.target
     extras: dict[str, dict[str, Any]] = {}
-    for item in ctx.progress(items, desc="stage folders", unit="folder"):
+    for item in ctx.track(items, "staged and checked", "folder"):
         if item.kind == "early_exit":
             extras[item.source.name] = {"head": early_exit_facts(stage_head(item, target), ctx.upstream)}
         elif item.kind == "heads":

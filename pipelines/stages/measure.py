@@ -131,7 +131,7 @@ def run(inputs: MeasureInputs, ctx: StageContext) -> StageResult:
     done = {row.group for row in rows}
     groups = [(s, t, seed) for s in eval_sets for t in cfg.temperatures for seed in cfg.seeds]
     warmed: set[str] = set()
-    for eval_set, temperature, seed in ctx.progress(groups, desc="groups", unit="group"):
+    for eval_set, temperature, seed in ctx.track(groups, "measured", "group"):
         if ("polydraft", eval_set.name, temperature, seed) in done:
             continue
         sampling = Sampling(temperature, cfg.top_p if temperature > 0 else 1.0)
