@@ -62,12 +62,21 @@ def describe(kind: str, format: str, path: str | None, name: str | None, split: 
     return f"{kind}:{path}{'/' + name if name else ''}[{split}]"
 
 
-def _get(row: dict[str, Any], dotted: str) -> Any:
+def field_value(row: dict[str, Any], dotted: str) -> Any:
+    """The value at a dotted field path: names walk into mappings, integers into lists (`prompt.0` is the
+    first turn of a `prompt` list, `turns.-1` the last); None where the path leads nowhere."""
     value: Any = row
     for part in dotted.split("."):
-        if not isinstance(value, dict) or part not in value:
+        if isinstance(value, dict) and part in value:
+            value = value[part]
+        elif (
+            isinstance(value, (list, tuple))
+            and part.lstrip("-").isdigit()
+            and -len(value) <= int(part) < len(value)
+        ):
+            value = value[int(part)]
+        else:
             return None
-        value = value[part]
     return value
 
 
@@ -104,7 +113,7 @@ def normalise(
         problem = None
         for role in ROLES[format]:
             path = fields.get(role, role)
-            value = _get(row, path)
+            value = field_value(row, path)
             if role == "conversations":
                 value = _conversation(value)
             if value is None or (isinstance(value, str) and not value.strip()):
