@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from polydraft.distill.offline import offline_pairs, offline_texts
+from polydraft.models.folders import mirrored
 
 log = logging.getLogger(__name__)
 
@@ -137,13 +138,18 @@ def normalise(
     return out
 
 
-def _load_hf(path: str, name: str | None, split: str, revision: str | None, streaming: bool) -> Any:
+def load_hf(path: str, name: str | None, split: str, revision: str | None, streaming: bool) -> Any:
+    """A `datasets` hub dataset (its copy in the $POLYDRAFT_HUB_MIRROR folder when there is one)."""
     import datasets
 
+    local = mirrored(path, "datasets", revision)
+    if local is not None:
+        return datasets.load_dataset(local, name, split=split, streaming=streaming)
     return datasets.load_dataset(path, name, split=split, revision=revision, streaming=streaming)
 
 
-def _load_local(path: str, split: str) -> Any:
+def load_local(path: str, streaming: bool = False) -> Any:
+    """A local JSON/JSONL/Parquet file, or every such file under a folder, as one split."""
     import datasets
 
     root = Path(path)
@@ -155,11 +161,13 @@ def _load_local(path: str, split: str) -> Any:
     if not files or not all(f.exists() for f in files):
         raise SourceError(f"local:{path}: no .jsonl/.json/.parquet file found")
     builder = "parquet" if files[0].suffix == ".parquet" else "json"
-    if builder == "json":
+    if builder == "json" and not streaming:
         for file in files:
             _check_utf8(file)
     try:
-        return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")
+        return datasets.load_dataset(
+            builder, data_files=[str(f) for f in files], split="train", streaming=streaming
+        )
     except Exception as err:  # datasets wraps the parser's error in its own types
         names = ", ".join(str(f) for f in files[:3]) + (" ..." if len(files) > 3 else "")
         raise SourceError(f"local:{path}: cannot be read as {builder} ({names}): {err}") from err
@@ -223,9 +231,7 @@ def read_source(
             rows, format, {}, pair, description, skip_invalid, f"offline/{pair or 'text'}/{split}"
         )
     dataset = (
-        _load_hf(path or "", name, split, revision, streaming)
-        if kind == "hf"
-        else _load_local(path or "", split)
+        load_hf(path or "", name, split, revision, streaming) if kind == "hf" else load_local(path or "")
     )
     if streaming:
         # a stream has no random access: shuffle within a buffer; row indices count the shuffled stream

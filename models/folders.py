@@ -23,6 +23,23 @@ def is_local(path: str) -> bool:
     )
 
 
+MIRROR_ENV = "POLYDRAFT_HUB_MIRROR"
+"""A folder holding local copies of hub repositories, read instead of the hub: `models/<org>/<name>` and
+`datasets/<org>/<name>` (a dataset at a revision other than the default: `datasets/<org>/<name>@<revision>`,
+`/` written `%2F`). For machines that cannot reach the hub (air-gapped clusters), and the tests' fixtures."""
+
+
+def mirrored(repo_id: str, kind: str, revision: str | None = None) -> str | None:
+    """The local copy of hub repository `repo_id` (`kind`: `models` or `datasets`) in the folder that
+    $POLYDRAFT_HUB_MIRROR names, or None (no mirror, a local path, or not in the mirror)."""
+    root = os.environ.get(MIRROR_ENV)
+    if not root or is_local(repo_id):
+        return None
+    suffix = f"@{revision.replace('/', '%2F')}" if revision and revision != "main" else ""
+    folder = Path(os.path.expanduser(root)) / kind / f"{repo_id}{suffix}"
+    return str(folder) if folder.is_dir() else None
+
+
 def safetensors_problem(file: Path) -> str | None:
     """Why a .safetensors file cannot be read (a short or corrupt header, data cut short), or None."""
     size = file.stat().st_size

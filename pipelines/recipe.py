@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from polydraft.models.folders import mirrored
 from polydraft.pipelines.schema import FieldError, Recipe
 
 
@@ -193,13 +194,12 @@ def _anchored(value: Any, origin: str | None) -> Any:
 def _anchored_model(value: Any, origin: str | None) -> Any:
     """A model reference (target.path, a drafter's init, a measured drafter) is a local folder or a hub id.
     It is read as a folder relative to the recipe file that wrote it when it starts with `./` or `../`,
-    or when that folder exists; anything else is left as written (a hub id such as `org/name`)."""
+    or when that folder exists; anything else is a hub id (`org/name`), read from its copy in the
+    $POLYDRAFT_HUB_MIRROR folder when there is one (`models.folders.mirrored`)."""
     anchored = _anchored(value, origin)
-    if anchored is value or anchored == value:
-        return value
-    if value.startswith(("./", "../")) or Path(anchored).is_dir():
+    if anchored != value and (value.startswith(("./", "../")) or Path(anchored).is_dir()):
         return anchored
-    return value
+    return mirrored(value, "models") or value  # a hub id: its copy in $POLYDRAFT_HUB_MIRROR, if any
 
 
 def anchor_paths(data: dict, provenance: dict[tuple, str]) -> None:
