@@ -14,7 +14,7 @@ from pathlib import Path
 from polydraft.pipelines.preflight import InputError, check_model_folders, check_run_dir
 from polydraft.pipelines.recipe import RecipeError, dump_recipe, load_recipe
 from polydraft.pipelines.rundir import RunDirTaken, claim_run_dir, default_run_dir
-from polydraft.pipelines.stage import StageFailed
+from polydraft.pipelines.stage import StageFailed, configure_logging
 
 log = logging.getLogger("polydraft.pipelines.cli")
 
@@ -27,20 +27,6 @@ EXIT_CRASH = 3
 EXIT_INTERRUPTED = 130
 
 STAGE_NAMES = ("distill", "pretrain", "finetune", "early_exit", "heads", "calibrate", "measure", "export")
-
-
-def _setup_logging(quiet: bool, verbose: bool) -> None:
-    level = logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO
-    logging.basicConfig(
-        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.WARNING
-    )
-    logging.getLogger("polydraft").setLevel(level)
-    if quiet:
-        import datasets
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        datasets.disable_progress_bars()
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -294,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
-    _setup_logging(args.quiet, args.verbose)
+    # library bars only where a terminal redraws them
+    configure_logging(args.quiet, args.verbose, bars=sys.stderr.isatty() and not args.quiet)
     try:
         if args.command == "run":
             return _run(args)

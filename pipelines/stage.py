@@ -275,14 +275,28 @@ def training_main(
     run_training_process(spec, accelerator, tracker, lambda: job(spec, inputs, accelerator, tracker))
 
 
-def setup_process_logging(spec: StageSpec) -> None:
-    """Log levels of a training subprocess follow the pipeline's --quiet / --verbose."""
+def configure_logging(quiet: bool, verbose: bool, bars: bool) -> None:
+    """polydraft's loggers at INFO (WARNING with `quiet`, DEBUG with `verbose`), other libraries' at
+    WARNING, one line format for the runner and its training subprocesses. `bars: False` turns off the
+    tqdm bars of transformers, huggingface_hub and datasets (a bar redrawn with carriage returns turns
+    into fragments in a pipe or a log file; polydraft's own progress is whole lines, `train.progress`)."""
     logging.basicConfig(
-        level=logging.DEBUG if spec.verbose else logging.WARNING if spec.quiet else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.WARNING
     )
-    # accelerate logs every checkpoint file at INFO; keep that for --verbose
-    logging.getLogger("accelerate").setLevel(logging.DEBUG if spec.verbose else logging.WARNING)
+    logging.getLogger("polydraft").setLevel(
+        logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO
+    )
+    if not bars:
+        import datasets
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # huggingface_hub's too
+        datasets.disable_progress_bars()
+
+
+def setup_process_logging(spec: StageSpec) -> None:
+    """A training subprocess logs like the runner (its lines are forwarded through a pipe: no bars)."""
+    configure_logging(spec.quiet, spec.verbose, bars=False)
 
 
 def run_training_process(spec: StageSpec, accelerator: Any, tracker: Tracker, train: Any) -> None:

@@ -27,9 +27,14 @@ class Tracker:
             self._run, self._start = self._start(), None
         return self._run
 
-    def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
-        shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
-        log.info("[%s]%s %s", self.stage, f" step {step}" if step is not None else "", shown)
+    def log(self, metrics: dict[str, Any], step: int | None = None, echo: bool = True) -> None:
+        """Send `metrics` to wandb; `echo` also writes them to the console (the training loop's metrics
+        have their own readable line, `train.loop`)."""
+        if echo:
+            shown = ", ".join(
+                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
+            )
+            log.info("[%s]%s %s", self.stage, f" step {step}" if step is not None else "", shown)
         if self._ensure() is not None:
             self._run.log(metrics, step=step)
 

@@ -1,4 +1,4 @@
-"""Kill a real training run with SIGKILL after a checkpoint, resume it, and compare it with a run never
+"""Kill a real training run with SIGKILL at a chosen step after a checkpoint, resume it, and compare it with a run never
 interrupted (the training resume tests).
 
 A resumed run must be told apart from a restart, which deterministic training cannot do by its numbers
@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -30,55 +28,55 @@ from polydraft.pipelines.stage import (
     spec_for,
 )
 from polydraft.train.checkpoint import list_checkpoints, read_state
+from polydraft.train.loop import KILL_ENV
 from polydraft.train.steplog import read_log
 from tests.drafter_setup import run_stage, stage_inputs
 
 MARK = "before_kill"
 
 
-def kill_after_checkpoint(
-    command: list[str], env: dict[str, str], checkpoints: Path, log_path: Path, timeout: float = 240
+def run_killed_at(
+    command: list[str], env: dict[str, str], kill_after: int, checkpoints: Path, log_path: Path
 ) -> int:
-    """Start `command` in its own session, SIGKILL the whole group once a checkpoint exists and at least
-    two steps past it are logged (so steps are lost and redone), and return the newest checkpoint's step."""
-    process = subprocess.Popen(
-        command, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    """Run `command` in its own session with the trainer told (`train.loop.KILL_ENV`) to SIGKILL its
+    process group right after step `kill_after` is logged; returns the newest checkpoint's step, which
+    must lie before `kill_after` (so logged steps are lost and redone)."""
+    env = {**env, KILL_ENV: str(kill_after)}
+    code = subprocess.run(
+        command, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        timeout=600,
+    ).returncode  # fmt: skip
+    assert code == -signal.SIGKILL, (
+        f"the training process ended with status {code}, not killed at {kill_after}"
     )
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline and process.poll() is None:
-            saved = list_checkpoints(checkpoints)
-            if saved and len(read_log(log_path)) >= read_state(saved[-1])["step"] + 2:
-                break
-            time.sleep(0.02)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)  # the launcher and its workers, mid-step
-        code = process.wait()
-    assert code == -signal.SIGKILL, f"the training process ended with status {code} before it could be killed"
     saved = list_checkpoints(checkpoints)
-    assert saved, "the run was killed before its first checkpoint"
-    while len(saved) > 1 and len(read_log(log_path)) <= read_state(saved[-1])["step"]:
-        # steps of milliseconds can outrun the poll to the next checkpoint: drop it, which leaves what a
-        # kill just before its save (and after the logged steps) leaves
-        shutil.rmtree(saved.pop())
+    assert saved, f"no checkpoint before step {kill_after}"
     step = read_state(saved[-1])["step"]
-    assert len(read_log(log_path)) > step, "no step after the checkpoint was logged before the kill"
+    assert len(read_log(log_path)) == kill_after > step, (
+        "the kill came after a checkpoint of every logged step"
+    )
     return step
 
 
 def killed_then_resumed(
-    name: str, recipe: Any, ctx: StageContext, target_dir: Path, checkpoints: Path, log_path: Path, done: Path
+    name: str,
+    recipe: Any,
+    ctx: StageContext,
+    target_dir: Path,
+    kill_after: int,
+    checkpoints: Path,
+    log_path: Path,
+    done: Path,
 ) -> tuple[int, Path]:
-    """Launch stage `name`'s training process as the stage does, SIGKILL it after a checkpoint under
-    `checkpoints`, mark the log, rerun the stage here; returns (checkpoint step, its folder). `done` is
-    what only a finished run leaves behind."""
+    """Launch stage `name`'s training process as the stage does, have it SIGKILLed right after step
+    `kill_after` (checkpoints under `checkpoints`), mark the log, rerun the stage here; returns (checkpoint
+    step, its folder). `done` is what only a finished run leaves behind."""
     inputs = stage_inputs(name, recipe, target_dir)
     spec = spec_for(inputs, ctx).write(ctx.work_dir / "spec.json")
     config = resolve_accelerate_config(recipe.launch.accelerate_config)
     command = accelerate_command(config, None, f"polydraft.pipelines.stages.{name}", [str(spec)])
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "ACCELERATE_USE_CPU": "true"}
-    step = kill_after_checkpoint(command, env, checkpoints, log_path)
+    step = run_killed_at(command, env, kill_after, checkpoints, log_path)
     checkpoint = list_checkpoints(checkpoints)[-1]
     assert not done.exists(), "the run finished before it could be killed"
     mark_before_kill(log_path)

@@ -11,7 +11,7 @@ from tests.drafter_setup import context, run_stage, tiny_recipe, write_tiny_mix
 from tests.eesd_setup import save_layered_target
 from tests.resume_check import assert_resumed, assert_same_weights, killed_then_resumed
 
-STEPS = 60  # the kill comes after step 7: a wide margin, as calibration steps take milliseconds
+STEPS = 12  # the kill comes right after step 7, two steps past the checkpoint of step 5
 
 
 def test_killed_calibration_resumes_like_an_uninterrupted_run(tmp_path, tiny_tokenizer):
@@ -33,6 +33,7 @@ def test_killed_calibration_resumes_like_an_uninterrupted_run(tmp_path, tiny_tok
         recipe,
         ctx,
         target,
+        7,
         folder / "checkpoints",
         folder / "train_log.jsonl",
         folder / REPORT_FILE,

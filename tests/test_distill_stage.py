@@ -46,8 +46,7 @@ def test_hf_backend_end_to_end(tmp_path, tiny_target_dir, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "polydraft.train.progress"]
     assert lines[-1].startswith("[distill] generated 12/12 samples (100%), ")
     assert all(
-        re.fullmatch(r"\[distill\] generated \d+/12 samples \(\d+%\), .* (left|done)", m)
-        for m in lines
+        re.fullmatch(r"\[distill\] generated \d+/12 samples \(\d+%\), .* (left|done)", m) for m in lines
     )
 
     keys = keys_of(work)

@@ -1,4 +1,4 @@
-"""A real `accelerate launch` of the early-exit stage, SIGKILLed after a checkpoint and rerun, resumes: the
+"""A real `accelerate launch` of the early-exit stage, SIGKILLed right after step 10 (2 steps past a checkpoint) and rerun, resumes: the
 same later losses and the same final head, bit for bit, as a run never interrupted, and the steps before
 the checkpoint are not trained again (tests/resume_check.py). Its losses also equal those of 2 DDP ranks
 (gloo) against the one process accumulating 2 micro-batches: the same global batches, the same token-mean
@@ -29,7 +29,14 @@ def test_killed_run_resumes_like_an_uninterrupted_run(tmp_path, tiny_target_dir)
     killed = context(tmp_path / "killed", "early_exit", {"distill": distill})
     work = killed.work_dir
     step, checkpoint = killed_then_resumed(
-        "early_exit", recipe, killed, tiny_target_dir, work / "checkpoints", work / LOG_FILE, work / HEAD_DIR
+        "early_exit",
+        recipe,
+        killed,
+        tiny_target_dir,
+        10,
+        work / "checkpoints",
+        work / LOG_FILE,
+        work / HEAD_DIR,
     )
     assert 0 < step < 24
     log_path = work / LOG_FILE

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +19,7 @@ from polydraft.train.heads import HEADS_DIR, LOG_FILE, head_labels
 from polydraft.train.losses import IGNORE_INDEX
 from polydraft.train.runtime import make_accelerator
 from tests.drafter_setup import context, stage_inputs, tiny_recipe, write_tiny_mix
+from tests.resume_check import run_killed_at
 
 X = IGNORE_INDEX
 
@@ -85,7 +83,7 @@ def test_training_step_moves_the_heads_only(tmp_path, tiny_target_dir, tiny_targ
 
 def test_killed_run_resumes_with_the_same_losses(tmp_path, tiny_target_dir):
     distill = write_tiny_mix(tmp_path / "distill", ["de-en", "fr-en"], train_rows=16, eval_rows=4)
-    steps = 30
+    steps = 10
     train(*job(tmp_path, tiny_target_dir, distill, "whole", max_steps=steps))
     whole = tmp_path / "whole" / "heads.partial"
     expected = [json.loads(line)["loss"] for line in (whole / LOG_FILE).read_text().splitlines()]
@@ -94,17 +92,14 @@ def test_killed_run_resumes_with_the_same_losses(tmp_path, tiny_target_dir):
     spec, inputs = job(tmp_path, tiny_target_dir, distill, "killed", max_steps=steps)
     killed = Path(spec.work_dir)
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "ACCELERATE_USE_CPU": "true"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "polydraft.pipelines.stages.heads", str(spec.write(killed / "spec.json"))], env=env,
-        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    first = killed / "checkpoints" / "step-00000002" / "state.json"
-    deadline = time.monotonic() + 120
-    while not first.is_file() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.005)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-    assert first.is_file(), "the run never reached its first checkpoint"
+    command = [
+        sys.executable,
+        "-m",
+        "polydraft.pipelines.stages.heads",
+        str(spec.write(killed / "spec.json")),
+    ]
+    step = run_killed_at(command, env, 5, killed / "checkpoints", killed / LOG_FILE)
+    assert step == 4  # checkpoints every 2 steps: step 5 is lost and redone
     assert not (killed / HEADS_DIR).exists(), "the run finished before it was killed"
 
     train(spec, inputs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,28 @@ def test_in_process_stages_log_progress_lines_with_their_totals(tiny_run, caplog
             == 0
         )
     assert lines() == []
+
+
+def test_a_training_stage_shows_one_readable_line_per_log_every_steps(tiny_run, tmp_path, capfd):
+    """Through the CLI, as a user runs it: the training subprocess's lines reach the console whole, one per
+    `log_every` steps with the total, epoch, loss, lr, throughput and time left; no bars, no wandb-key dumps;
+    `--quiet` silences them."""
+    recipe, _ = tiny_run
+    command = ["run", str(recipe), "pretrain.loop.log_every=1", "--only", "pretrain"]
+    assert main([*command, "--run-dir", str(tmp_path / "shown")]) == 0
+    err = capfd.readouterr().err
+    lines = [
+        line.split(": ", 1)[1] for line in err.splitlines() if "polydraft.train.progress: [pretrain]" in line
+    ]
+    pattern = (
+        r"\[pretrain\] step {}/2 \({}%\), epoch 1, loss \d+\.\d+, lr \d\.\d\de-\d\d, [\d.]+k? tokens/s, "
+    )
+    assert len(lines) == 2, err
+    assert re.match(pattern.format(1, 50) + r"\d+s left$", lines[0]), lines[0]
+    assert re.match(pattern.format(2, 100) + "done$", lines[1]), lines[1]
+    assert "\r" not in err and "train/loss=" not in err and "it/s]" not in err
+    assert main([*command, "--run-dir", str(tmp_path / "quiet"), "--quiet"]) == 0
+    assert "[pretrain] step" not in capfd.readouterr().err
 
 
 def test_export_logs_each_folder_as_a_wandb_model_artifact_when_asked(tiny_run):

@@ -49,7 +49,7 @@ def test_a_resumed_count_measures_its_rate_from_this_process_only(caplog):
             progress.update(1, epoch="2/3", loss=4.44444, lr=0.0023684, **{"tokens/s": 13020.0})
     # 10 steps in 20 s: 30 steps left take 60 s (the 60 steps before the resume do not count)
     assert caplog.messages == [
-        "[pretrain] step 70/100 (70%), epoch 2/3, loss 4.444, lr 2.37e-03, tokens/s 13.0k, 1m00s left"
+        "[pretrain] step 70/100 (70%), epoch 2/3, loss 4.444, lr 2.37e-03, 13.0k tokens/s, 1m00s left"
     ]
 
 

@@ -11,7 +11,7 @@ from polydraft.train.checkpoint import list_checkpoints, read_state
 from tests.drafter_setup import context, run_stage, tiny_recipe, write_tiny_mix
 from tests.resume_check import assert_resumed, assert_same_weights, killed_then_resumed
 
-STEPS = 60  # per pair: a wide margin after the first checkpoint for the kill, as tiny steps take ms
+STEPS = 16  # per pair; the kill comes right after step 12 (checkpoints every 10 or 5: steps are redone)
 
 
 def test_killed_pretraining_resumes_like_an_uninterrupted_run(tmp_path, tiny_target_dir):
@@ -27,6 +27,7 @@ def test_killed_pretraining_resumes_like_an_uninterrupted_run(tmp_path, tiny_tar
         recipe,
         ctx,
         tiny_target_dir,
+        12,
         work / "model.checkpoints",
         work / "model.train_log.jsonl",
         work / "model",
@@ -56,6 +57,7 @@ def test_killed_finetuning_resumes_like_an_uninterrupted_run(tmp_path, tiny_targ
         recipe,
         ctx,
         tiny_target_dir,
+        12,
         work / "de-en.checkpoints",
         work / "de-en.train_log.jsonl",
         work / "de-en",

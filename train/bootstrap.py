@@ -27,6 +27,7 @@ from transformers import GenerationConfig
 from polydraft.distill.offline import offline_pairs, offline_texts
 from polydraft.distill.prompts import VICUNA_CHAT_TEMPLATE, task_prefix, vicuna_prompt
 from polydraft.models.tiny import build_llama, train_tokenizer
+from polydraft.train.progress import ProgressLine
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,6 @@ def build_bootstrap_target(
     Written into a temporary sibling folder and renamed at the end, so `out_dir` is complete or absent;
     resumed from `.<name>.partial/` when an earlier build of the same folder was stopped.
     """
-    from tqdm.auto import tqdm
     from transformers import AutoTokenizer
 
     started = time.perf_counter()
@@ -155,8 +155,8 @@ def build_bootstrap_target(
         order, losses, first = state["order"], state["losses"], state["step"]
         spent, slices = state["seconds"], state["slices"]
         log.info("bootstrap target: resuming at step %d of %d from %s", first, steps, partial)
-    bar = tqdm(range(first, steps), desc="bootstrap target", disable=not show_progress, dynamic_ncols=True)
-    for step in bar:
+    progress = ProgressLine("bootstrap target", steps, "step", initial=first, every=10, enabled=show_progress)
+    for step in range(first, steps):
         if len(order) < batch_size:
             order += rng.sample(range(len(encoded)), len(encoded))
         chunk, order = order[:batch_size], order[batch_size:]
@@ -168,8 +168,7 @@ def build_bootstrap_target(
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
-        if step % 10 == 0:
-            bar.set_postfix(loss=f"{sum(losses[-10:]) / len(losses[-10:]):.3f}")
+        progress.update(1, loss=sum(losses[-10:]) / len(losses[-10:]))
         if (step + 1) % checkpoint_every == 0 and step + 1 < steps:
             state = {
                 "model": model.state_dict(),

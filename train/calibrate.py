@@ -19,6 +19,7 @@ are removed when the drafter is done.
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -28,13 +29,12 @@ import torch
 import torch.nn.functional as F
 
 from polydraft.models.calibration import acceptance_labels
-from polydraft.train.checkpoint import resume_checkpoint, save_checkpoint
 from polydraft.train.data import epoch_order, micro_batch_indices
+from polydraft.train.loop import LoopPlan, TrainingLoop
 from polydraft.train.losses import IGNORE_INDEX, scale_for_step
-from polydraft.train.runtime import check_finite, configure_deepspeed
+from polydraft.train.runtime import configure_deepspeed
 from polydraft.train.schedule import build_optimizer, build_scheduler
-from polydraft.train.step import OptimSettings
-from polydraft.train.steplog import append_log, truncate_log
+from polydraft.train.step import OptimSettings, StepLog, StepStats
 
 log = logging.getLogger(__name__)
 
@@ -200,23 +200,31 @@ def fit(
     configure_deepspeed(accelerator, per_device, optim.max_grad_norm)
     model, optimizer = accelerator.prepare(model, optimizer)
     folder.mkdir(parents=True, exist_ok=True)
-    checkpoints, log_path = folder / "checkpoints", folder / "train_log.jsonl"
-    step, resumed = 0, resume_checkpoint(accelerator, checkpoints, {"scheduler": scheduler})
-    last_checkpoint = resumed[0] if resumed else None
-    if resumed is not None:
-        step = resumed[1]["step"]
-        log.info("calibrate %s: resuming from %s (step %d of %d)", name, last_checkpoint, step, total_steps)
-    if accelerator.is_main_process:
-        truncate_log(log_path, step)
-    order, order_epoch = [], -1
-    while step < total_steps:
+    log_path = folder / "train_log.jsonl"
+    plan = LoopPlan(total_steps, log_every, 0, checkpoint_every, keep_checkpoints)
+    training = TrainingLoop(
+        accelerator, plan, label=f"calibrate {name}", checkpoints=folder / "checkpoints",
+        log_path=log_path, scheduler=scheduler, quiet=False,  # --quiet sets the process's log level
+    )  # fmt: skip
+    training.resume()
+    steplog = StepLog(
+        tracker, log_path, prefix=f"{name}/", log_every=log_every, flops_per_token=0.0, peak_flops=None,
+        world=world, main_process=accelerator.is_main_process,
+    )  # fmt: skip
+    order: dict[int, list[int]] = {}  # the example order of the current epoch
+
+    def one_step(step: int) -> StepStats:
         epoch, in_epoch = divmod(step, steps_per_epoch)
-        if epoch != order_epoch:
-            order, order_epoch = epoch_order(len(rows["labels"]), seed, epoch), epoch
+        if epoch not in order:
+            order.clear()
+            order[epoch] = epoch_order(len(rows["labels"]), seed, epoch)
         scale = scale_for_step(global_batch, world, accum)
         loss_sum = torch.zeros((), device=device)
+        grad_norm = None
         for micro in range(accum):
-            index = torch.tensor(micro_batch_indices(order, in_epoch, micro, rank, world, per_device, accum))
+            index = torch.tensor(
+                micro_batch_indices(order[epoch], in_epoch, micro, rank, world, per_device, accum)
+            )
             with accelerator.accumulate(model):
                 logits = model(
                     rows["steps"][index].to(device),
@@ -226,22 +234,21 @@ def fit(
                 loss = F.cross_entropy(logits.float(), rows["labels"][index].to(device), reduction="sum")
                 accelerator.backward(loss * scale)
                 if accelerator.sync_gradients and optim.max_grad_norm:
-                    accelerator.clip_grad_norm_(model.parameters(), optim.max_grad_norm)
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), optim.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             loss_sum += loss.detach()
-        step_loss = accelerator.reduce(loss_sum, "sum").item() / global_batch
-        check_finite(step_loss, step + 1, str(last_checkpoint) if last_checkpoint else None)
+        lr = scheduler.get_last_lr()[0]
         scheduler.step()
-        step += 1
-        if accelerator.is_main_process:
-            append_log(log_path, {"step": step, "loss": step_loss})
-            if step % log_every == 0 or step == total_steps:
-                tracker.log({f"{name}/train/loss": step_loss}, step=step)
-        if step % checkpoint_every == 0 or step == total_steps:
-            last_checkpoint = save_checkpoint(
-                accelerator, checkpoints, step, {}, keep_checkpoints, {"scheduler": scheduler}
-            )
+        return StepStats(
+            loss=accelerator.reduce(loss_sum, "sum").item() / global_batch,
+            lr=lr,
+            grad_norm=float(grad_norm) if grad_norm is not None else math.nan,
+            loss_tokens=global_batch,
+            input_tokens=global_batch,
+        )
+
+    training.run(one_step, steplog, epoch=lambda step: step / steps_per_epoch, throughput_unit="rows")
     return model
 
 

@@ -242,6 +242,10 @@ class MixBatches:
             out.append(collate([self.examples[i] for i in indices], self.pad_id))
         return out
 
+    def epoch(self, step: int) -> float:
+        """Epochs done after `step` steps."""
+        return step / self.steps_per_epoch
+
     def state(self) -> dict[str, Any]:
         return {}
 
@@ -281,6 +285,10 @@ class PackedBatches:
             mine = sequences[first : first + self.per_device]
             out.append(collate([{"input_ids": s, "labels": s} for s in mine], self.eos_id))
         return out
+
+    def epoch(self, step: int) -> float:
+        """The pass over the corpus being read (1: the first); `step` is only for symmetry."""
+        return self.stream.position.epoch + 1
 
     def state(self) -> dict[str, Any]:
         return asdict(self.stream.position)

@@ -22,16 +22,15 @@ from typing import Any
 import torch
 
 from polydraft.models.drafters import build_drafter, export_drafter, load_drafter
-from polydraft.train.checkpoint import resume_checkpoint, save_checkpoint
 from polydraft.train.data import MixBatches, PackedBatches, tokenized_documents
 from polydraft.train.evaluation import eval_log, evaluate
+from polydraft.train.loop import LoopPlan, TrainingLoop
 from polydraft.train.losses import ce_sum, loss_window, topk_kl_sum
 from polydraft.train.metrics import matmul_params, peak_flops, train_flops_per_token
 from polydraft.train.results import DrafterMetrics
-from polydraft.train.runtime import check_finite, configure_deepspeed, unwrap
+from polydraft.train.runtime import configure_deepspeed, unwrap
 from polydraft.train.schedule import build_optimizer, build_scheduler
-from polydraft.train.step import OptimSettings, StepLog, train_step
-from polydraft.train.steplog import mean_loss, truncate_log
+from polydraft.train.step import OptimSettings, StepLog, StepStats, train_step
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +134,6 @@ def train_drafter(
 ) -> tuple[torch.nn.Module, DrafterMetrics]:
     """Train `model` for `loop.total_steps` optimizer steps, resuming from the last checkpoint under
     `<job_dir>.checkpoints`; returns the prepared model and its metrics."""
-    from tqdm.auto import tqdm
-
     main_process, device = accelerator.is_main_process, accelerator.device
     config = model.config
     flops_per_token = train_flops_per_token(
@@ -153,18 +150,17 @@ def train_drafter(
     model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
 
-    checkpoints = job_dir.with_name(job_dir.name + ".checkpoints")
     log_path = job_dir.with_name(job_dir.name + ".train_log.jsonl")
-    step, tokens_seen = 0, 0
-    resumed = resume_checkpoint(accelerator, checkpoints, {"scheduler": scheduler})
-    last_checkpoint = resumed[0] if resumed else None
-    if resumed is not None:
-        state = resumed[1]
-        step, tokens_seen = state["step"], state["tokens"]
-        data.restore(state["data"])
-        log.info("[%s] resuming from %s (step %d of %d)", name, last_checkpoint, step, loop.total_steps)
-    if main_process:
-        truncate_log(log_path, step)
+    plan = LoopPlan(
+        loop.total_steps, loop.log_every, loop.eval_every, loop.checkpoint_every, loop.keep_checkpoints
+    )
+    training = TrainingLoop(
+        accelerator, plan, label=name, checkpoints=job_dir.with_name(job_dir.name + ".checkpoints"),
+        log_path=log_path, scheduler=scheduler, quiet=quiet,
+    )  # fmt: skip
+    saved = training.resume()
+    if saved is not None:
+        data.restore(saved["data"])
     steplog = StepLog(
         tracker,
         log_path,
@@ -176,10 +172,10 @@ def train_drafter(
         main_process=main_process,
         step_offset=step_offset,
     )
-    progress = tqdm(total=loop.total_steps, initial=step, desc=name, disable=quiet or not main_process)
-    while step < loop.total_steps:
+
+    def one_step(step: int) -> StepStats:
         micro_batches = [{k: v.to(device) for k, v in b.items()} for b in data.micro_batches(step)]
-        stats = train_step(
+        return train_step(
             accelerator,
             model,
             optimizer,
@@ -188,29 +184,24 @@ def train_drafter(
             lambda batch: step_loss(model, batch, teacher, *kd),
             optim.max_grad_norm,
         )
-        check_finite(stats.loss, step + 1, str(last_checkpoint) if last_checkpoint else None)
-        step += 1
-        tokens_seen += stats.input_tokens
-        steplog.record(step, loop.total_steps, stats, tokens_seen)
-        if evals and loop.eval_every and step % loop.eval_every == 0 and step < loop.total_steps:
-            metrics = evaluate(
-                accelerator, model, evals, loop.per_device_batch_size, loop.eval_batches, pad_id
-            )
-            if main_process:
-                tracker.log(eval_log(metrics), step=step_offset + step)
-        if step % loop.checkpoint_every == 0 or step == loop.total_steps:
-            state = {"data": data.state(), "tokens": tokens_seen}
-            last_checkpoint = save_checkpoint(
-                accelerator, checkpoints, step, state, loop.keep_checkpoints, {"scheduler": scheduler}
-            )
-        progress.update(1)
-        progress.set_postfix(loss=f"{stats.loss:.4f}")
-    progress.close()
+
+    def periodic_eval(step: int) -> None:
+        metrics = evaluate(accelerator, model, evals, loop.per_device_batch_size, loop.eval_batches, pad_id)
+        if main_process:
+            tracker.log(eval_log(metrics), step=step_offset + step)
+
+    result = training.run(
+        one_step,
+        steplog,
+        evaluate=periodic_eval if evals else None,
+        state=lambda: {"data": data.state()},
+        epoch=data.epoch,
+    )
     final = {}
     if evals:
         final = evaluate(accelerator, model, evals, loop.per_device_batch_size, loop.eval_batches, pad_id)
     metrics = DrafterMetrics(
-        steps=step, tokens=tokens_seen, train_loss=mean_loss(log_path, loop.log_every), eval=final
+        steps=result.steps, tokens=result.tokens, train_loss=result.train_loss, eval=final
     )
     return model, metrics
 

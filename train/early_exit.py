@@ -27,13 +27,11 @@ import torch
 
 from polydraft.models.early_exit import EarlyExitDrafter, attention_masks, run_layers
 from polydraft.models.partial_load import decoder_parts
-from polydraft.train.checkpoint import resume_checkpoint, save_checkpoint
 from polydraft.train.data import MixBatches, collate, encode_rows
+from polydraft.train.loop import LoopPlan, TrainingLoop
 from polydraft.train.losses import IGNORE_INDEX, ce_sum, loss_window, topk_kl_sum
 from polydraft.train.results import HeadEval
-from polydraft.train.runtime import check_finite
-from polydraft.train.step import StepLog, train_step
-from polydraft.train.steplog import mean_loss, truncate_log
+from polydraft.train.step import StepLog, StepStats, train_step
 
 log = logging.getLogger(__name__)
 
@@ -231,26 +229,23 @@ def fit(
     kl_top_k: int,
     kl_weight: float,
 ) -> tuple[int, float | None, HeadEval | None, HeadEval | None]:
-    """The explicit loop: resume, steps with exact token-mean losses, logs, evals, checkpoints. Returns
-    (steps, train loss, held-out metrics of the initial head, held-out metrics at the end)."""
-    from tqdm.auto import tqdm
-
+    """Train the head through the shared loop (`train.loop`): steps with exact token-mean losses, evals.
+    Returns (steps, train loss, held-out metrics of the initial head, held-out metrics at the end)."""
     device, main_process = accelerator.device, accelerator.is_main_process
-    checkpoints, log_path = work_dir / "checkpoints", work_dir / LOG_FILE
-    step, resumed = 0, resume_checkpoint(accelerator, checkpoints, {"scheduler": scheduler})
-    last_checkpoint = resumed[0] if resumed else None
+    log_path = work_dir / LOG_FILE
+    plan = LoopPlan(total_steps, log_every, eval_every, checkpoint_every, keep_checkpoints)
+    training = TrainingLoop(
+        accelerator, plan, label="early_exit", checkpoints=work_dir / "checkpoints", log_path=log_path,
+        scheduler=scheduler, quiet=quiet,
+    )  # fmt: skip
+    saved = training.resume()
     initial: HeadEval | None = None
-    if resumed is not None:
-        state = resumed[1]
-        step = state["step"]
-        initial = HeadEval.model_validate(state["initial_eval"]) if state["initial_eval"] else None
-        log.info("early_exit: resuming from %s (step %d of %d)", last_checkpoint, step, total_steps)
+    if saved is not None:
+        initial = HeadEval.model_validate(saved["initial_eval"]) if saved["initial_eval"] else None
     elif evals:  # the head as initialised from the target's last layer: the baseline training must beat
         initial = evaluate(accelerator, drafter, head, evals, references)
         if main_process:
             tracker.log(head_eval_log(initial), step=0)
-    if main_process:
-        truncate_log(log_path, step)
     # the frozen layers run without autograd (forward only), the head forward and backward
     frozen = sum(p.numel() for p in drafter.parameters()) - sum(p.numel() for p in head.parameters())
     trained = sum(p.numel() for p in head.parameters())
@@ -259,33 +254,28 @@ def fit(
         peak_flops=None, world=accelerator.num_processes, main_process=main_process,
     )  # fmt: skip
 
-    progress = tqdm(total=total_steps, initial=step, desc="early_exit", disable=quiet or not main_process)
-    tokens_seen = 0
-    while step < total_steps:
+    def one_step(step: int) -> StepStats:
         micro_batches = [{k: v.to(device) for k, v in b.items()} for b in batches.micro_batches(step)]
-        stats = train_step(
+        return train_step(
             accelerator, head, optimizer, scheduler, micro_batches,
             lambda batch: exit_loss(drafter, head, batch, teacher, kl_weight, kl_top_k), max_grad_norm,
         )  # fmt: skip
-        check_finite(stats.loss, step + 1, str(last_checkpoint) if last_checkpoint else None)
-        step += 1
-        tokens_seen += stats.input_tokens
-        steplog.record(step, total_steps, stats, tokens_seen)
-        if evals and eval_every and step % eval_every == 0 and step < total_steps:
-            metrics = evaluate(accelerator, drafter, head, evals, references)
-            if main_process:
-                tracker.log(head_eval_log(metrics), step=step)
-        if step % checkpoint_every == 0 or step == total_steps:
-            saved = {"initial_eval": initial.model_dump() if initial else None}
-            last_checkpoint = save_checkpoint(
-                accelerator, checkpoints, step, saved, keep_checkpoints, {"scheduler": scheduler}
-            )
-        progress.update(1)
-        progress.set_postfix(loss=f"{stats.loss:.4f}")
-    progress.close()
+
+    def periodic_eval(step: int) -> None:
+        metrics = evaluate(accelerator, drafter, head, evals, references)
+        if main_process:
+            tracker.log(head_eval_log(metrics), step=step)
+
+    result = training.run(
+        one_step,
+        steplog,
+        evaluate=periodic_eval if evals else None,
+        state=lambda: {"initial_eval": initial.model_dump() if initial else None},
+        epoch=batches.epoch,
+    )
     final = None
     if evals:
         final = evaluate(accelerator, drafter, head, evals, references)
         if main_process:
-            tracker.log(head_eval_log(final), step=step)
-    return step, mean_loss(log_path, log_every), initial, final
+            tracker.log(head_eval_log(final), step=result.steps)
+    return result.steps, result.train_loss, initial, final

@@ -22,22 +22,17 @@ heads are written.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from polydraft.train.checkpoint import resume_checkpoint, save_checkpoint
 from polydraft.train.data import MixBatches
+from polydraft.train.loop import LoopPlan, TrainingLoop
 from polydraft.train.losses import IGNORE_INDEX
 from polydraft.train.results import HeadScore, HeadsEval
-from polydraft.train.runtime import check_finite
-from polydraft.train.step import StepLog, token_counts, train_step
-from polydraft.train.steplog import mean_loss, truncate_log
-
-log = logging.getLogger(__name__)
+from polydraft.train.step import StepLog, StepStats, token_counts, train_step
 
 HEADS_DIR = "heads"
 LOG_FILE = "train_log.jsonl"
@@ -178,27 +173,25 @@ def fit(
     work_dir: Path,
     quiet: bool,
 ) -> tuple[int, float | None, HeadsEval | None, HeadsEval | None]:
-    """The explicit loop: resume, steps with exact per-head token means, logs, evals, checkpoints. Returns
-    (steps, train loss, held-out metrics of the initial heads, held-out metrics at the end)."""
-    from tqdm.auto import tqdm
-
+    """Train the heads through the shared loop (`train.loop`): steps with exact per-head token means,
+    per-head losses, evals. Returns (steps, train loss, held-out metrics of the initial heads, held-out
+    metrics at the end)."""
     device, main_process = accelerator.device, accelerator.is_main_process
     weights = torch.tensor([loss_decay**i for i in range(num_heads)], dtype=torch.float64, device=device)
-    checkpoints, log_path = work_dir / "checkpoints", work_dir / LOG_FILE
-    step, resumed = 0, resume_checkpoint(accelerator, checkpoints, {"scheduler": scheduler})
-    last_checkpoint = resumed[0] if resumed else None
+    log_path = work_dir / LOG_FILE
+    plan = LoopPlan(total_steps, log_every, eval_every, checkpoint_every, keep_checkpoints)
+    training = TrainingLoop(
+        accelerator, plan, label="heads", checkpoints=work_dir / "checkpoints", log_path=log_path,
+        scheduler=scheduler, quiet=quiet,
+    )  # fmt: skip
+    saved = training.resume()
     initial: HeadsEval | None = None
-    if resumed is not None:
-        state = resumed[1]
-        step = state["step"]
-        initial = HeadsEval.model_validate(state["initial_eval"]) if state["initial_eval"] else None
-        log.info("heads: resuming from %s (step %d of %d)", last_checkpoint, step, total_steps)
+    if saved is not None:
+        initial = HeadsEval.model_validate(saved["initial_eval"]) if saved["initial_eval"] else None
     elif evals:  # the heads as initialised: the baseline training must beat
         initial = evaluate(accelerator, target, heads, shared_head, evals, num_heads)
         if main_process:
             tracker.log(eval_log(initial), step=0)
-    if main_process:
-        truncate_log(log_path, step)
     # the target runs forward only (2 FLOPs a parameter and token), the heads forward and backward
     frozen = sum(p.numel() for p in target.parameters())
     trained = sum(p.numel() for p in heads.parameters())
@@ -216,9 +209,7 @@ def fit(
         current["sums"] = current["sums"] + sums.detach().double()
         return (sums * current["factors"].to(sums.dtype)).sum()
 
-    progress = tqdm(total=total_steps, initial=step, desc="heads", disable=quiet or not main_process)
-    tokens_seen = 0
-    while step < total_steps:
+    def one_step(step: int) -> StepStats:
         micro_batches = [{k: v.to(device) for k, v in b.items()} for b in batches.micro_batches(step)]
         step_tokens, _ = token_counts(micro_batches, accelerator)
         local = sum(label_counts(b["labels"], num_heads) for b in micro_batches)
@@ -230,29 +221,29 @@ def fit(
         )
         current["sums"] = torch.zeros(num_heads, dtype=torch.float64, device=device)
         stats = train_step(accelerator, heads, optimizer, scheduler, micro_batches, loss_sum, max_grad_norm)
-        check_finite(stats.loss, step + 1, str(last_checkpoint) if last_checkpoint else None)
-        step += 1
-        tokens_seen += stats.input_tokens
-        steplog.record(step, total_steps, stats, tokens_seen)
-        if step % log_every == 0 or step == total_steps:  # every process joins the reduction
+        done = step + 1
+        if done % log_every == 0 or done == total_steps:  # every process joins the reduction
             losses = (accelerator.reduce(current["sums"], "sum") / head_tokens.clamp(min=1)).tolist()
             if main_process:
-                tracker.log({f"train/head{i}_loss": loss for i, loss in enumerate(losses)}, step=step)
-        if evals and eval_every and step % eval_every == 0 and step < total_steps:
-            metrics = evaluate(accelerator, target, heads, shared_head, evals, num_heads)
-            if main_process:
-                tracker.log(eval_log(metrics), step=step)
-        if step % checkpoint_every == 0 or step == total_steps:
-            saved = {"initial_eval": initial.model_dump() if initial else None}
-            last_checkpoint = save_checkpoint(
-                accelerator, checkpoints, step, saved, keep_checkpoints, {"scheduler": scheduler}
-            )
-        progress.update(1)
-        progress.set_postfix(loss=f"{stats.loss:.4f}")
-    progress.close()
+                metrics = {f"train/head{i}_loss": loss for i, loss in enumerate(losses)}
+                tracker.log(metrics, step=done, echo=False)
+        return stats
+
+    def periodic_eval(step: int) -> None:
+        metrics = evaluate(accelerator, target, heads, shared_head, evals, num_heads)
+        if main_process:
+            tracker.log(eval_log(metrics), step=step)
+
+    result = training.run(
+        one_step,
+        steplog,
+        evaluate=periodic_eval if evals else None,
+        state=lambda: {"initial_eval": initial.model_dump() if initial else None},
+        epoch=batches.epoch,
+    )
     final = None
     if evals:
         final = evaluate(accelerator, target, heads, shared_head, evals, num_heads)
         if main_process:
-            tracker.log(eval_log(final), step=step)
-    return step, mean_loss(log_path, log_every), initial, final
+            tracker.log(eval_log(final), step=result.steps)
+    return result.steps, result.train_loss, initial, final

@@ -47,7 +47,8 @@ class ProgressLine:
     """Counts work done out of `total` and logs one line every `every` units and at the end.
 
     `initial` is work done before this process started (a resumed run): the rate and the time left
-    count only what this process did. Fields given to `update` are shown in order, after the count.
+    count only what this process did. Fields given to `update` are shown in order, after the count, as
+    `name value`; a field named like a rate (`tokens/s`) as `value name`.
     """
 
     def __init__(
@@ -83,7 +84,10 @@ class ProgressLine:
             count = f"step {self.done}/{self.total}{share}"
         else:
             count = f"{what}{self.done}/{self.total} {self.unit}s{share}"
-        parts = [count] + [f"{name.replace('_', ' ')} {number(value)}" for name, value in fields.items()]
+        parts = [count] + [
+            f"{number(value)} {name}" if name.endswith("/s") else f"{name.replace('_', ' ')} {number(value)}"
+            for name, value in fields.items()
+        ]
         rate = self.rate()
         if rate is not None:
             if self.unit != "step":

@@ -129,7 +129,10 @@ class StepLog:
         self.world, self.main_process, self.step_offset = world, main_process, step_offset
         self.throughput, self.window = Throughput(), []
 
-    def record(self, step: int, total_steps: int, stats: StepStats, tokens_seen: int) -> None:
+    def record(
+        self, step: int, total_steps: int, stats: StepStats, tokens_seen: int
+    ) -> dict[str, float] | None:
+        """Log step `step`; at a logging step, return the window's metrics (unprefixed), else None."""
         self.throughput.add(stats.input_tokens)
         self.window.append(stats.loss)
         if self.main_process:
@@ -144,7 +147,7 @@ class StepLog:
                 },
             )
         if step % self.log_every and step != total_steps:
-            return
+            return None
         tokens_per_s = self.throughput.rate()
         metrics = {
             "train/loss": sum(self.window) / len(self.window),
@@ -158,4 +161,6 @@ class StepLog:
             metrics["train/mfu"] = utilisation
         self.window = []
         if self.main_process:
-            self.tracker.log({self.prefix + k: v for k, v in metrics.items()}, step=self.step_offset + step)
+            prefixed = {self.prefix + k: v for k, v in metrics.items()}
+            self.tracker.log(prefixed, step=self.step_offset + step, echo=False)  # the loop shows a line
+        return metrics
