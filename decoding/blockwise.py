@@ -9,7 +9,7 @@ on the prompt, which yields the first hidden state.
 
 - `bpd` (chain): the heads' argmaxes at temperature 0; when sampling, one token per head drawn from h_j
   (independent of the tokens before it, so h_j is its exact conditional), verified by speculative
-  sampling (`decoding.sd.accept_sampled`, i.e. `verify_chain`) against q = h_j.
+  sampling (`decoding.chain.accept_sampled`, i.e. `verify_chain`) against q = h_j.
 - `bpd+rescore`: the best path of the drafter-rescored lattice (`decoding.lattice`): beam search of
   width W at temperature 0; when sampling, one path drawn from r (stochastic beam search of width 1,
   an exact draw), verified by speculative sampling against the rows r_j(. | y_<j) it was drawn from.
@@ -30,11 +30,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from polydraft.decoding.chain import chain_decode, target_call
 from polydraft.decoding.engine import Generation, Output, Round, finish, next_token
 from polydraft.decoding.lattice import CandidateTree, best_path, candidate_tree, head_log_probs, rescorer
 from polydraft.decoding.lm import CachedLM
 from polydraft.decoding.sampling import Sampling, sample
-from polydraft.decoding.sd import accept_greedy, accept_sampled
 from polydraft.decoding.tree import TreeShape, check_window, draft_tree, tree_inputs, verify_rows, verify_tree
 
 
@@ -101,6 +101,59 @@ def _start(target: CachedLM, heads: HeadsDraft, rescoring: Rescoring | None) -> 
     return time.perf_counter()
 
 
+class HeadsProposer:
+    """Drafts from the heads' distributions at the newest accepted position, directly (`bpd`) or through
+    the drafter-rescored lattice (`bpd+rescore`) (`decoding.chain.Proposer`)."""
+
+    def __init__(
+        self,
+        target: CachedLM,
+        heads: HeadsDraft,
+        sampling: Sampling,
+        generator: torch.Generator,
+        rescoring: Rescoring | None,
+    ) -> None:
+        self.target, self.heads, self.sampling, self.generator = target, heads, sampling, generator
+        self.rescoring = rescoring
+        self.head_logp: Tensor | None = None  # none before the first target call
+        self.path: list[int] = []  # the rescored lattice's drafted nodes, and how many the drafter read
+        self.fed = 0
+
+    def max_drafts(self) -> int:
+        return self.heads.num_heads if self.head_logp is not None else 0
+
+    def draft(self, out: Output, budget: int) -> tuple[Tensor, Tensor | None]:
+        head_logp, k, sampling, generator = self.head_logp, budget, self.sampling, self.generator
+        assert head_logp is not None
+        if self.rescoring is None:
+            if sampling.greedy:
+                return head_logp[:k].argmax(-1), None
+            draft_probs = head_logp[:k].exp()
+            return sample(draft_probs, generator), draft_probs
+        drafter = self.rescoring.drafter
+        width = self.rescoring.beam_width if sampling.greedy else 1  # sampling: one exact draw from r
+        tree, dists = draft_tree(
+            drafter, out.pending(drafter.length), TreeShape.beam(width, k), k, sampling, generator,
+            rescorer(head_logp, self.rescoring.top_k, self.rescoring.weight, sampling),
+        )  # fmt: skip
+        path = best_path(tree)
+        self.path, self.fed = path, tree.fed
+        drafts = torch.tensor([tree.tokens[node] for node in path], device=self.target.device)
+        draft_probs = None
+        if dists is not None:  # the rows each drafted token was drawn from: root, then its ancestors
+            draft_probs = dists[torch.tensor([0] + [node + 1 for node in path[:-1]], device=dists.device)]
+        return drafts, draft_probs
+
+    def verify(self, out: Output, drafts: Tensor) -> tuple[Tensor, Tensor]:
+        return target_call(self.target, out, drafts)
+
+    def keep(self, n: int, accepted: int, drafts: int, hidden: Tensor) -> None:
+        self.target.crop(n + accepted)
+        if self.rescoring is not None and drafts > 0:
+            self.rescoring.drafter.keep(n, [node for node in self.path[:accepted] if node < self.fed])
+        self.head_logp = self.heads.log_probs(hidden[accepted], self.sampling)
+
+
 @torch.inference_mode()
 def blockwise_chain(
     target: CachedLM,
@@ -115,46 +168,8 @@ def blockwise_chain(
     """Decode one prompt with `bpd` (`rescoring` None) or `bpd+rescore`."""
     start = _start(target, heads, rescoring)
     out = Output(prompt.to(target.device), max_new_tokens, eos_ids, slack=heads.num_heads + 1)
-    greedy = sampling.greedy
-    head_logp: Tensor | None = None  # none before the first target call
-    rounds: list[Round] = []
-    while not out.done:
-        n = out.length
-        k = min(heads.num_heads, out.remaining - 1) if head_logp is not None else 0
-        drafts, draft_probs, path, fed = out.ids[:0], None, [], 0
-        if k > 0 and rescoring is None:
-            if greedy:
-                drafts = head_logp[:k].argmax(-1)
-            else:
-                draft_probs = head_logp[:k].exp()
-                drafts = sample(draft_probs, generator)
-        elif k > 0:
-            drafter = rescoring.drafter
-            width = rescoring.beam_width if greedy else 1  # sampling: one exact draw from r
-            tree, dists = draft_tree(
-                drafter, out.pending(drafter.length), TreeShape.beam(width, k), k, sampling, generator,
-                rescorer(head_logp, rescoring.top_k, rescoring.weight, sampling),
-            )  # fmt: skip
-            path, fed = best_path(tree), tree.fed
-            drafts = torch.tensor([tree.tokens[node] for node in path], device=target.device)
-            if dists is not None:  # the rows each drafted token was drawn from: root, then its ancestors
-                draft_probs = dists[torch.tensor([0] + [node + 1 for node in path[:-1]], device=dists.device)]
-        verify_input = torch.cat([out.ids[target.length : n], drafts]).view(1, -1)
-        logits, hidden = target.forward(verify_input, num_logits=k + 1)
-        if greedy:
-            predicted = logits.argmax(-1)
-            accepted, new = accept_greedy(predicted, drafts)
-            new_device = predicted[: accepted + 1]
-        else:
-            probs = list(draft_probs) if draft_probs is not None else []
-            accepted, new_device = accept_sampled(logits, drafts, probs, sampling, generator)
-            new = new_device.tolist()
-        target.crop(n + accepted)
-        if rescoring is not None and k > 0:
-            rescoring.drafter.keep(n, [node for node in path[:accepted] if node < fed])
-        head_logp = heads.log_probs(hidden[accepted], sampling)
-        kept = out.commit(new, new_device)
-        rounds.append(Round(k, k, min(accepted, kept)))
+    proposer = HeadsProposer(target, heads, sampling, generator, rescoring)
+    rounds = chain_decode(proposer, out, sampling, generator)
     return _finish(out, start, target, heads, rescoring, rounds)
 
 

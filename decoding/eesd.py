@@ -12,7 +12,7 @@ slots 0..N-1 (the shared layers), N..L-1 (the target's later layers) and the exi
   the target's norm and head on those rows.
 - Rejected positions are cropped from every slot group; layer-N hidden states that a slot group has
   not consumed yet (the last accepted draft for the exit layers) are kept in a small buffer.
-Acceptance (greedy or rejection sampling) and draft-length control are `sd`'s.
+The rounds, acceptance (greedy or rejection sampling) and draft-length control are `decoding.chain`'s.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ import time
 import torch
 from torch import Tensor
 
-from polydraft.decoding.engine import Generation, Output, Round
-from polydraft.decoding.sampling import Sampling, probabilities, sample
-from polydraft.decoding.sd import Controller, accept_greedy, accept_sampled
+from polydraft.decoding.chain import ControlledDrafting, chain_decode, draft_tokens
+from polydraft.decoding.engine import Generation, Output
+from polydraft.decoding.sampling import Sampling
+from polydraft.decoding.sd import Controller
 
 
 class SelfSpeculative:
@@ -126,6 +127,33 @@ class SelfSpeculative:
             self.cache.layers[slot].crop(-extra)
 
 
+class SelfProposer(ControlledDrafting):
+    """The early-exit drafter of `model` drafting for the target it shares its first layers with
+    (`decoding.chain.Proposer`)."""
+
+    def __init__(
+        self, model: SelfSpeculative, control: Controller, sampling: Sampling, generator: torch.Generator
+    ) -> None:
+        super().__init__(control)
+        self.model, self.sampling, self.generator = model, sampling, generator
+
+    def draft(self, out: Output, budget: int) -> tuple[Tensor, Tensor | None]:
+        self.control.begin_round(self.target_hidden)
+        first = out.pending(self.model.length(self.model.shared_slots))
+        return draft_tokens(self.model.draft_step, first, budget, self.control, self.sampling, self.generator)
+
+    def verify(self, out: Output, drafts: Tensor) -> tuple[Tensor, Tensor]:
+        k = drafts.shape[0]
+        pending = drafts[-1].view(1, 1) if k else out.pending(self.model.length(self.model.shared_slots))
+        return self.model.verify(pending, k + 1)
+
+    def keep(self, n: int, accepted: int, drafts: int, hidden: Tensor) -> None:
+        # the exit layers saw the pending tokens and all drafts but the last; without drafts, nothing new
+        exit_length = n + min(accepted, drafts - 1) if drafts else self.model.length(self.model.exit_slots)
+        self.model.crop(n + accepted, exit_length)
+        self.controlled(drafts, accepted, hidden)
+
+
 @torch.inference_mode()
 def self_speculative(
     model: SelfSpeculative,
@@ -141,51 +169,7 @@ def self_speculative(
     model.reset()
     control.start()
     out = Output(prompt.to(model.device), max_new_tokens, eos_ids, slack=control.max_length + 1)
-    greedy = sampling.greedy
-    target_hidden: Tensor | None = None
-    rounds: list[Round] = []
-    while not out.done:
-        n = out.length
-        budget = min(control.max_length, out.remaining - 1)
-        if control.needs_target_hidden and target_hidden is None:
-            budget = 0
-        drafts: list[Tensor] = []
-        draft_probs: list[Tensor] = []
-        if budget > 0:
-            control.begin_round(target_hidden)
-            step_input = out.pending(model.length(model.shared_slots))
-            for step in range(1, budget + 1):
-                logits, hidden = model.draft_step(step_input)
-                if greedy:
-                    token = logits.argmax(-1, keepdim=True)
-                else:
-                    p = probabilities(logits, sampling)
-                    token = sample(p, generator).view(1)
-                    draft_probs.append(p)
-                drafts.append(token)
-                if step == budget or not control.keep_drafting(step, hidden):
-                    break
-                step_input = token.view(1, 1)
-        k = len(drafts)
-        draft_tokens = torch.cat(drafts) if k else out.ids[:0]
-        pending = drafts[-1].view(1, 1) if k else out.pending(model.length(model.shared_slots))
-        logits, hidden = model.verify(pending, k + 1)
-        if greedy:
-            predicted = logits.argmax(-1)
-            accepted, new = accept_greedy(predicted, draft_tokens)
-            new_device = predicted[: accepted + 1]
-        else:
-            accepted, new_device = accept_sampled(logits, draft_tokens, draft_probs, sampling, generator)
-            new = new_device.tolist()
-        # the exit layers saw the pending tokens and all drafts but the last; without drafts, nothing new
-        exit_length = n + min(accepted, k - 1) if k else model.length(model.exit_slots)
-        model.crop(n + accepted, exit_length)
-        if k:
-            control.update(k, accepted)
-        if control.needs_target_hidden:
-            target_hidden = hidden[accepted]
-        kept = out.commit(new, new_device)
-        rounds.append(Round(k, k, min(accepted, kept)))
+    rounds = chain_decode(SelfProposer(model, control, sampling, generator), out, sampling, generator)
     return Generation(
         tokens=out.new,
         stop=out.stop,

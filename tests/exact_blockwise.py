@@ -32,9 +32,9 @@ import torch
 from torch import Tensor
 
 import polydraft.decoding.blockwise
+import polydraft.decoding.chain
 import polydraft.decoding.engine
 import polydraft.decoding.lattice
-import polydraft.decoding.sd
 import polydraft.decoding.tree
 from polydraft.decoding.lattice import rescorer
 from polydraft.decoding.sampling import Sampling
@@ -47,7 +47,7 @@ class DecoderExplorer(Explorer):
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         super().__init__(monkeypatch)
-        for module in (polydraft.decoding.engine, polydraft.decoding.sd, polydraft.decoding.blockwise):
+        for module in (polydraft.decoding.engine, polydraft.decoding.chain, polydraft.decoding.blockwise):
             monkeypatch.setattr(module, "sample", self.sample)
         monkeypatch.setattr(polydraft.decoding.lattice, "gumbel_topk", self.gumbel_topk)
         monkeypatch.setattr(polydraft.decoding.tree, "stochastic_beam_step", self.beam_of_one)

@@ -198,7 +198,7 @@ def test_bpd_verifies_against_the_rows_its_drafts_were_drawn_from(sampled_setup,
     the draft was sampled from, for bpd (a temperature mismatch between the two moves the output law by a
     chi-square divergence of about 0.01, below what 1500 samples detect)."""
     import polydraft.decoding.blockwise as blockwise
-    import polydraft.decoding.sd as sd
+    import polydraft.decoding.chain as chain
 
     target_model, _, heads_models = sampled_setup
     drawn, verified = [], []
@@ -212,7 +212,7 @@ def test_bpd_verifies_against_the_rows_its_drafts_were_drawn_from(sampled_setup,
         return verify_chain(drafts, draft_probs, target_probs, generator)
 
     monkeypatch.setattr(blockwise, "sample", spy_sample)
-    monkeypatch.setattr(sd, "verify_chain", spy_verify)
+    monkeypatch.setattr(chain, "verify_chain", spy_verify)
     target = CachedLM(target_model)
     heads = HeadsDraft(heads_models["medusa"], target)
     generator = torch.Generator().manual_seed(5)

@@ -34,6 +34,7 @@ import pytest
 import torch
 
 import polydraft.decoding.blockwise
+import polydraft.decoding.chain
 import polydraft.decoding.eesd
 import polydraft.decoding.lattice
 import polydraft.decoding.rsd
@@ -129,15 +130,15 @@ VARIANTS: dict[str, tuple[object, str, str, str, list[str]]] = {
         polydraft.decoding.tree, "verify_tree", "p = draft_probs[node + 1] if kids else q", "p = draft_probs[0] if kids else q",
         ["tree:rsd_c-332:top-k"],
     ),
-    "sd draft probabilities taken before top-k/top-p": (
-        polydraft.decoding.sd, "speculative", "draft_probs.append(p)",
-        "draft_probs.append(probabilities(logits[-1], Sampling(sampling.temperature)))",
-        ["grid:sd-fixed:T1-topk2"],
+    "chain draft probabilities taken before top-k/top-p (sd, eesd)": (
+        polydraft.decoding.chain, "draft_tokens", "rows.append(p)",
+        "rows.append(probabilities(logits, Sampling(sampling.temperature)))",
+        ["grid:sd-fixed:T1-topk2", "grid:eesd-beta_ts:T0.7-topp0.8"],
     ),
-    "eesd draft probabilities taken before top-k/top-p": (
-        polydraft.decoding.eesd, "self_speculative", "draft_probs.append(p)",
-        "draft_probs.append(probabilities(logits, Sampling(sampling.temperature)))",
-        ["grid:eesd-beta_ts:T0.7-topp0.8"],
+    "greedy chain accepts the first draft whether or not the target agrees": (
+        polydraft.decoding.chain, "accept_greedy", "while accepted < k and draft[accepted] == pred[accepted]:",
+        "while accepted < k and (accepted == 0 or draft[accepted - 1] == pred[accepted - 1]):",
+        ["greedy:sd", "greedy:eesd", "greedy-table:bpd"],
     ),
     "tree draft probabilities taken before top-k/top-p": (
         polydraft.decoding.tree, "_log_dist", "return probs.log(), probs",
@@ -153,12 +154,12 @@ VARIANTS: dict[str, tuple[object, str, str, str, list[str]]] = {
         "torch.tensor(tree.depths, device=device) + length", ["greedy:rsd", "grid:rsd_c:T0.7-topk2"],
     ),
     "sd target cache not cropped after a rejection": (
-        polydraft.decoding.sd, "speculative", "target.crop(n + accepted)", "target.crop(n + k)",
+        polydraft.decoding.sd, "DrafterProposer", "self.target.crop(n + accepted)", "self.target.crop(n + drafts)",
         ["greedy:sd", "grid:sd-cali_ts:T0.7-topp0.8"],
     ),
     "eesd cache not cropped after a rejection": (
-        polydraft.decoding.eesd, "self_speculative", "model.crop(n + accepted, exit_length)",
-        "model.crop(n + k, exit_length)",
+        polydraft.decoding.eesd, "SelfProposer", "self.model.crop(n + accepted, exit_length)",
+        "self.model.crop(n + drafts, exit_length)",
         ["greedy:eesd", "grid:eesd-fixed:T1-topk2"],
     ),
     "tree cache keeps the first nodes, not the accepted path": (
@@ -171,7 +172,7 @@ VARIANTS: dict[str, tuple[object, str, str, str, list[str]]] = {
     ),
     # the blockwise decoders (seed 000) and the rescored lattice
     "bpd+rescore verified against the heads' rows, not the rescored rows its path was drawn from": (
-        polydraft.decoding.blockwise, "blockwise_chain",
+        polydraft.decoding.blockwise, "HeadsProposer",
         "draft_probs = dists[torch.tensor([0] + [node + 1 for node in path[:-1]], device=dists.device)]",
         "draft_probs = head_logp[:k].exp()", ["exact:bpd+rescore:T1-topp0.8", "grid:bpd+rescore:T1-topk2"],
     ),
