@@ -9,7 +9,6 @@ from the whole target for `loss: ce+kl`, and trains its head with `train.early_e
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +26,17 @@ from polydraft.pipelines.stage import (
     optim_settings,
     training_main,
 )
+from polydraft.pipelines.stages.head_training import (
+    mix_data,
+    peak_memory_gib,
+    prepare_trainable,
+    write_output,
+)
 from polydraft.pipelines.tracking import Tracker
-from polydraft.train.data import MixBatches, pad_id_of
-from polydraft.train.early_exit import HEAD_DIR, eval_reference, eval_set, fit, load_examples
+from polydraft.train.data import pad_id_of
+from polydraft.train.early_exit import HEAD_DIR, eval_reference, eval_set, fit
 from polydraft.train.results import EarlyExitMetrics
-from polydraft.train.runtime import configure_deepspeed, resolve_attn_implementation
-from polydraft.train.schedule import build_optimizer, build_scheduler
+from polydraft.train.runtime import resolve_attn_implementation
 
 
 def run(inputs: EarlyExitInputs, ctx: StageContext) -> StageResult:
@@ -63,24 +67,10 @@ def train_early_exit(
     device = accelerator.device
     set_seed(loop.seed)
     tokenizer = load_tokenizer(target.path, target.revision, target.trust_remote_code)
-    distill_dir = Path(spec.upstream["distill"])
-    options = {"temperatures": block.temperatures, "loss_on": block.loss_on, "max_length": loop.max_length}
-    try:
-        train_examples = load_examples(distill_dir, tokenizer, "train", **options)
-        eval_examples = load_examples(distill_dir, tokenizer, "eval", **options)
-    except (FileNotFoundError, ValueError) as err:
-        raise StageFailed(f"early_exit: {err}") from err
-    batches = MixBatches(
-        train_examples, loop.seed, loop.per_device_batch_size, accelerator.process_index,
-        accelerator.num_processes, accelerator.gradient_accumulation_steps, pad_id_of(tokenizer),
+    batches, eval_examples, total_steps = mix_data(
+        "early_exit", Path(spec.upstream["distill"]), tokenizer, loop, accelerator,
+        temperatures=block.temperatures, loss_on=block.loss_on, max_length=loop.max_length,
     )  # fmt: skip
-    if batches.steps_per_epoch == 0:
-        raise StageFailed(
-            f"early_exit: {len(train_examples)} training examples are fewer than one global batch of "
-            f"{batches.global_batch} (per_device_batch_size x processes x grad_accum_steps)"
-        )
-    total_steps = loop.max_steps or max(1, int(loop.epochs * batches.steps_per_epoch))
-
     attn = resolve_attn_implementation(loop.attn_implementation, device.type == "cuda")
     frozen_dtype = resolve_dtype(target.dtype, device)
     teacher = None
@@ -109,16 +99,7 @@ def train_early_exit(
         attn,
     )
 
-    head = drafter.exit
-    if loop.compile:
-        head.compile()
-    optimizer = build_optimizer(head, optim.lr, optim.weight_decay, optim.betas, optim.eps)
-    scheduler = build_scheduler(
-        optimizer, total_steps, optim.warmup_ratio, optim.schedule, optim.min_lr_ratio
-    )
-    configure_deepspeed(accelerator, loop.per_device_batch_size, optim.max_grad_norm)
-    prepared, optimizer = accelerator.prepare(head, optimizer)
-    prepared.train()
+    prepared, optimizer, scheduler = prepare_trainable(drafter.exit, optim, loop, total_steps, accelerator)
     steps, train_loss, initial, final = fit(
         accelerator, drafter, prepared, optimizer, scheduler, batches, evals, references, tracker,
         total_steps=total_steps, max_grad_norm=optim.max_grad_norm, log_every=loop.log_every,
@@ -131,17 +112,13 @@ def train_early_exit(
         train_loss=train_loss,
         initial=initial,
         final=final,
-        peak_memory_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        peak_memory_gib=peak_memory_gib(device),
     )
     state = accelerator.get_state_dict(prepared)  # every process: FSDP / ZeRO-3 gather the shards
-    if accelerator.is_main_process:
-        out, partial = work_dir / HEAD_DIR, work_dir / f"{HEAD_DIR}.partial"
-        shutil.rmtree(partial, ignore_errors=True)
-        save_exit_head(drafter, partial, extra={"training": metrics.model_dump()}, state=state)
-        shutil.rmtree(out, ignore_errors=True)
-        partial.rename(out)
-        shutil.rmtree(work_dir / "checkpoints", ignore_errors=True)  # the head is written: nothing to resume
-    accelerator.wait_for_everyone()
+    write_output(
+        accelerator, work_dir, HEAD_DIR,
+        lambda folder: save_exit_head(drafter, folder, extra={"training": metrics.model_dump()}, state=state),
+    )  # fmt: skip
     return drafter, metrics
 
 

@@ -10,11 +10,8 @@ folder loads in vLLM: `models.heads.add_vllm_medusa`), which the measure stage d
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from polydraft.models.heads import Heads, add_vllm_medusa, heads_for_target, save_heads
 from polydraft.models.loading import load_causal_lm, load_tokenizer
@@ -28,13 +25,17 @@ from polydraft.pipelines.stage import (
     optim_settings,
     training_main,
 )
+from polydraft.pipelines.stages.head_training import (
+    mix_data,
+    peak_memory_gib,
+    prepare_trainable,
+    write_output,
+)
 from polydraft.pipelines.tracking import Tracker
-from polydraft.train.data import MixBatches, pad_id_of
-from polydraft.train.early_exit import eval_set, load_examples
+from polydraft.train.data import pad_id_of
+from polydraft.train.early_exit import eval_set
 from polydraft.train.heads import HEADS_DIR, fit
 from polydraft.train.results import HeadsMetrics
-from polydraft.train.runtime import configure_deepspeed
-from polydraft.train.schedule import build_optimizer, build_scheduler
 
 
 def run(inputs: HeadsInputs, ctx: StageContext) -> StageResult:
@@ -65,23 +66,10 @@ def train_heads(
     device = accelerator.device
     set_seed(loop.seed)
     tokenizer = load_tokenizer(target_spec.path, target_spec.revision, target_spec.trust_remote_code)
-    distill_dir = Path(spec.upstream["distill"])
-    options = {"temperatures": block.temperatures, "loss_on": "response", "max_length": loop.max_length}
-    try:
-        train_examples = load_examples(distill_dir, tokenizer, "train", **options)
-        eval_examples = load_examples(distill_dir, tokenizer, "eval", **options)
-    except (FileNotFoundError, ValueError) as err:
-        raise StageFailed(f"heads: {err}") from err
-    batches = MixBatches(
-        train_examples, loop.seed, loop.per_device_batch_size, accelerator.process_index,
-        accelerator.num_processes, accelerator.gradient_accumulation_steps, pad_id_of(tokenizer),
+    batches, eval_examples, total_steps = mix_data(
+        "heads", Path(spec.upstream["distill"]), tokenizer, loop, accelerator,
+        temperatures=block.temperatures, loss_on="response", max_length=loop.max_length,
     )  # fmt: skip
-    if batches.steps_per_epoch == 0:
-        raise StageFailed(
-            f"heads: {len(train_examples)} training examples are fewer than one global batch of "
-            f"{batches.global_batch} (per_device_batch_size x processes x grad_accum_steps)"
-        )
-    total_steps = loop.max_steps or max(1, int(loop.epochs * batches.steps_per_epoch))
 
     target = load_causal_lm(
         target_spec.path, target_spec.revision, target_spec.dtype, target_spec.trust_remote_code, device
@@ -92,13 +80,7 @@ def train_heads(
     evals = eval_set(
         eval_examples, loop.per_device_batch_size, loop.eval_batches, accelerator, pad_id_of(tokenizer)
     )
-    optimizer = build_optimizer(heads, optim.lr, optim.weight_decay, optim.betas, optim.eps)
-    scheduler = build_scheduler(
-        optimizer, total_steps, optim.warmup_ratio, optim.schedule, optim.min_lr_ratio
-    )
-    configure_deepspeed(accelerator, loop.per_device_batch_size, optim.max_grad_norm)
-    prepared, optimizer = accelerator.prepare(heads, optimizer)
-    prepared.train()
+    prepared, optimizer, scheduler = prepare_trainable(heads, optim, loop, total_steps, accelerator)
     steps, train_loss, initial, final = fit(
         accelerator, target, prepared, shared_head, optimizer, scheduler, batches, evals, tracker,
         num_heads=block.num_heads, loss_decay=block.loss_decay, total_steps=total_steps,
@@ -111,21 +93,16 @@ def train_heads(
         train_loss=train_loss,
         initial=initial,
         final=final,
-        peak_memory_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        peak_memory_gib=peak_memory_gib(device),
     )
     state = accelerator.get_state_dict(prepared)  # every process: FSDP / ZeRO-3 gather the shards
-    if accelerator.is_main_process:
-        out, partial = work_dir / HEADS_DIR, work_dir / f"{HEADS_DIR}.partial"
-        shutil.rmtree(partial, ignore_errors=True)
-        origin = {"path": target_spec.path, "revision": target_spec.revision}
-        save_heads(heads, partial, origin, extra={"training": metrics.model_dump()}, state=state)
-        add_vllm_medusa(partial, target.get_output_embeddings())  # the same folder loads in vLLM's medusa
-        shutil.rmtree(out, ignore_errors=True)
-        partial.rename(out)
-        shutil.rmtree(
-            work_dir / "checkpoints", ignore_errors=True
-        )  # the heads are written: nothing to resume
-    accelerator.wait_for_everyone()
+    origin = {"path": target_spec.path, "revision": target_spec.revision}
+
+    def save(folder: Path) -> None:
+        save_heads(heads, folder, origin, extra={"training": metrics.model_dump()}, state=state)
+        add_vllm_medusa(folder, target.get_output_embeddings())  # the same folder loads in vLLM's medusa
+
+    write_output(accelerator, work_dir, HEADS_DIR, save)
     return heads, metrics
 
 

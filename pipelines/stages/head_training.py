@@ -1,0 +1,80 @@
+"""What the `early_exit` and `heads` stages share: both train a small part (an exit head, proposal heads)
+on a frozen target, on the distill stage's mix of every pair, and write one output folder.
+
+`mix_data` reads the mix into this process's batches (and the held-out examples) and sizes the run;
+`prepare_trainable` builds the optimizer and schedule and hands the trainable part to accelerate;
+`write_output` writes the output folder atomically and drops the checkpoints it makes useless.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from polydraft.pipelines.stage import StageFailed
+from polydraft.train.data import MixBatches, pad_id_of
+from polydraft.train.early_exit import load_examples
+from polydraft.train.runtime import configure_deepspeed
+from polydraft.train.schedule import build_optimizer, build_scheduler
+from polydraft.train.step import OptimSettings
+
+
+def mix_data(
+    stage: str, distill_dir: Path, tokenizer: Any, loop: Any, accelerator: Any, **options: Any
+) -> tuple[MixBatches, list[dict[str, list[int]]], int]:
+    """(training batches of this process, held-out examples, total optimizer steps). `options`:
+    `load_examples`' (temperatures, loss_on, max_length). StageFailed when the mix is missing or holds
+    less than one global batch."""
+    try:
+        train_examples = load_examples(distill_dir, tokenizer, "train", **options)
+        eval_examples = load_examples(distill_dir, tokenizer, "eval", **options)
+    except (FileNotFoundError, ValueError) as err:
+        raise StageFailed(f"{stage}: {err}") from err
+    batches = MixBatches(
+        train_examples, loop.seed, loop.per_device_batch_size, accelerator.process_index,
+        accelerator.num_processes, accelerator.gradient_accumulation_steps, pad_id_of(tokenizer),
+    )  # fmt: skip
+    if batches.steps_per_epoch == 0:
+        raise StageFailed(
+            f"{stage}: {len(train_examples)} training examples are fewer than one global batch of "
+            f"{batches.global_batch} (per_device_batch_size x processes x grad_accum_steps)"
+        )
+    total_steps = loop.max_steps or max(1, int(loop.epochs * batches.steps_per_epoch))
+    return batches, eval_examples, total_steps
+
+
+def prepare_trainable(
+    module: torch.nn.Module, optim: OptimSettings, loop: Any, total_steps: int, accelerator: Any
+) -> tuple[torch.nn.Module, Any, Any]:
+    """(prepared module in train mode, optimizer, LR scheduler) for the trainable part alone."""
+    if loop.compile:
+        module.compile()
+    optimizer = build_optimizer(module, optim.lr, optim.weight_decay, optim.betas, optim.eps)
+    scheduler = build_scheduler(
+        optimizer, total_steps, optim.warmup_ratio, optim.schedule, optim.min_lr_ratio
+    )
+    configure_deepspeed(accelerator, loop.per_device_batch_size, optim.max_grad_norm)
+    prepared, optimizer = accelerator.prepare(module, optimizer)
+    prepared.train()
+    return prepared, optimizer, scheduler
+
+
+def peak_memory_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def write_output(accelerator: Any, work_dir: Path, name: str, save: Callable[[Path], None]) -> None:
+    """`save(folder)` into `<work_dir>/<name>.partial` on the main process, renamed to `<name>` when
+    complete; the checkpoints go then (nothing is left to resume). Every process calls this."""
+    if accelerator.is_main_process:
+        out, partial = work_dir / name, work_dir / f"{name}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        save(partial)
+        shutil.rmtree(out, ignore_errors=True)
+        partial.rename(out)
+        shutil.rmtree(work_dir / "checkpoints", ignore_errors=True)
+    accelerator.wait_for_everyone()
