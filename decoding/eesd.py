@@ -32,7 +32,7 @@ class SelfSpeculative:
     """The target and its early-exit drafter on one cache, for one sequence at a time."""
 
     def __init__(self, target: torch.nn.Module, drafter: torch.nn.Module, profile: bool = True) -> None:
-        from polydraft.models.early_exit import run_layers
+        from polydraft.models.decoder_layers import run_layers
         from polydraft.models.partial_load import decoder_parts
 
         parts = decoder_parts(target)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from polydraft.models.early_exit import attention_masks, run_layers, target_layer_types
+from polydraft.models.decoder_layers import attention_masks, run_layers, target_layer_types
 from polydraft.models.partial_load import decoder_parts, materialise, meta_causal_lm, open_checkpoint
 
 

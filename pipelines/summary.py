@@ -6,15 +6,14 @@ from pathlib import Path
 
 from polydraft.decoding.measurement.report import (
     BLOCKWISE,
-    VLLM_NOTES,
     domain_table,
-    engine_differences,
     repetitions,
     rescoring_table,
     speedup_table,
     table,
 )
 from polydraft.decoding.measurement.results import RESULTS_FILE, read_rows
+from polydraft.decoding.measurement.vllm_report import VLLM_NOTES, engine_differences
 from polydraft.pipelines.export.records import INDEX_FILE, ExportIndex
 
 

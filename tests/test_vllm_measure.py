@@ -6,8 +6,8 @@ and a rerun that keeps them without starting vLLM again."""
 from __future__ import annotations
 
 import polydraft.pipelines.stages.measure as measure_stage
-from polydraft.decoding.measurement.report import engine_differences
 from polydraft.decoding.measurement.results import RESULTS_FILE, read_rows
+from polydraft.decoding.measurement.vllm_report import engine_differences
 from tests.measure_setup import PAIRS, measure_context, measure_recipe, run_measure
 from tests.vllm_setup import demo_target, require_vllm
 

@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from polydraft.models.early_exit import EarlyExitDrafter, attention_masks, run_layers
+from polydraft.models.decoder_layers import attention_masks, run_layers
+from polydraft.models.early_exit import EarlyExitDrafter
 from polydraft.models.partial_load import decoder_parts
 from polydraft.train.data import MixBatches, collate, encode_rows
 from polydraft.train.loop import LoopPlan, TrainingLoop

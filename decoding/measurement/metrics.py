@@ -85,3 +85,14 @@ def mean_std(values: Sequence[float | None]) -> tuple[float | None, float | None
     if len(present) < 2:
         return mean, 0.0
     return mean, math.sqrt(sum((v - mean) ** 2 for v in present) / (len(present) - 1))
+
+
+def format_cell(cell: tuple[float | None, float | None, int] | None, percent: bool) -> str:
+    """A table cell: `mean ± std`, or `mean (n=1)` for one repetition, `-` when nothing was measured."""
+    if cell is None or cell[0] is None:
+        return "-"
+    mean, std, count = cell
+    value = f"{mean:.1%}" if percent else f"{mean:.2f}"
+    if count < 2 or std is None:
+        return f"{value} (n={count})"
+    return f"{value} ± {std:.1%}" if percent else f"{value} ± {std:.2f}"

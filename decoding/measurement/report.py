@@ -19,8 +19,9 @@ import math
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from polydraft.decoding.measurement.metrics import mean_std
+from polydraft.decoding.measurement.metrics import format_cell, mean_std
 from polydraft.decoding.measurement.results import ResultRow
+from polydraft.decoding.measurement.vllm_report import vllm_section
 
 Row = ResultRow
 
@@ -45,16 +46,6 @@ def _cells(
     return {key: (*mean_std(v), len(v)) for key, v in values.items()}
 
 
-def _format(cell: tuple[float | None, float | None, int] | None, percent: bool) -> str:
-    if cell is None or cell[0] is None:
-        return "-"
-    mean, std, count = cell
-    value = f"{mean:.1%}" if percent else f"{mean:.2f}"
-    if count < 2 or std is None:
-        return f"{value} (n={count})"
-    return f"{value} ± {std:.1%}" if percent else f"{value} ± {std:.2f}"
-
-
 def repetitions(rows: list[Row]) -> str:
     """How many repetitions (seeds) the cells average: `3`, or `1-3` when cells differ."""
     counts = Counter((r.method, r.dataset, r.temperature) for r in rows).values()
@@ -69,7 +60,7 @@ def table(rows: list[Row], metric: str, percent: bool = False, methods: list[str
     header = "| method | " + " | ".join(f"{d} T={t:g}" for d, t in columns) + " |"
     lines = [header, "|" + " --- |" * (len(columns) + 1)]
     for method in methods or _methods(rows):
-        values = [_format(cells.get((method, d, t)), percent) for d, t in columns]
+        values = [format_cell(cells.get((method, d, t)), percent) for d, t in columns]
         lines.append(f"| {method} | " + " | ".join(values) + " |")
     return "\n".join(lines)
 
@@ -85,7 +76,7 @@ def speedup_table(rows: list[Row]) -> str:
         values = []
         for d, t in columns:
             cell, best = measured.get((method, d, t)), ideal.get((method, d, t))
-            text = _format(cell, False)
+            text = format_cell(cell, False)
             if cell is not None and cell[0] is not None and best is not None and best[0]:
                 text += f" (ideal {best[0]:.2f}, {cell[0] / best[0]:.0%})"
             values.append(text)
@@ -124,9 +115,10 @@ def domain_table(rows: list[Row]) -> str:
     ]
     for key, values in sorted(efficiency.items()):
         inside, outside = values[True], values[False]
-        cells = [_format((*mean_std(values[flag]), len(values[flag])), False) for flag in (True, False)]
+        cells = [format_cell((*mean_std(values[flag]), len(values[flag])), False) for flag in (True, False)]
         cells += [
-            _format((*mean_std(speedup[key][flag]), len(speedup[key][flag])), False) for flag in (True, False)
+            format_cell((*mean_std(speedup[key][flag]), len(speedup[key][flag])), False)
+            for flag in (True, False)
         ]
         noise = pooled_std(inside, outside)
         difference = (
@@ -141,142 +133,6 @@ def domain_table(rows: list[Row]) -> str:
             f"| {cells[2]} | {cells[3]} |"
         )
     return "\n".join(lines)
-
-
-VLLM_NOTES = "bench/results/vllm_acceptance.md"
-"""polydraft's record of why vLLM's acceptance differs from its own engine's."""
-
-
-def _same_sd(vllm: Row, rows: list[Row]) -> list[Row]:
-    """polydraft's `sd` rows (all seeds) with the vLLM row's drafter, K, dataset and temperature."""
-    key = (vllm.drafter, vllm.draft_length, vllm.dataset, vllm.temperature)
-    return [
-        r
-        for r in rows
-        if r.engine == "polydraft"
-        and r.decoder == "sd"
-        and r.control == "fixed"
-        and (r.drafter, r.draft_length, r.dataset, r.temperature) == key
-    ]
-
-
-def _positions(rows: list[Row]) -> str:
-    """Acceptance per draft position, mean over the rows (seeds)."""
-    lists = [r.acceptance_per_position for r in rows if r.acceptance_per_position]
-    if not lists:
-        return "-"
-    width = min(len(values) for values in lists)
-    return " / ".join(f"{sum(v[i] for v in lists) / len(lists):.2f}" for i in range(width))
-
-
-def _first(row: Row) -> float | None:
-    return row.acceptance_per_position[0] if row.acceptance_per_position else None
-
-
-def engine_differences(rows: list[Row]) -> list[str]:
-    """One sentence per vLLM row whose acceptance at the first draft position differs from polydraft's `sd`
-    row of the same drafter, K, dataset and temperature by more than noise: by more than 0.05, 10% of
-    polydraft's mean and twice its std over seeds. The first position is compared because both engines
-    define it alike and an answer's end hardly touches it; block efficiency and accepted tokens per draft
-    are only quoted: vLLM's prefill step drafts nothing (polydraft's verifies a first draft) and vLLM
-    counts drafts past the end of an answer as accepted, so on short answers they differ by construction."""
-    out = []
-    for vllm in rows:
-        own = _same_sd(vllm, rows) if vllm.engine == "vllm" else []
-        mean, std = mean_std([_first(r) for r in own])
-        if mean is None or _first(vllm) is None:
-            continue
-        if abs(_first(vllm) - mean) <= max(0.05, 0.1 * mean, 2 * (std or 0.0)):
-            continue
-        accepted = mean_std([r.mean_accepted_length for r in own])[0]
-        efficiency = mean_std([r.block_efficiency for r in own])[0]
-        line = (
-            f"`{vllm.method}` on {vllm.dataset} at T={vllm.temperature:g}: first draft token accepted "
-            f"{_first(vllm):.2f} of the time in vLLM ({vllm.engine_detail}) against {mean:.2f} in polydraft's "
-            f"engine (accepted per draft {_number(vllm.mean_accepted_length)} against {_number(accepted)}, "
-            f"block efficiency {_number(vllm.block_efficiency)} against {_number(efficiency)})."
-        )
-        if vllm.temperature == 0:
-            line += " At T=0 both engines should agree: check the exported drafter in vLLM."
-        else:
-            if vllm.device == "cpu":
-                line += (
-                    " vLLM's CPU build verifies drafts at T > 0 with uninitialised temperatures (its CPU "
-                    "replacement of `expand_batch_to_tokens`, vllm-project/vllm issue 55005), so its T > 0 "
-                    "acceptance and samples are wrong there."
-                )
-            if "greedy drafts" in (vllm.engine_detail or ""):
-                line += (
-                    " vLLM drafts the drafter's argmax by default (`draft_sample_method: greedy`), which "
-                    "accepts less than polydraft's sampled drafts at T > 0."
-                )
-            line += f" See polydraft's {VLLM_NOTES}."
-        out.append(line)
-    return out
-
-
-def _number(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
-def vllm_table(rows: list[Row]) -> str:
-    """Each vLLM row beside polydraft's `sd` row of the same drafter, K, dataset and temperature."""
-    lines = [
-        "| method | dataset | T | engine | acceptance per position | accepted per draft | block efficiency | "
-        "tokens/s without -> with drafter (speedup) per batch size |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for vllm in rows:
-        if vllm.engine != "vllm":
-            continue
-        rates = ", ".join(
-            f"bs {b.batch_size}: {b.without_drafter:.0f} -> {b.with_drafter:.0f} (x{b.speedup:.2f})"
-            for b in vllm.batch_rates or []
-        )
-        cells = [vllm.method, vllm.dataset, f"{vllm.temperature:g}", vllm.engine_detail or "vLLM"]
-        cells += [
-            _positions([vllm]),
-            _number(vllm.mean_accepted_length),
-            _number(vllm.block_efficiency),
-            rates,
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-        own = _same_sd(vllm, rows)
-        if own:
-            speedup = _format((*mean_std([r.speedup for r in own]), len(own)), False)
-            cells = [own[0].method, vllm.dataset, f"{vllm.temperature:g}", "polydraft (batch 1)"]
-            cells.append(_positions(own))
-            for metric in ("mean_accepted_length", "block_efficiency"):
-                cells.append(_format((*mean_std([getattr(r, metric) for r in own]), len(own)), False))
-            cells.append(f"bs 1: speedup over ar {speedup}")
-            lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def vllm_section(rows: list[Row], heading: str) -> list[str]:
-    """The vLLM rows beside polydraft's and the differences beyond noise; nothing without vLLM rows."""
-    if not any(r.engine == "vllm" for r in rows):
-        return []
-    differences = engine_differences(rows)
-    return [
-        heading,
-        "",
-        "Each drafter as vLLM's draft model on the same prompts (first seed; speedups over vLLM's own "
-        "target alone), beside polydraft's engine (batch 1, mean ± std over seeds). vLLM's first target "
-        "step drafts nothing (polydraft's verifies a first draft), so its block efficiency is lower on "
-        "short answers; the engines are compared by the acceptance of the first draft token.",
-        "",
-        vllm_table(rows),
-        "",
-        *(
-            ["**The engines differ:**", "", *[f"- {d}" for d in differences]]
-            if differences
-            else [
-                "Accepted tokens per draft agree within noise (0.1 tokens, 10% and twice the std over seeds)."
-            ]
-        ),
-        "",
-    ]
 
 
 BLOCKWISE = ("bpd", "bpd+rescore", "medusa", "medusa+rescore")
@@ -320,8 +176,8 @@ def rescoring_table(rows: list[Row]) -> str:
         noise = pooled_std(rescored, heads)
         gain_std = mean_std(gains)[1] if len(gains) > 1 else None
         cells = [
-            _format((*mean_std(rescored), len(rescored)), False),
-            _format((*mean_std(heads), len(heads)), False),
+            format_cell((*mean_std(rescored), len(rescored)), False),
+            format_cell((*mean_std(heads), len(heads)), False),
             f"{gain:+.2f}",
             "-" if noise is None else f"{2 * noise:.2f}",
             "-" if noise is None else "yes" if gain > 2 * noise else "no",

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from polydraft.decoding.measurement.report import domain_table, table, vllm_section
+from polydraft.decoding.measurement.report import domain_table, table
+from polydraft.decoding.measurement.vllm_report import vllm_section
 from polydraft.pipelines.export.records import ExportResults
 
 PLOT_TITLES = {

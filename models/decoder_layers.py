@@ -1,0 +1,94 @@
+"""A slice of a target's decoder layers run on given hidden states: the attention masks of each layer type
+(full and sliding-window) and the layers in order, each writing its own KV-cache slot.
+
+The early-exit drafter (`models.early_exit`), its trainer's teacher pass, the target streamed layer by
+layer (`models.target_stream`) and self-speculative verification (`decoding.eesd`) all run parts of a
+target this way, with transformers' own layer modules and mask functions (no copy of model code).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from polydraft.models.partial_load import TargetLayoutError
+
+
+def _mask_functions() -> dict[str, Any]:
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    return {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+
+
+def target_layer_types(config) -> list[str]:
+    """Attention type of each decoder layer: `config.layer_types` when the model has them, else one type."""
+    text = config.get_text_config(decoder=True)
+    types = getattr(text, "layer_types", None)
+    if types is None:
+        sliding = getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
+        types = ["sliding_attention" if sliding else "full_attention"] * text.num_hidden_layers
+    unsupported = sorted(set(types) - set(_mask_functions()))
+    if unsupported:
+        raise TargetLayoutError(f"{config.model_type}: unsupported attention layer types {unsupported}")
+    return list(types)
+
+
+def attention_masks(
+    config,
+    hidden: torch.Tensor,
+    attention_mask: torch.Tensor | dict | None,
+    cache: Any,
+    position_ids: torch.Tensor,
+    slots: list[int],
+    types: list[str],
+) -> dict[str, torch.Tensor | None]:
+    """Masks by attention type for layers writing cache `slots` of attention `types`, each type's mask
+    sized against the first of its slots in the cache.
+
+    `attention_mask`: a 2D padding mask, None, a prepared 4D mask (tree attention: returned as is by
+    transformers' mask functions), or a dict type -> mask (returned unchanged).
+    """
+    if isinstance(attention_mask, dict):
+        return attention_mask
+    functions = _mask_functions()
+    return {
+        kind: functions[kind](
+            config=config,
+            inputs_embeds=hidden,
+            attention_mask=attention_mask,
+            past_key_values=cache,
+            position_ids=position_ids,
+            layer_idx=slots[types.index(kind)],
+        )
+        for kind in dict.fromkeys(types)
+    }
+
+
+def run_layers(
+    layers: nn.ModuleList | list[nn.Module],
+    hidden: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | dict[str, torch.Tensor | None] | None,
+    cache: Any = None,
+    position_ids: torch.Tensor | None = None,
+    layer_types: list[str] | None = None,
+) -> torch.Tensor:
+    """Run decoder layers of the target's class in order; each writes its own cache slot (`layer_idx`).
+
+    `attention_mask` is what the layers take (a prepared 4D mask, or None for plain causal attention with
+    SDPA), or a dict attention type -> mask together with `layer_types` (one per layer).
+    """
+    for i, layer in enumerate(layers):
+        mask = attention_mask[layer_types[i]] if isinstance(attention_mask, dict) else attention_mask
+        out = layer(
+            hidden,
+            attention_mask=mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=cache is not None,
+            position_embeddings=position_embeddings,
+        )
+        hidden = out[0] if isinstance(out, tuple) else out
+    return hidden
