@@ -11,6 +11,7 @@ A row with a missing or empty field is an error naming the source, the row index
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 from collections.abc import Iterable
@@ -245,3 +246,64 @@ def read_source(
         random.Random(seed).shuffle(order)
         indexed = ((i, dataset[i]) for i in order[:limit])
     return normalise(indexed, format, fields, pair, description, skip_invalid, f"{kind}:{path}/{split}")
+
+
+@dataclass
+class Peek:
+    """The first rows of a source as `read_source` would see them, for `polydraft check`."""
+
+    description: str
+    rows: SourceRows
+    columns: list[str]
+    """The columns of the source's rows (of the first raw row)."""
+    first: dict[str, Any] | None
+    """The first raw row, before the field mapping."""
+
+
+def peek_source(count: int = 3, **args: Any) -> Peek:
+    """The first `count` rows of a source, opened with `read_source`'s arguments (`args`: kind, format,
+    path, name, split, revision, fields, pair, skip_invalid, ...) through the same loaders, config, split,
+    revision and field mapping, without reading the rest (a hub dataset is streamed). SourceError names
+    a row that the stage would refuse (with `skip_invalid`: when none of them is usable), with the
+    columns and the first row; the loaders' own errors (no such config, split or file) propagate."""
+    kind, format, split = args["kind"], args["format"], args.get("split", "train")
+    description = describe(kind, format, args.get("path"), args.get("name"), split, args.get("pair"))
+    if kind == "offline":
+        # the corpus's first samples do not depend on how many are drawn: draw only those
+        rows = read_source(**{**args, "limit": count, "offline_samples": 10 * count})
+        return Peek(description, rows, list(rows.rows[0]) if rows.rows else [], None)
+    if kind == "hf":
+        dataset = load_hf(args["path"], args.get("name"), split, args.get("revision"), streaming=True)
+    else:
+        dataset = load_local(args["path"], streaming=True)
+    raw = list(itertools.islice(iter(dataset), count))
+    first = raw[0] if raw else None
+    columns = list(first) if first is not None else []
+    if not raw:
+        raise SourceError(f"{description}: no rows")
+    fields, skip_invalid = args.get("fields") or {}, bool(args.get("skip_invalid"))
+    shown = f"its columns: {columns}; its first row: {abridged(first)}"
+    try:
+        rows = normalise(enumerate(raw), format, fields, args.get("pair"), description, skip_invalid, "peek")
+    except SourceError as err:
+        raise SourceError(f"{err}; {shown}") from err
+    if not rows.rows:  # skip_invalid: a few invalid rows are expected, all of them are not
+        raise SourceError(
+            f"{description}: none of the first {len(raw)} rows is usable ({rows.invalid_examples[0]}); {shown}"
+        )
+    return Peek(description, rows, columns, first)
+
+
+def abridged(value: Any, width: int = 60) -> str:
+    """A row as one short line: strings cut to `width` characters, lists to their first 2 items."""
+
+    def cut(item: Any) -> Any:
+        if isinstance(item, str):
+            return item if len(item) <= width else item[:width] + "..."
+        if isinstance(item, dict):
+            return {k: cut(v) for k, v in item.items()}
+        if isinstance(item, (list, tuple)):
+            return [cut(v) for v in item[:2]] + (["..."] if len(item) > 2 else [])
+        return item
+
+    return repr(cut(value))

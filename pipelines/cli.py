@@ -11,7 +11,14 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from polydraft.pipelines.preflight import InputError, check_model_folders, check_run_dir
+from polydraft.pipelines.preflight import (
+    OFFLINE,
+    InputError,
+    check_recipe,
+    check_run_dir,
+    findings_table,
+    raise_problems,
+)
 from polydraft.pipelines.recipe import RecipeError, dump_recipe, load_recipe
 from polydraft.pipelines.rundir import RunDirTaken, claim_run_dir, default_run_dir
 from polydraft.pipelines.stage import StageFailed, configure_logging
@@ -81,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     recipes.add_argument("--quiet", action="store_true")
     recipes.add_argument("--verbose", action="store_true")
+
+    check = commands.add_parser(
+        "check",
+        help="open every data source and model a recipe's enabled stages read, render one prompt; "
+        "report every problem at once (exit 2), run nothing",
+    )
+    _common(check)
 
     show = commands.add_parser("show", help="print the fully resolved recipe (defaults included)")
     _common(show)
@@ -201,7 +215,11 @@ def _run(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or default_run_dir(args.recipe)
     check_run_dir(run_dir)
     target = resolve_target(recipe.target, recipe.data, show_progress=not args.quiet)
-    check_model_folders(recipe, target)
+    findings = check_recipe(recipe, target)
+    for finding in findings:
+        if finding.status == OFFLINE:
+            log.warning("%s (%s): %s", finding.key, finding.what, OFFLINE)
+    raise_problems(findings)
     command = shlex.join(["polydraft", *sys.argv[1:]])
     claim_run_dir(run_dir, args.recipe, args.overrides, command, force=args.force)
     outcomes = run_pipeline(
@@ -223,6 +241,19 @@ def _run(args: argparse.Namespace) -> int:
     if results:
         print(f"\n{results}")
     return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from polydraft.pipelines.target import resolve_target
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    target = resolve_target(recipe.target, recipe.data, show_progress=not args.quiet)
+    findings = check_recipe(recipe, target)
+    print(findings_table(findings))
+    problems = sum(f.status == "problem" for f in findings)
+    offline = sum(f.status == OFFLINE for f in findings)
+    print(f"\n{len(findings)} inputs: {problems} problem(s), {offline} {OFFLINE}")
+    return EXIT_BAD_INPUT if problems else 0
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -285,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             return _run(args)
+        if args.command == "check":
+            return _check(args)
         if args.command == "show":
             print(dump_recipe(load_recipe(args.recipe, args.overrides)), end="")
             return 0

@@ -1,13 +1,21 @@
-"""Checks of a run's environment before any stage starts: the run directory and every local model folder
-the recipe names. Each failure is an InputError (exit 2) naming the recipe key or option to change."""
+"""Checks before any stage starts: the run directory, every local model folder the recipe names, and
+(`check_recipe`, `polydraft check` and the start of `polydraft run`) every data source and model
+reference opened as the stages will open them. A failure is an InputError (exit 2) naming the recipe key
+or option to change; `check_recipe` collects every problem before reporting them together."""
 
 from __future__ import annotations
 
 import os
+import socket
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
 
-from polydraft.models.folders import ModelFolderError, check_model_folder, is_local
+from polydraft.distill.sources import abridged, describe, peek_source
+from polydraft.models.folders import ModelFolderError, check_model_folder, is_local, mirrored
 from polydraft.pipelines.schema import Recipe, ResolvedTarget
+from polydraft.pipelines.schema.common import SourceConfig, reader_args
 
 
 class InputError(ValueError):
@@ -51,3 +59,189 @@ def check_model_folders(recipe: Recipe, target: ResolvedTarget) -> None:
             check_model_folder(path)
         except ModelFolderError as err:
             raise InputError(f"{key}: {err}") from err
+
+
+# ----------------------------------------------------------------------------- polydraft check
+
+OFFLINE = "not checked (offline)"
+
+
+@dataclass(frozen=True)
+class Finding:
+    key: str
+    """The recipe key (`data.eval.2`, `target.path`)."""
+    what: str
+    """The dataset and split, or the model reference."""
+    status: str
+    """`ok`, `problem` or `not checked (offline)`."""
+    detail: str = ""
+
+
+def hub_reachable() -> bool:
+    """Whether the Hugging Face Hub answers (HF_ENDPOINT's host, port 443, 3 s), unless HF_HUB_OFFLINE."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=3).close()
+    except OSError:
+        return False
+    return True
+
+
+class _Hub:
+    """Asks the hub once whether it is reachable, and only when a reference needs it."""
+
+    def __init__(self) -> None:
+        self._reachable: bool | None = None
+
+    def reachable(self) -> bool:
+        if self._reachable is None:
+            self._reachable = hub_reachable()
+        return self._reachable
+
+
+def recipe_sources(recipe: Recipe) -> list[tuple[str, SourceConfig]]:
+    """(recipe key, source) of every data source an enabled stage reads."""
+    blocks = []
+    if recipe.distill.enabled:
+        blocks += ["distill", "open"]
+    if recipe.pretrain.enabled:
+        blocks.append("pretrain")
+    if recipe.measure.enabled or recipe.export.enabled:
+        blocks.append("eval")
+    return [(f"data.{b}.{i}", s) for b in blocks for i, s in enumerate(getattr(recipe.data, b))]
+
+
+def check_source(key: str, source: SourceConfig, recipe: Recipe, hub: _Hub) -> Finding:
+    from polydraft.pipelines.schema.inputs import offline_options
+
+    args = reader_args(source, recipe.data.seed, offline_options(recipe, [source]))
+    what = describe(source.kind, source.format, source.path, source.name, source.split, source.pair)
+    what += f" at revision {source.revision}" if source.revision else ""
+    unmirrored = source.kind == "hf" and mirrored(source.path or "", "datasets", source.revision) is None
+    if unmirrored and not hub.reachable():
+        return Finding(key, what, OFFLINE)
+    try:
+        peek = peek_source(**args)
+    except Exception as err:  # datasets' own errors name the configs and splits that exist
+        return Finding(key, what, "problem", _reason(err))
+    fields = ", ".join(f"{role} <- {path}" for role, path in source.fields.items()) or "default fields"
+    detail = f"{len(peek.rows.rows)} rows read ({fields}); columns {peek.columns}"
+    return Finding(key, what, "ok", detail)
+
+
+def _reason(err: Exception, limit: int = 600) -> str:
+    """An error as one line: polydraft's own errors as they are (they name what and why), others with
+    their type; cut at `limit` characters."""
+    from polydraft.distill.sources import SourceError
+    from polydraft.models.drafters import DrafterMismatch
+
+    text = " ".join(str(err).split())
+    if not isinstance(err, (SourceError, ModelFolderError, DrafterMismatch)):
+        text = f"{type(err).__name__}: {text}"
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def model_references(recipe: Recipe, target: ResolvedTarget) -> list[tuple[str, str, str | None]]:
+    """(recipe key, path or hub id, revision) of every model an enabled stage loads, the target first."""
+    refs = [("target.path", target.path, target.revision)]
+    if recipe.pretrain.enabled and recipe.pretrain.drafter.init:
+        refs.append(("pretrain.drafter.init", recipe.pretrain.drafter.init, recipe.pretrain.drafter.revision))
+    if recipe.finetune.enabled and not recipe.pretrain.enabled and recipe.finetune.drafter.init:
+        refs.append(("finetune.drafter.init", recipe.finetune.drafter.init, recipe.finetune.drafter.revision))
+    if recipe.measure.enabled:
+        refs += [(f"measure.extra_drafters.{n}", p, None) for n, p in recipe.measure.extra_drafters.items()]
+    return refs
+
+
+def check_models(recipe: Recipe, target: ResolvedTarget, hub: _Hub) -> tuple[list[Finding], Any]:
+    """Each model reference's config and tokenizer loaded, the drafters' vocabularies checked against the
+    target's; returns the findings and the target's tokenizer (None when it was not loaded)."""
+    from transformers import AutoConfig
+
+    from polydraft.models.drafters import check_drafter
+    from polydraft.models.loading import load_tokenizer
+
+    findings, tokenizer, vocab = [], None, None
+    for key, path, revision in model_references(recipe, target):
+        if not is_local(path) and not hub.reachable():
+            findings.append(Finding(key, path, OFFLINE))
+            continue
+        trust = target.trust_remote_code if key == "target.path" else False
+        try:
+            if is_local(path):
+                check_model_folder(path)  # a missing config or a truncated weights file, in one line
+            if key == "target.path":
+                config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust)
+                tokenizer = load_tokenizer(path, revision, trust)
+                vocab = int(config.get_text_config().vocab_size)
+                detail = f"{config.model_type}, vocabulary {vocab}, tokenizer {type(tokenizer).__name__}"
+            elif tokenizer is None:
+                AutoConfig.from_pretrained(path, revision=revision)
+                detail = "config read; vocabulary not compared (the target's was not loaded)"
+            else:
+                check_drafter(path, revision, vocab, tokenizer)
+                detail = f"config and tokenizer read; the target's vocabulary ({vocab})"
+        except Exception as err:
+            findings.append(Finding(key, path, "problem", _reason(err)))
+            continue
+        findings.append(Finding(key, path, "ok", detail))
+    return findings, tokenizer
+
+
+def check_prompt(recipe: Recipe, tokenizer: Any) -> Finding:
+    """One prompt rendered in the recipe's prompt format and encoded as the target will see it."""
+    from polydraft.distill.prompts import build_prompt, encode_prompt, translation_messages
+
+    pair = recipe.data.pairs[0] if recipe.data.pairs else "de-en"
+    messages = translation_messages(pair, "Guten Morgen.")
+    if recipe.distill.prompt_format == "raw":
+        messages = [{"role": "user", "content": "Once upon a time"}]
+    what = f"distill.prompt_format {recipe.distill.prompt_format}"
+    try:
+        prompt = build_prompt(messages, recipe.distill.prompt_format, tokenizer)
+        ids = encode_prompt(tokenizer, prompt)
+    except Exception as err:
+        return Finding("distill.prompt_format", what, "problem", _reason(err))
+    bos = tokenizer.bos_token_id
+    if bos is not None and len(ids) > 1 and ids[0] == ids[1] == bos:
+        return Finding("distill.prompt_format", what, "problem", f"two BOS tokens: {ids[:4]}...")
+    stops = [*recipe.distill.stop, *([tokenizer.eos_token] if tokenizer.eos_token else [])]
+    detail = f"{len(ids)} tokens, {abridged(prompt, 120)}; stops {stops}"
+    return Finding("distill.prompt_format", what, "ok", detail)
+
+
+def check_recipe(recipe: Recipe, target: ResolvedTarget) -> list[Finding]:
+    """Every data source of every enabled stage peeked, every model reference loaded (config and
+    tokenizer) and compared, one prompt rendered: all findings, problems included (nothing raises)."""
+    hub = _Hub()
+    findings = [check_source(key, source, recipe, hub) for key, source in recipe_sources(recipe)]
+    models, tokenizer = check_models(recipe, target, hub)
+    findings += models
+    if tokenizer is not None and recipe.distill.enabled:
+        findings.append(check_prompt(recipe, tokenizer))
+    return findings
+
+
+def findings_table(findings: list[Finding]) -> str:
+    """One line per input (`status key  what`), its detail indented below."""
+    lines = []
+    for f in findings:
+        lines.append(f"{f.status:<8} {f.key}  {f.what}")
+        if f.detail:
+            lines.append(f"         {f.detail}")
+    return "\n".join(lines)
+
+
+def raise_problems(findings: list[Finding]) -> None:
+    """InputError listing every problem (with its key, what was read and why), if any."""
+    problems = [f for f in findings if f.status == "problem"]
+    if problems:
+        listed = "\n".join(
+            f"- {f.key}: {f.detail}" if f.what in f.detail else f"- {f.key} ({f.what}): {f.detail}"
+            for f in problems
+        )
+        raise InputError(
+            f"{len(problems)} problem(s) in the recipe's inputs, found before any stage ran:\n{listed}"
+        )

@@ -199,16 +199,17 @@ def test_cli_refuses_bad_folders_before_any_stage(tmp_path, capsys):
     assert not (tmp_path / "run").exists()  # nothing started
 
 
-def test_an_unexpected_error_exits_3_with_the_traceback_in_a_file(tmp_path, capsys, monkeypatch):
+def test_an_unexpected_error_exits_3_with_the_traceback_in_a_file(
+    tmp_path, capsys, monkeypatch, tiny_target_dir
+):
     import polydraft.pipelines.runner
 
     def broken(*args, **kwargs):
         raise ZeroDivisionError("planted")
 
     monkeypatch.setattr(polydraft.pipelines.runner, "run_pipeline", broken)
-    good = model_folder(tmp_path / "good")
     path = write(tmp_path / "r.yaml", BASE)
-    assert main(["run", str(path), f"target.path={good}", "--run-dir", str(tmp_path / "run")]) == 3
+    assert main(["run", str(path), f"target.path={tiny_target_dir}", "--run-dir", str(tmp_path / "run")]) == 3
     err = capsys.readouterr().err
     assert "unexpected error: ZeroDivisionError: planted" in err and "Traceback" not in err
     log = Path(re.search(r"traceback: (\S+) ", err).group(1))

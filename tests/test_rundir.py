@@ -79,10 +79,12 @@ def test_a_run_dir_made_before_origins_were_kept_is_told_by_its_run_json(tmp_pat
     claim_run_dir(run_dir, Path("recipes/vicuna-7b/de.yaml"), [], "cmd", force=False)
 
 
-def test_polydraft_run_refuses_another_recipes_run_dir_with_exit_2_before_any_stage(tmp_path, capsys):
-    from tests.test_bad_inputs import BASE, model_folder, write
+def test_polydraft_run_refuses_another_recipes_run_dir_with_exit_2_before_any_stage(
+    tmp_path, capsys, tiny_target_dir
+):
+    from tests.test_bad_inputs import BASE, write
 
-    good = model_folder(tmp_path / "good")
+    good = tiny_target_dir
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     first, second = write(tmp_path / "a" / "r.yaml", BASE), write(tmp_path / "b" / "r.yaml", BASE)
     run_dir = tmp_path / "run"

@@ -121,7 +121,7 @@ class TrainingLoop:
             window = steplog.record(self.step, plan.total_steps, stats, self.tokens)
             progress.done = self.step
             if window is not None:
-                fields = {} if epoch is None else {"epoch": epoch(self.step)}
+                fields = {} if epoch is None else {"epoch": round(epoch(self.step), 2)}
                 fields |= {"loss": window["train/loss"], "lr": window["train/lr"]}
                 progress.show(**fields, **{f"{throughput_unit}/s": window["train/tokens_per_s"]})
             if main_process and self.step == kill_after:

@@ -136,7 +136,7 @@ def finetune(spec: StageSpec, inputs: FinetuneInputs, accelerator: Any, tracker:
         )
         evals = read_eval_sets(distill_dir, [pair], tokenizer, loop.max_length)
         model, metrics = train_drafter(
-            accelerator, model, batches, evals, tracker, name=pair, optim=optim_settings(block.optim),
+            accelerator, model, batches, evals, tracker, name=f"finetune {pair}", optim=optim_settings(block.optim),
             loop=loop_settings(loop, total_steps), job_dir=out_dir, quiet=spec.quiet,
             pad_id=pad_id_of(tokenizer), log_prefix=f"{pair}/", step_offset=step_offset, teacher=teacher,
             kd=(block.kd_top_k, block.kd_weight),

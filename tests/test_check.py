@@ -1,0 +1,127 @@
+"""`polydraft check` and the check at the start of `polydraft run`: every data source of the enabled stages
+opened through the stage's own reader (config, split, field mapping), every model reference loaded and
+compared, one prompt rendered; every problem reported at once with exit 2, before any stage starts; a hub
+reference that cannot be reached offline is said to be unchecked, not an error."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from polydraft.models.folders import MIRROR_ENV
+from polydraft.pipelines.cli import main
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def hub_dataset(mirror: Path, repo: str, configs: dict[str, dict[str, list[dict]]]) -> None:
+    """A dataset repository as the hub holds one without a script: data files per config and split, and
+    the README's `configs` header that maps them (what `datasets.load_dataset(repo, config, split=...)` reads)."""
+    folder = mirror / "datasets" / repo
+    header = []
+    for config, splits in configs.items():
+        files = []
+        for split, rows in splits.items():
+            write_jsonl(folder / config / f"{split}.jsonl", rows)
+            files.append({"split": split, "path": f"{config}/{split}.jsonl"})
+        header.append({"config_name": config, "data_files": files})
+    (folder / "README.md").write_text(
+        "---\n" + yaml.safe_dump({"configs": header}) + "---\n", encoding="utf-8"
+    )
+
+
+def recipe_file(tmp_path: Path, target: Path, data: dict, **blocks) -> Path:
+    recipe = {"target": {"path": str(target)}, "data": {"pairs": ["de-en"], **data}, **blocks}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe), encoding="utf-8")
+    return path
+
+
+def small_vocab_drafter(folder: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+PROMPTS = [{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(4)]
+
+
+def test_every_problem_is_reported_at_once_with_the_columns_and_first_row(
+    tmp_path, tiny_target_dir, monkeypatch, capsys
+):
+    mirror = tmp_path / "mirror"
+    hub_dataset(mirror, "org/quiz", {"main": {"test": PROMPTS}})
+    monkeypatch.setenv(MIRROR_ENV, str(mirror))
+    texts = write_jsonl(tmp_path / "texts.jsonl", [{"text": f"Satz {i}."} for i in range(5)])
+    data = {
+        "distill": [
+            {"kind": "local", "format": "prompts", "path": str(texts), "fields": {"prompt": "text"}},
+            {"kind": "local", "format": "prompts", "path": str(texts), "fields": {"prompt": "body"}},
+        ],
+        "eval": [
+            {"kind": "hf", "format": "prompts", "path": "org/quiz", "name": "nope", "split": "test",
+             "fields": {"prompt": "question"}},
+            {"kind": "hf", "format": "prompts", "path": "org/quiz", "name": "main", "split": "validation",
+             "fields": {"prompt": "question"}},
+            {"kind": "hf", "format": "prompts", "path": "org/quiz", "name": "main", "split": "test",
+             "fields": {"prompt": "question"}},
+        ],
+    }  # fmt: skip
+    drafter = small_vocab_drafter(tmp_path / "drafter")
+    recipe = recipe_file(tmp_path, tiny_target_dir, data, measure={"extra_drafters": {"small": str(drafter)}})
+    assert main(["check", str(recipe)]) == 2
+    out = capsys.readouterr().out
+    blocks = {}
+    for block in out.split("\n\n")[0].split("\n"):
+        if block and not block.startswith(" "):
+            status, key = block.split()[:2]
+            blocks[key] = status
+    assert blocks == {
+        "data.distill.0": "ok", "data.distill.1": "problem", "data.eval.0": "problem", "data.eval.1": "problem",
+        "data.eval.2": "ok", "target.path": "ok", "measure.extra_drafters.small": "problem",
+        "distill.prompt_format": "ok",
+    }  # fmt: skip
+    assert "row 0: field 'body' is missing or empty" in out
+    assert "its columns: ['text']; its first row: {'text': 'Satz 0.'}" in out
+    assert "'nope'" in out and "'main'" in out  # the config asked for and the ones that exist
+    assert "validation" in out and "test" in out
+    assert "vocabulary of 300 tokens but the target has 512" in out
+    assert "8 inputs: 4 problem(s), 0 not checked (offline)" in out
+
+
+def test_an_unreachable_hub_reference_is_not_checked_and_not_an_error(tmp_path, tiny_target_dir, capsys):
+    # the suite runs with HF_HUB_OFFLINE=1 (tests/conftest.py): the hub is not asked
+    data = {"eval": [{"kind": "hf", "format": "prompts", "path": "org/not-mirrored", "split": "test"}]}
+    recipe = recipe_file(tmp_path, tiny_target_dir, data, measure={"extra_drafters": {"hub": "org/drafter"}})
+    assert main(["check", str(recipe)]) == 0
+    out = capsys.readouterr().out
+    assert "not checked (offline) data.eval.0  hf:org/not-mirrored[test]" in out
+    assert "not checked (offline) measure.extra_drafters.hub  org/drafter" in out
+    assert out.count("not checked (offline)") == 3  # the dataset, the drafter and the summary line
+    assert "0 problem(s), 2 not checked (offline)" in out
+
+
+def test_run_stops_before_any_stage_when_an_input_is_wrong(tmp_path, tiny_target_dir, capsys):
+    texts = write_jsonl(tmp_path / "texts.jsonl", [{"text": "Hallo."}])
+    data = {
+        "distill": [{"kind": "local", "format": "prompts", "path": str(texts), "fields": {"prompt": "body"}}],
+        "eval": [{"kind": "local", "format": "prompts", "path": str(tmp_path / "missing.jsonl")}],
+    }
+    recipe = recipe_file(tmp_path, tiny_target_dir, data)
+    run_dir = tmp_path / "run"
+    assert main(["run", str(recipe), "--run-dir", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "2 problem(s) in the recipe's inputs, found before any stage ran" in err
+    assert "- data.distill.0: local:" in err and "field 'body' is missing" in err
+    assert "- data.eval.0 (local:" in err and "missing.jsonl: no .jsonl/.json/.parquet file found" in err
+    assert not run_dir.exists() or not any(run_dir.glob("distill*"))
