@@ -128,7 +128,7 @@ def one_pass(requests: list[Request], settings: ServerSettings, max_new_tokens: 
     meta = {"backend": "openai", "model": settings.model, "model_revision": ""}
     writer = RecordWriter(store, meta, 0, 32, set(), SimpleNamespace(update=lambda n: None), lambda m: None)
     wall, cpu = time.perf_counter(), time.process_time()
-    stats = generate_openai(requests, settings, top_p=1.0, max_new_tokens=max_new_tokens, stop=[], seed=0,
+    stats = generate_openai(requests, settings, top_p=1.0, max_new_tokens=max_new_tokens, stop=[], stop_token_ids=[], seed=0,
                             emit=writer.emit, fail=writer.fail)  # fmt: skip
     writer.flush()
     store.close()

@@ -43,13 +43,6 @@ def load_model(path: str, revision: str | None, dtype: str, trust_remote_code: b
     return model.to(device).eval()
 
 
-def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
-    eos = model.generation_config.eos_token_id
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    return [eos] if isinstance(eos, int) else list(eos or [])
-
-
 def _generation_config(
     temperature: float, top_p: float, max_new_tokens: int, stop: list[str], pad_id: int, eos: list[int]
 ) -> Any:
@@ -112,6 +105,7 @@ def generate_hf(
     top_p: float,
     max_new_tokens: int,
     stop: list[str],
+    stop_token_ids: list[int],
     seed: int,
     batch_size: int,
     emit: Emit,
@@ -124,7 +118,7 @@ def generate_hf(
     prompt + answer, as vLLM's max_model_len does: an answer cut there finishes with `length`.
     """
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos = _eos_ids(model, tokenizer)
+    eos = stop_token_ids
     device = next(model.parameters()).device
     temperatures = sorted({r.temperature for r in requests})
     for temperature in temperatures:

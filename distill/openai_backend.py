@@ -12,6 +12,10 @@ through the `openai` Python client (v1+ API, async).
   requests, each with its own seed.
 - After `give_up_after` requests in a row failed for good, nothing more is sent: a dead or
   misconfigured server ends the run quickly, and every unsent sample is reported as failed.
+- `completions` sends the prompt as the token ids polydraft tokenized (when it loaded the target's
+  tokenizer, as it does for chat templates), so that the server generates from exactly those ids: a
+  text prompt that starts with the template's BOS would get a second one from the server. `chat` sends
+  the messages and the server renders its template (vLLM adds no special tokens to a chat prompt).
 The API key is read from the environment by the caller and only handed to the client.
 
 Requests go through the client's generic `post` (its README's way to reach any endpoint) with the body
@@ -71,6 +75,7 @@ def request_body(
     max_new_tokens: int,
     stop: list[str],
     seed: int,
+    stop_token_ids: list[int] | None = None,
 ) -> dict[str, Any]:
     """The JSON body of a completions / chat completions request for some samples."""
     body: dict[str, Any] = {
@@ -82,11 +87,17 @@ def request_body(
         "seed": request_seed(seed, request.key(sample_indices[0])),
     }
     if settings.endpoint == "completions":
-        body["prompt"] = request.item.prompt
+        # the token ids themselves where the prompt was tokenized here: the server then generates from
+        # exactly what the other backends feed (a text prompt gets the server's BOS in front of the one
+        # a chat template already writes)
+        ids = request.item.prompt_ids
+        body["prompt"] = list(ids) if ids is not None else request.item.prompt
     else:
         body["messages"] = request.item.messages
     if stop:
         body["stop"] = list(stop)
+    if stop_token_ids:
+        body["stop_token_ids"] = list(stop_token_ids)  # a vLLM extension of the API
     if settings.return_token_ids:
         body["return_token_ids"] = True  # a vLLM extension of the API
     return body
@@ -308,12 +319,16 @@ def generate_openai(
     top_p: float,
     max_new_tokens: int,
     stop: list[str],
+    stop_token_ids: list[int],
     seed: int,
     emit: Emit,
     fail: Fail,
 ) -> dict[str, int]:
     """Answer every pending sample through the servers; returns request counters."""
-    sampling = {"top_p": top_p, "max_new_tokens": max_new_tokens, "stop": stop, "seed": seed}
+    sampling = {
+        "top_p": top_p, "max_new_tokens": max_new_tokens, "stop": stop, "stop_token_ids": stop_token_ids,
+        "seed": seed,
+    }  # fmt: skip
     run = _Run(settings, sampling, emit, fail)
     asyncio.run(run.run(requests))
     return run.stats

@@ -138,3 +138,23 @@ def chat_turns(conversation: list[dict[str, str]]) -> list[tuple[int, list[dict[
             answer = following["content"] if following is not None else None
             turns.append((index, conversation[: index + 1], answer))
     return turns
+
+
+TURN_ENDS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|end|>")
+"""End-of-turn tokens of chat templates (Gemma, Llama 3, Qwen / ChatML, Phi-3): special tokens that a
+model ends its answer with, which its generation config does not always list as EOS."""
+
+
+def turn_end_ids(tokenizer: Any) -> list[int]:
+    """Ids of the end-of-turn tokens that the tokenizer's chat template writes."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return []
+    vocab = tokenizer.get_vocab()
+    return [vocab[token] for token in TURN_ENDS if token in template and token in vocab]
+
+
+def eos_ids(tokenizer: Any, generation_eos: int | list[int] | None) -> list[int]:
+    """The target's EOS ids: its generation config's (`generation_eos`), else its tokenizer's."""
+    eos = generation_eos if generation_eos is not None else tokenizer.eos_token_id
+    return [eos] if isinstance(eos, int) else list(eos or [])

@@ -84,7 +84,7 @@ def engine_kwargs(
 
 
 def sampling_kwargs(
-    request: Request, top_p: float, max_new_tokens: int, stop: list[str], seed: int
+    request: Request, top_p: float, max_new_tokens: int, stop: list[str], stop_token_ids: list[int], seed: int
 ) -> dict[str, Any]:
     """Arguments of `vllm.SamplingParams(...)` for one request: all its pending samples as `n`.
 
@@ -97,12 +97,18 @@ def sampling_kwargs(
         "top_p": top_p,
         "max_tokens": max_new_tokens,
         "stop": list(stop) or None,
+        "stop_token_ids": list(stop_token_ids) or None,
         "seed": request_seed(seed, request.key(request.sample_indices[0])),
     }
 
 
 def engine_inputs(
-    requests: list[Request], top_p: float, max_new_tokens: int, stop: list[str], seed: int
+    requests: list[Request],
+    top_p: float,
+    max_new_tokens: int,
+    stop: list[str],
+    stop_token_ids: list[int],
+    seed: int,
 ) -> tuple[list[dict[str, list[int]]], list[dict[str, Any]]]:
     """Prompts (token ids, as `TokensPrompt` dicts, so that vLLM sees exactly our tokenization) and
     sampling arguments for one `LLM.generate` call."""
@@ -111,7 +117,7 @@ def engine_inputs(
         if request.item.prompt_ids is None:
             raise ValueError(f"prompt {request.item.id!r} has no token ids (the vllm backend needs them)")
         prompts.append({"prompt_token_ids": list(request.item.prompt_ids)})
-    return prompts, [sampling_kwargs(r, top_p, max_new_tokens, stop, seed) for r in requests]
+    return prompts, [sampling_kwargs(r, top_p, max_new_tokens, stop, stop_token_ids, seed) for r in requests]
 
 
 def parse_output(output: Any) -> list[Generation | str]:
@@ -134,6 +140,7 @@ def generate_vllm(
     top_p: float,
     max_new_tokens: int,
     stop: list[str],
+    stop_token_ids: list[int],
     seed: int,
     submit_size: int | None,
     emit: Emit,
@@ -147,7 +154,7 @@ def generate_vllm(
         step = submit_size or len(pending)
         for start in range(0, len(pending), step):
             chunk = pending[start : start + step]
-            prompts, params = engine_inputs(chunk, top_p, max_new_tokens, stop, seed)
+            prompts, params = engine_inputs(chunk, top_p, max_new_tokens, stop, stop_token_ids, seed)
             log.info("vllm: %d prompts at temperature %g", len(chunk), temperature)
             outputs = llm.generate(
                 prompts, [vllm.SamplingParams(**p) for p in params], use_tqdm=show_progress

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 from polydraft.models.folders import MIRROR_ENV
@@ -125,3 +126,64 @@ def test_run_stops_before_any_stage_when_an_input_is_wrong(tmp_path, tiny_target
     assert "- data.distill.0: local:" in err and "field 'body' is missing" in err
     assert "- data.eval.0 (local:" in err and "missing.jsonl: no .jsonl/.json/.parquet file found" in err
     assert not run_dir.exists() or not any(run_dir.glob("distill*"))
+
+
+# ----------------------------------------------------------------------------- the shipped recipes
+
+
+@pytest.fixture(scope="module")
+def mirror(tmp_path_factory):
+    from tests.hub_fixtures import build_mirror
+
+    return build_mirror(tmp_path_factory.mktemp("hub"))
+
+
+def shipped() -> list:
+    from polydraft.pipelines.recipe import shipped_recipes
+    from polydraft.pipelines.stage import PROJECT_ROOT
+
+    return [r for r in shipped_recipes(PROJECT_ROOT / "recipes")]
+
+
+@pytest.mark.parametrize("name", [r.name for r in shipped()])
+def test_every_shipped_recipe_reads_its_datasets_as_their_cards_describe_them(name, mirror, monkeypatch):
+    """Every data source of every shipped recipe against the local copies of its datasets (real configs,
+    splits and columns: tests/hub_fixtures.py); the models stay unchecked (offline)."""
+    from polydraft.pipelines.preflight import check_recipe, recipe_sources
+    from polydraft.pipelines.recipe import load_recipe
+    from polydraft.pipelines.target import resolve_target
+
+    monkeypatch.setenv(MIRROR_ENV, str(mirror))
+    (recipe_path,) = [r.path for r in shipped() if r.name == name]
+    recipe = load_recipe(recipe_path)
+    target = resolve_target(recipe.target, recipe.data, show_progress=False, build=False)
+    findings = check_recipe(recipe, target)
+    sources = [f for f in findings if f.key.startswith("data.")]
+    assert len(sources) == len(recipe_sources(recipe)) > 0
+    assert [f for f in sources if f.status != "ok"] == []
+
+
+def test_wrong_references_of_real_datasets_are_problems(
+    tmp_path, tiny_target_dir, mirror, monkeypatch, capsys
+):
+    """What the shipped recipes used to say: WMT22-Test's `ja-en` (no such config), xsum without its
+    parquet revision (a script), wmt19's `test` split (none); and a field path that is not there."""
+    monkeypatch.setenv(MIRROR_ENV, str(mirror))
+    translation = {"kind": "hf", "format": "translation", "pair": "de-en", "split": "test"}
+    data = {
+        "eval": [
+            {**translation, "path": "haoranxu/WMT22-Test", "name": "ja-en", "fields": {"source": "ja-en.ja", "target": "ja-en.en"}},
+            {"kind": "hf", "format": "prompts", "path": "EdinburghNLP/xsum", "split": "test", "fields": {"prompt": "document"}},
+            {**translation, "path": "wmt/wmt19", "name": "zh-en", "fields": {"source": "translation.zh", "target": "translation.en"}},
+            {**translation, "path": "wmt/wmt16", "name": "de-en", "fields": {"source": "translation.fr", "target": "translation.en"}},
+            {"kind": "hf", "format": "prompts", "path": "EdinburghNLP/xsum", "revision": "refs/convert/parquet", "split": "test", "fields": {"prompt": "document"}},
+        ]
+    }  # fmt: skip
+    recipe = recipe_file(tmp_path, tiny_target_dir, data)
+    assert main(["check", str(recipe)]) == 2
+    out = capsys.readouterr().out
+    assert "BuilderConfig 'ja-en' not found" in out
+    assert "xsum.py" in out or "script" in out.lower()
+    assert "Bad split: test. Available splits: ['train', 'validation']" in out
+    assert "field 'translation.fr' is missing or empty" in out and "its columns: ['translation']" in out
+    assert "4 problem(s)" in out

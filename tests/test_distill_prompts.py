@@ -79,3 +79,33 @@ def test_distill_block_checks():
         DistillConfig.model_validate({"backend": "openai", "openai": {"endpoint": "chat"}})
     with pytest.raises(ValidationError, match="extra"):
         DistillConfig.model_validate({"openai": {"api_key": "sk-..."}})  # keys never go in the recipe
+
+
+FAMILY_TEMPLATES = {
+    # the turn structure of each family's chat template, cut to what decides the stop tokens
+    "gemma": ("<end_of_turn>", "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}<start_of_turn>model\n"),
+    "llama-3": ("<|eot_id|>", "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>{% endfor %}"),
+    "qwen": ("<|im_end|>", "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"),
+    "phi-3": ("<|end|>", "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}<|assistant|>\n"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(FAMILY_TEMPLATES))
+def test_the_end_of_turn_token_the_template_writes_is_found(tiny_tokenizer, family):
+    import copy
+
+    from polydraft.distill.prompts import turn_end_ids
+
+    turn_end, template = FAMILY_TEMPLATES[family]
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": [turn_end, "<|unused|>"]})
+    tokenizer.chat_template = template
+    assert turn_end_ids(tokenizer) == [tokenizer.convert_tokens_to_ids(turn_end)]
+
+
+def test_eos_ids_come_from_the_generation_config_else_the_tokenizer(tiny_tokenizer):
+    from polydraft.distill.prompts import eos_ids, turn_end_ids
+
+    assert eos_ids(tiny_tokenizer, 7) == [7] and eos_ids(tiny_tokenizer, [7, 9]) == [7, 9]
+    assert eos_ids(tiny_tokenizer, None) == [tiny_tokenizer.eos_token_id]
+    assert turn_end_ids(tiny_tokenizer) == []  # the Vicuna template ends turns with the EOS itself

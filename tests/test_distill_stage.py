@@ -256,7 +256,31 @@ def test_long_prompts_are_counted_and_answers_fit_the_context(
     answers = []
     generate_hf(
         tiny_target, tiny_tokenizer, [Request(item, 0.0, [0])], top_p=1.0, max_new_tokens=10, stop=[],
-        seed=0, batch_size=1, emit=lambda r, s, g: answers.append(g), max_length=len(ids) + 2,
+        stop_token_ids=[tiny_tokenizer.eos_token_id], seed=0, batch_size=1, emit=lambda r, s, g: answers.append(g), max_length=len(ids) + 2,
     )  # fmt: skip
     assert len(answers[0].token_ids) <= 2
     assert answers[0].finish_reason == "length" or answers[0].token_ids[-1] == tiny_tokenizer.eos_token_id
+
+
+def test_the_hf_backend_stops_at_the_stop_token_ids(tiny_target, tiny_tokenizer):
+    """An end-of-turn id that is not the EOS ends the answer there (finish `stop`), the token kept in the
+    ids and left out of the text, as vLLM does."""
+    from polydraft.distill.hf_backend import generate_hf
+    from polydraft.distill.plan import PromptItem, Request
+    from polydraft.distill.prompts import encode_prompt
+
+    ids = encode_prompt(tiny_tokenizer, "USER: Hallo ASSISTANT:")
+    item = PromptItem("p", "s", "de-en", [], "USER: Hallo ASSISTANT:", prompt_ids=ids)
+
+    def answer(stops: list[int]):
+        out = []
+        generate_hf(
+            tiny_target, tiny_tokenizer, [Request(item, 0.0, [0])], top_p=1.0, max_new_tokens=16, stop=[],
+            stop_token_ids=stops, seed=0, batch_size=1, emit=lambda r, s, g: out.append(g),
+        )  # fmt: skip
+        return out[0]
+
+    free = answer([tiny_tokenizer.eos_token_id])
+    assert len(free.token_ids) > 1 and free.token_ids[0] != tiny_tokenizer.eos_token_id
+    cut = answer([tiny_tokenizer.eos_token_id, free.token_ids[0]])  # the first token ends the turn
+    assert cut.token_ids == free.token_ids[:1] and cut.finish_reason == "stop" and cut.text == ""

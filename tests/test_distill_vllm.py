@@ -53,7 +53,9 @@ def test_engine_arguments_follow_the_recipe():
 
 def test_requests_carry_token_ids_and_one_sampling_setting_per_prompt():
     requests = [Request(_item("a", [1, 5, 6]), 0.0, [0]), Request(_item("b", [1, 7]), 0.7, [1, 2])]
-    prompts, params = engine_inputs(requests, top_p=0.95, max_new_tokens=32, stop=["</s>"], seed=3)
+    prompts, params = engine_inputs(
+        requests, top_p=0.95, max_new_tokens=32, stop=["</s>"], stop_token_ids=[2, 7], seed=3
+    )
     assert prompts == [{"prompt_token_ids": [1, 5, 6]}, {"prompt_token_ids": [1, 7]}]
     assert params[0] == {
         "n": 1,
@@ -61,11 +63,12 @@ def test_requests_carry_token_ids_and_one_sampling_setting_per_prompt():
         "top_p": 0.95,
         "max_tokens": 32,
         "stop": ["</s>"],
+        "stop_token_ids": [2, 7],
         "seed": request_seed(3, ("a", 0.0, 0)),
     }
     assert params[1]["n"] == 2 and params[1]["seed"] == request_seed(3, ("b", 0.7, 1))
     with pytest.raises(ValueError, match="no token ids"):
-        engine_inputs([Request(_item("c", None), 0.0, [0])], 1.0, 8, [], 0)
+        engine_inputs([Request(_item("c", None), 0.0, [0])], 1.0, 8, [], [], 0)
 
 
 def _output(samples: list[tuple[str, list[int], str | None]]) -> SimpleNamespace:
@@ -101,7 +104,7 @@ def test_submission_groups_one_temperature_per_call(monkeypatch):
     requests = [Request(_item(n, [1]), t, [0, 1] if t else [0]) for t in (0.0, 1.0) for n in "abc"]
     done, failed = [], []
     generate_vllm(
-        Engine(), requests, top_p=1.0, max_new_tokens=4, stop=[], seed=0, submit_size=None,
+        Engine(), requests, top_p=1.0, max_new_tokens=4, stop=[], stop_token_ids=[], seed=0, submit_size=None,
         emit=lambda r, s, g: done.append((r.item.id, r.temperature, s, g.text)),
         fail=lambda r, s, why: failed.append(why),
     )  # fmt: skip
@@ -112,7 +115,7 @@ def test_submission_groups_one_temperature_per_call(monkeypatch):
 
     calls.clear()
     generate_vllm(
-        Engine(), requests, top_p=1.0, max_new_tokens=4, stop=[], seed=0, submit_size=2,
+        Engine(), requests, top_p=1.0, max_new_tokens=4, stop=[], stop_token_ids=[], seed=0, submit_size=2,
         emit=lambda *a: None, fail=lambda *a: None,
     )  # fmt: skip
     assert [len(p) for p, _ in calls] == [2, 1, 2, 1]

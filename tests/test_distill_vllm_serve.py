@@ -5,6 +5,7 @@ own process groups and are stopped by the fixture's finalizer whatever the tests
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,13 +58,27 @@ def wait_healthy(process: subprocess.Popen, base_url: str, log: Path, deadline: 
         time.sleep(0.5)
 
 
+LLAMA2_STYLE_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+    "{% else %} {{ m['content'] }} {{ eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def bos_template_target(folder: Path) -> Path:
+    """The demo target with a chat template that writes the BOS token itself, as Llama-2-chat's and
+    Gemma's do (the demo's own Vicuna template does not)."""
+    shutil.copytree(demo_target(), folder)
+    (folder / "chat_template.jinja").write_text(LLAMA2_STYLE_TEMPLATE, encoding="utf-8")
+    return folder
+
+
 @pytest.fixture(scope="module")
 def vllm_servers(tmp_path_factory):
-    """Two `vllm serve` processes of the demo target (started together: ~40 s on 2 cores); yields
-    (target folder, [base URL, base URL])."""
+    """Two `vllm serve` processes of the demo target with a Llama-2-style chat template (started together:
+    ~40 s on 2 cores); yields (target folder, [base URL, base URL])."""
     require_vllm()
-    target = demo_target()
     root = tmp_path_factory.mktemp("vllm_serve")
+    target = bos_template_target(root / "target")
     processes: list[subprocess.Popen] = []
     try:
         urls, logs = [], []
@@ -137,6 +152,77 @@ def test_chat_endpoint_through_two_servers(tmp_path, vllm_servers):
             record["messages"], tokenize=False, add_generation_prompt=True
         )
         assert record["finish_reason"] in ("stop", "length") and record["response_tokens"] > 0
+
+
+def test_the_server_sees_one_bos(tmp_path, vllm_servers):
+    """A template that starts with `{{ bos_token }}`: the ids vLLM generates from (its own report of them)
+    are polydraft's tokenization, one BOS, through `completions` (the backend sends token ids) and `chat`
+    (vLLM renders the template and adds no special token)."""
+    from transformers import AutoTokenizer
+
+    from polydraft.distill.openai_backend import PATHS, ServerSettings, request_body
+    from polydraft.distill.plan import PromptItem, Request
+    from polydraft.distill.prompts import encode_prompt
+
+    target, urls = vllm_servers
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    work = tmp_path / "run" / "distill"
+    recipe = served_recipe(
+        target, translation_file(tmp_path, 3), urls, prompt_format="chat_template", temperatures=[0.0],
+        openai={"return_token_ids": True},
+    )  # fmt: skip
+    run_distill(recipe, target, work)
+    records = list(iter_records(work))
+    assert len(records) == 3
+    for record in records:
+        ids = encode_prompt(tokenizer, record["prompt"])
+        assert record["prompt"].startswith("<s>[INST] ") and ids.count(tokenizer.bos_token_id) == 1
+        assert record["prompt_tokens"] == len(ids)  # a second BOS would make it one more
+    record = records[0]
+    ids = encode_prompt(tokenizer, record["prompt"])
+    item = PromptItem(
+        id="p", source="s", pair="de-en", messages=record["messages"], prompt=record["prompt"], prompt_ids=ids
+    )
+    for endpoint in ("completions", "chat"):
+        settings = ServerSettings(
+            base_urls=urls, model=str(target), endpoint=endpoint, api_key="none", max_in_flight=1,
+            request_timeout=60, max_retries=0, backoff=0, max_backoff=0, give_up_after=1, return_token_ids=True,
+        )  # fmt: skip
+        body = request_body(Request(item, 0.0, [0]), [0], settings, 1.0, 2, [], 0)
+        post = urllib.request.Request(
+            urls[0] + PATHS[endpoint], json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(post, timeout=60) as answer:
+            payload = json.loads(answer.read())
+        seen = (
+            payload["choices"][0]["prompt_token_ids"]
+            if endpoint == "completions"
+            else payload["prompt_token_ids"]
+        )
+        assert seen == ids, endpoint
+
+
+def test_the_server_stops_at_the_stop_token_ids(tmp_path, vllm_servers):
+    """`distill.stop_token_ids` reach vLLM (its `stop_token_ids`): an answer ends at the first of them."""
+    from transformers import AutoTokenizer
+
+    target, urls = vllm_servers
+    eos = AutoTokenizer.from_pretrained(target).eos_token_id
+    data = translation_file(tmp_path, 2)
+    runs = {}
+    for name, stops in (("free", [eos]), ("cut", None)):
+        if stops is None:  # the third greedy token of the first answer, as if it ended a turn
+            free = min(runs["free"], key=lambda r: r["prompt_id"])["token_ids"]
+            assert len(free) > 3 and free[2] not in free[:2]
+            stops = [eos, free[2]]
+        work = tmp_path / name / "distill"
+        recipe = served_recipe(
+            target, data, urls, temperatures=[0.0], stop_token_ids=stops, openai={"return_token_ids": True}
+        )
+        run_distill(recipe, target, work)
+        runs[name] = list(iter_records(work))
+    first = min(runs["cut"], key=lambda r: r["prompt_id"])
+    assert first["token_ids"] == free[:3] and first["finish_reason"] == "stop"
 
 
 def test_kill_mid_run_then_rerun_through_two_servers_gives_every_record_once(tmp_path, vllm_servers):

@@ -97,6 +97,12 @@ class DistillConfig(StrictModel):
     max_new_tokens: int = Field(default=256, ge=1)
     stop: list[str] = Field(default_factory=list)
     """Stop strings: generation ends at the first one, which the response leaves out."""
+    stop_token_ids: list[int] | None = None
+    """Token ids that end an answer besides the target's EOS ids (its generation config's, which every
+    backend stops at). None: the end-of-turn token the target's chat template writes (`<end_of_turn>`,
+    `<|eot_id|>`, `<|im_end|>`, `<|end|>`), which a generation config does not always list. The `openai`
+    backend sends them as vLLM's `stop_token_ids` (a server that refuses that field, e.g. transformers
+    serve with 422: set `[]`)."""
     seed: int = 0
     """Seed of the sampling; each request gets its own seed derived from this, the prompt id, the
     temperature and the sample index."""

@@ -30,7 +30,7 @@ from polydraft.distill.plan import (
     sample_slots,
     shard_of,
 )
-from polydraft.distill.prompts import encode_prompt
+from polydraft.distill.prompts import encode_prompt, eos_ids, turn_end_ids
 from polydraft.distill.report import (
     NOT_REACHED,
     DistillMetrics,
@@ -215,6 +215,25 @@ def api_key_from_env(variable: str | None) -> str:
     return value
 
 
+def answer_stop_ids(override: list[int] | None, target: Any, tokenizer: Any) -> tuple[list[int], list[int]]:
+    """(the target's EOS ids, the other token ids that end an answer: the recipe's
+    `distill.stop_token_ids`, else the end-of-turn token of the target's chat template). Without a
+    tokenizer (an `openai` server, which knows its EOS): ([], the recipe's ids or none)."""
+    if tokenizer is None:
+        return [], list(override or [])
+    from transformers import GenerationConfig
+
+    try:
+        generation_eos = GenerationConfig.from_pretrained(target.path, revision=target.revision).eos_token_id
+    except OSError:  # no generation_config.json
+        generation_eos = None
+    eos = eos_ids(tokenizer, generation_eos)
+    extra = [i for i in (override if override is not None else turn_end_ids(tokenizer)) if i not in eos]
+    stops = eos + extra
+    log.info("distill: answers end at token ids %s (%s)", stops, tokenizer.convert_ids_to_tokens(stops))
+    return eos, extra
+
+
 def generate(
     inputs: DistillInputs,
     ctx: StageContext,
@@ -225,7 +244,11 @@ def generate(
 ) -> dict[str, int]:
     """Run the recipe's backend over the pending requests; returns backend counters."""
     cfg, target = inputs.distill, inputs.target
-    sampling = {"top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens, "stop": cfg.stop, "seed": cfg.seed}
+    eos, extra = answer_stop_ids(cfg.stop_token_ids, target, tokenizer)
+    sampling = {
+        "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens, "stop": cfg.stop,
+        "stop_token_ids": eos + extra, "seed": cfg.seed,
+    }  # fmt: skip
     if cfg.backend == "hf":
         from polydraft.distill.hf_backend import generate_hf, load_model
 
@@ -287,6 +310,8 @@ def generate(
         give_up_after=o.give_up_after,
         return_token_ids=o.return_token_ids,
     )
+    # the server stops at its model's EOS on its own: only the other ids are sent
+    sampling["stop_token_ids"] = extra
     stats = generate_openai(requests, settings, emit=writer.emit, fail=writer.fail, **sampling)
     return dict(stats)
 
