@@ -190,9 +190,11 @@ def check_models(recipe: Recipe, target: ResolvedTarget, hub: _Hub) -> tuple[lis
     return findings, tokenizer
 
 
-def check_prompt(recipe: Recipe, tokenizer: Any) -> Finding:
-    """One prompt rendered in the recipe's prompt format and encoded as the target will see it."""
+def check_prompt(recipe: Recipe, target: ResolvedTarget, tokenizer: Any) -> Finding:
+    """One prompt rendered in the recipe's prompt format and encoded as the target will see it, with the
+    token ids and strings its answers will stop at."""
     from polydraft.distill.prompts import build_prompt, encode_prompt, translation_messages
+    from polydraft.pipelines.stages.distill import answer_stop_ids
 
     pair = recipe.data.pairs[0] if recipe.data.pairs else "de-en"
     messages = translation_messages(pair, "Guten Morgen.")
@@ -202,13 +204,15 @@ def check_prompt(recipe: Recipe, tokenizer: Any) -> Finding:
     try:
         prompt = build_prompt(messages, recipe.distill.prompt_format, tokenizer)
         ids = encode_prompt(tokenizer, prompt)
+        eos, extra = answer_stop_ids(recipe.distill.stop_token_ids, target, tokenizer)
     except Exception as err:
         return Finding("distill.prompt_format", what, "problem", _reason(err))
     bos = tokenizer.bos_token_id
     if bos is not None and len(ids) > 1 and ids[0] == ids[1] == bos:
         return Finding("distill.prompt_format", what, "problem", f"two BOS tokens: {ids[:4]}...")
-    stops = [*recipe.distill.stop, *([tokenizer.eos_token] if tokenizer.eos_token else [])]
-    detail = f"{len(ids)} tokens, {abridged(prompt, 120)}; stops {stops}"
+    stops = [f"{i} {tokenizer.convert_ids_to_tokens(i)!r}" for i in eos + extra]
+    detail = f"{len(ids)} tokens, {abridged(prompt, 120)}; stops at token ids [{', '.join(stops)}]"
+    detail += f" and strings {recipe.distill.stop}" if recipe.distill.stop else ""
     return Finding("distill.prompt_format", what, "ok", detail)
 
 
@@ -220,7 +224,7 @@ def check_recipe(recipe: Recipe, target: ResolvedTarget) -> list[Finding]:
     models, tokenizer = check_models(recipe, target, hub)
     findings += models
     if tokenizer is not None and recipe.distill.enabled:
-        findings.append(check_prompt(recipe, tokenizer))
+        findings.append(check_prompt(recipe, target, tokenizer))
     return findings
 
 

@@ -284,3 +284,49 @@ def test_the_hf_backend_stops_at_the_stop_token_ids(tiny_target, tiny_tokenizer)
     assert len(free.token_ids) > 1 and free.token_ids[0] != tiny_tokenizer.eos_token_id
     cut = answer([tiny_tokenizer.eos_token_id, free.token_ids[0]])  # the first token ends the turn
     assert cut.token_ids == free.token_ids[:1] and cut.finish_reason == "stop" and cut.text == ""
+
+
+GEMMA_STYLE_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{{ m['content'] }}<end_of_turn>\n{% endfor %}<start_of_turn>model\n"
+)
+
+
+def test_a_target_that_ends_its_turn_with_end_of_turn_stops_there(tmp_path, tiny_target, tiny_tokenizer):
+    """A tiny target whose chat template ends turns with `<end_of_turn>` (Gemma's), a token its generation
+    config does not list as EOS, and which says it first: the stage stops its answers there by itself;
+    with `distill.stop_token_ids: []` they run on past it."""
+    import copy
+
+    import torch
+
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<end_of_turn>", "<start_of_turn>"]})
+    tokenizer.chat_template = GEMMA_STYLE_TEMPLATE
+    end = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    data = local_source(translation_file(tmp_path, 1))
+
+    def distill(target: torch.nn.Module, name: str, stops: list[int] | None) -> list[dict]:
+        folder = tmp_path / name / "target"
+        target.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        recipe = make_recipe(
+            folder, [data], prompt_format="chat_template", temperatures=[0.0], max_new_tokens=6,
+            stop_token_ids=stops,
+        )  # fmt: skip
+        run_distill(recipe, folder, tmp_path / name / "distill")
+        return list(iter_records(tmp_path / name / "distill"))
+
+    target = copy.deepcopy(tiny_target)
+    target.resize_token_embeddings(len(tokenizer))
+    (plain,) = distill(target, "plain", [])
+    first = plain["token_ids"][0]  # the target's first greedy token becomes <end_of_turn>: head rows swapped
+    head = target.get_output_embeddings()  # untied, so that only the output rows move
+    head.weight = torch.nn.Parameter(head.weight.detach().clone())
+    target.config.tie_word_embeddings = False
+    with torch.no_grad():
+        head.weight[[first, end]] = head.weight[[end, first]]
+    (auto,) = distill(target, "auto", None)
+    assert auto["token_ids"] == [end] and auto["finish_reason"] == "stop"
+    (none,) = distill(target, "none", [])
+    assert none["token_ids"][0] == end and len(none["token_ids"]) > 1
