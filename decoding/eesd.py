@@ -77,7 +77,7 @@ class SelfSpeculative:
         assert self.buffer is not None
         hidden = self.buffer[:, first - self.buffer_start :]
         positions = torch.arange(first, first + hidden.shape[1], device=self.device).view(1, -1)
-        embeddings = self.drafter.rotary_emb(hidden, position_ids=positions)
+        embeddings = self.drafter.rotary(hidden, positions)
         masks = self.drafter.causal_mask(hidden, None, self.cache, positions, slots)
         return self.run_layers(layers, hidden, embeddings, masks, self.cache, positions, types)
 

@@ -1,5 +1,7 @@
 """A slice of a target's decoder layers run on given hidden states: the attention masks of each layer type
-(full and sliding-window) and the layers in order, each writing its own KV-cache slot.
+(full and sliding-window), the rotary position embeddings (one pair, or one per layer type where the model's
+rotary embedding differs by type, as Gemma 3's local and global frequencies do) and the layers in order,
+each writing its own KV-cache slot.
 
 The early-exit drafter (`models.early_exit`), its trainer's teacher pass, the target streamed layer by
 layer (`models.target_stream`) and self-speculative verification (`decoding.eesd`) all run parts of a
@@ -8,6 +10,7 @@ target this way, with transformers' own layer modules and mask functions (no cop
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -66,10 +69,25 @@ def attention_masks(
     }
 
 
+RotaryEmbeddings = tuple[torch.Tensor, torch.Tensor] | dict[str, tuple[torch.Tensor, torch.Tensor]]
+"""(cos, sin) for every layer, or a dict attention type -> (cos, sin) (`rotary_embeddings`)."""
+
+
+def rotary_embeddings(
+    rotary_emb: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor, types: list[str]
+) -> RotaryEmbeddings:
+    """The rotary position embeddings for layers of attention `types`, as the model's own forward computes
+    them: one (cos, sin) pair, or, when its rotary embedding takes the layer type (Gemma 3: local and
+    global base frequencies), a dict attention type -> (cos, sin)."""
+    if "layer_type" in inspect.signature(rotary_emb.forward).parameters:
+        return {kind: rotary_emb(hidden, position_ids, kind) for kind in dict.fromkeys(types)}
+    return rotary_emb(hidden, position_ids=position_ids)
+
+
 def run_layers(
     layers: nn.ModuleList | list[nn.Module],
     hidden: torch.Tensor,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    position_embeddings: RotaryEmbeddings,
     attention_mask: torch.Tensor | dict[str, torch.Tensor | None] | None,
     cache: Any = None,
     position_ids: torch.Tensor | None = None,
@@ -78,17 +96,21 @@ def run_layers(
     """Run decoder layers of the target's class in order; each writes its own cache slot (`layer_idx`).
 
     `attention_mask` is what the layers take (a prepared 4D mask, or None for plain causal attention with
-    SDPA), or a dict attention type -> mask together with `layer_types` (one per layer).
+    SDPA), or a dict attention type -> mask together with `layer_types` (one per layer); so are the
+    `position_embeddings` (`rotary_embeddings`).
     """
     for i, layer in enumerate(layers):
         mask = attention_mask[layer_types[i]] if isinstance(attention_mask, dict) else attention_mask
+        rope = position_embeddings
+        if isinstance(rope, dict):
+            rope = rope[layer_types[i]]
         out = layer(
             hidden,
             attention_mask=mask,
             position_ids=position_ids,
             past_key_values=cache,
             use_cache=cache is not None,
-            position_embeddings=position_embeddings,
+            position_embeddings=rope,
         )
         hidden = out[0] if isinstance(out, tuple) else out
     return hidden

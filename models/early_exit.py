@@ -36,7 +36,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from polydraft.models.decoder_layers import attention_masks, run_layers, target_layer_types
+from polydraft.models.decoder_layers import (
+    RotaryEmbeddings,
+    attention_masks,
+    rotary_embeddings,
+    run_layers,
+    target_layer_types,
+)
 from polydraft.models.partial_load import (
     DecoderParts,
     decoder_parts,
@@ -63,7 +69,7 @@ class ExitHead(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        position_embeddings: RotaryEmbeddings,
         attention_mask: torch.Tensor | dict[str, torch.Tensor | None] | None = None,
         cache: Any = None,
         position_ids: torch.Tensor | None = None,
@@ -84,7 +90,8 @@ class SharedState:
 
     hidden: torch.Tensor
     position_ids: torch.Tensor
-    position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    position_embeddings: RotaryEmbeddings
+    """(cos, sin), or one pair per attention type (`models.decoder_layers.rotary_embeddings`)."""
 
 
 class EarlyExitDrafter(nn.Module):
@@ -158,12 +165,16 @@ class EarlyExitDrafter(nn.Module):
 
     def positions(
         self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None, cache: Any = None
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    ) -> tuple[torch.Tensor, RotaryEmbeddings]:
         """Position ids (continuing the cache when none are given) and the rotary embeddings for them."""
         if position_ids is None:
             past = cache.get_seq_length(0) if cache is not None else 0
             position_ids = torch.arange(past, past + hidden.shape[1], device=hidden.device).unsqueeze(0)
-        return position_ids, self.rotary_emb(hidden, position_ids=position_ids)
+        return position_ids, self.rotary(hidden, position_ids)
+
+    def rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> RotaryEmbeddings:
+        """The target's rotary embeddings at `position_ids`, for every attention type of its layers."""
+        return rotary_embeddings(self.rotary_emb, hidden, position_ids, self.layer_types)
 
     def causal_mask(
         self,

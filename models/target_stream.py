@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from polydraft.models.decoder_layers import attention_masks, run_layers, target_layer_types
+from polydraft.models.decoder_layers import attention_masks, rotary_embeddings, run_layers, target_layer_types
 from polydraft.models.partial_load import decoder_parts, materialise, meta_causal_lm, open_checkpoint
 
 
@@ -48,7 +48,7 @@ def streamed_greedy_tokens(
     )
     hidden = [parts.embed_tokens(ids.to(device)) for ids in sequences]
     positions = [torch.arange(h.shape[1], device=device).unsqueeze(0) for h in hidden]
-    rope = [parts.rotary_emb(h, position_ids=p) for h, p in zip(hidden, positions, strict=True)]
+    rope = [rotary_embeddings(parts.rotary_emb, h, p, types) for h, p in zip(hidden, positions, strict=True)]
     masks = [
         attention_masks(skeleton.config, h, None, None, p, slots, types)
         for h, p in zip(hidden, positions, strict=True)
