@@ -50,6 +50,8 @@ class SelfSpeculative:
 
     def reset(self) -> None:
         self.cache = self.drafter.new_cache()
+        # sliding-window layers must keep the states they would evict until rejected drafts are cropped
+        self.cache.activate_past_recording()
         self.buffer: Tensor | None = None
         """Layer-N hidden states [1, n, H] of positions buffer_start.. that a slot group still needs."""
         self.buffer_start = 0
@@ -122,9 +124,13 @@ class SelfSpeculative:
         self.buffer_start = keep_from
 
     def _crop(self, slot: int, length: int) -> None:
-        extra = self.cache.layers[slot].get_seq_length() - length
+        layer = self.cache.layers[slot]
+        extra = layer.get_seq_length() - length
         if extra > 0:
-            self.cache.layers[slot].crop(-extra)
+            layer.crop(-extra)
+        elif getattr(layer, "is_sliding", False) and layer.is_initialized:
+            # nothing rejected: a sliding-window layer still drops what its window no longer needs
+            layer.crop(0)
 
 
 class SelfProposer(ControlledDrafting):
