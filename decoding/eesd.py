@@ -44,6 +44,8 @@ class SelfSpeculative:
         self.deep_layers = parts.layers[drafter.num_shared_layers :]
         self.deep_types = [drafter.slot_type(s) for s in self.deep_slots]
         self.norm, self.head = parts.norm, parts.lm_head
+        # the target's logits as its own forward post-processes them (Gemma 2's soft-capping), as `CachedLM`'s
+        self.softcap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
         self.device = next(target.parameters()).device
         self.sync = profile and self.device.type == "cuda"
         self.reset()
@@ -108,6 +110,8 @@ class SelfSpeculative:
         out = self._layers(self.deep_layers, self.deep_slots, self.deep_types, self.length(self.deep_slots))
         hidden = self.norm(out[0, -num_logits:])
         logits = self.head(hidden).float()
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
         self.target_seconds += seconds + self._clock(start)
         self.target_calls += 1
         return logits, hidden
