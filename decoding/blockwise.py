@@ -132,6 +132,8 @@ class HeadsProposer:
             return sample(draft_probs, generator), draft_probs
         drafter = self.rescoring.drafter
         width = self.rescoring.beam_width if sampling.greedy else 1  # sampling: one exact draw from r
+        # the drafter's beam search is a tree under a tree mask: within its sliding window only
+        check_window([drafter], out.length, width * k)
         tree, dists = draft_tree(
             drafter, out.pending(drafter.length), TreeShape.beam(width, k), k, sampling, generator,
             rescorer(head_logp, self.rescoring.top_k, self.rescoring.weight, sampling),
