@@ -10,6 +10,7 @@ target this way, with transformers' own layer modules and mask functions (no cop
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -79,9 +80,16 @@ def rotary_embeddings(
     """The rotary position embeddings for layers of attention `types`, as the model's own forward computes
     them: one (cos, sin) pair, or, when its rotary embedding takes the layer type (Gemma 3: local and
     global base frequencies), a dict attention type -> (cos, sin)."""
-    if "layer_type" in inspect.signature(rotary_emb.forward).parameters:
+    if _takes_layer_type(type(rotary_emb)):
         return {kind: rotary_emb(hidden, position_ids, kind) for kind in dict.fromkeys(types)}
     return rotary_emb(hidden, position_ids=position_ids)
+
+
+@functools.cache
+def _takes_layer_type(rotary_class: type) -> bool:
+    """Whether a rotary embedding class's forward takes the layer type (asked once per class: decoding
+    calls `rotary_embeddings` on every draft step)."""
+    return "layer_type" in inspect.signature(rotary_class.forward).parameters
 
 
 def run_layers(

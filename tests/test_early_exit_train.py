@@ -147,3 +147,23 @@ def test_bf16_autocast_training_on_a_gpu(tmp_path, layered_dir):
         for name, tensor in layer.state_dict().items():
             assert torch.equal(tensor.cpu(), target.state_dict()[f"model.layers.{i}.{name}"]), name
     assert metrics["steps"] == 4 and metrics["peak_memory_gib"] > 0
+
+
+def test_the_kl_teacher_is_the_targets_own_distribution_on_a_soft_capped_target():
+    """`ce+kl` continues the shared states through the target's later layers: its logits are the target's
+    own, Gemma 2's final soft-capping included."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from polydraft.models.early_exit import from_target
+    from polydraft.train.early_exit import teacher_logits
+
+    config = Gemma2Config(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=16, intermediate_size=64, final_logit_softcapping=0.5)  # fmt: skip
+    torch.manual_seed(0)
+    teacher = Gemma2ForCausalLM(config).eval()
+    drafter = from_target(teacher, 1, 1)
+    ids = torch.arange(3, 15).view(1, -1)
+    with torch.no_grad():
+        expected = teacher(ids).logits
+        got = teacher_logits(teacher, drafter, drafter.forward_shared(ids))
+    assert expected.abs().max() <= 0.5 and torch.allclose(got, expected, atol=1e-5)

@@ -140,7 +140,11 @@ def teacher_logits(teacher: torch.nn.Module, drafter: EarlyExitDrafter, state: A
     hidden = run_layers(
         parts.layers[n:], state.hidden, state.position_embeddings, masks, None, state.position_ids, types
     )
-    return parts.lm_head(parts.norm(hidden))
+    logits = parts.lm_head(parts.norm(hidden))
+    softcap = getattr(teacher.config.get_text_config(), "final_logit_softcapping", None)
+    if softcap is not None:  # as the target's own forward (Gemma 2)
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
 
 
 def exit_loss(
