@@ -252,12 +252,9 @@ def read_source(
 class Peek:
     """The first rows of a source as `read_source` would see them, for `polydraft check`."""
 
-    description: str
     rows: SourceRows
     columns: list[str]
     """The columns of the source's rows (of the first raw row)."""
-    first: dict[str, Any] | None
-    """The first raw row, before the field mapping."""
 
 
 def peek_source(count: int = 3, **args: Any) -> Peek:
@@ -271,16 +268,15 @@ def peek_source(count: int = 3, **args: Any) -> Peek:
     if kind == "offline":
         # the corpus's first samples do not depend on how many are drawn: draw only those
         rows = read_source(**{**args, "limit": count, "offline_samples": 10 * count})
-        return Peek(description, rows, list(rows.rows[0]) if rows.rows else [], None)
+        return Peek(rows, list(rows.rows[0]) if rows.rows else [])
     if kind == "hf":
         dataset = load_hf(args["path"], args.get("name"), split, args.get("revision"), streaming=True)
     else:
         dataset = load_local(args["path"], streaming=True)
     raw = list(itertools.islice(iter(dataset), count))
-    first = raw[0] if raw else None
-    columns = list(first) if first is not None else []
     if not raw:
         raise SourceError(f"{description}: no rows")
+    first, columns = raw[0], list(raw[0])
     fields, skip_invalid = args.get("fields") or {}, bool(args.get("skip_invalid"))
     shown = f"its columns: {columns}; its first row: {abridged(first)}"
     try:
@@ -291,7 +287,7 @@ def peek_source(count: int = 3, **args: Any) -> Peek:
         raise SourceError(
             f"{description}: none of the first {len(raw)} rows is usable ({rows.invalid_examples[0]}); {shown}"
         )
-    return Peek(description, rows, columns, first)
+    return Peek(rows, columns)
 
 
 def abridged(value: Any, width: int = 60) -> str:

@@ -142,7 +142,7 @@ def shipped() -> list:
     from polydraft.pipelines.recipe import shipped_recipes
     from polydraft.pipelines.stage import PROJECT_ROOT
 
-    return [r for r in shipped_recipes(PROJECT_ROOT / "recipes")]
+    return list(shipped_recipes(PROJECT_ROOT / "recipes"))
 
 
 @pytest.mark.parametrize("name", [r.name for r in shipped()])

@@ -29,9 +29,10 @@ from polydraft.pipelines.stage import (
     optim_settings,
     training_main,
 )
+from polydraft.pipelines.stages.mix_training import sized_batches
 from polydraft.pipelines.stages.pretrain import preflight
 from polydraft.pipelines.tracking import Tracker
-from polydraft.train.data import MixBatches, encode_rows, pad_id_of
+from polydraft.train.data import encode_rows, pad_id_of
 from polydraft.train.drafter import export, initial_drafter, train_drafter
 from polydraft.train.evaluation import read_eval_sets
 from polydraft.train.results import DrafterMetrics, FinetuneMetrics, Launched
@@ -108,17 +109,10 @@ def finetune(spec: StageSpec, inputs: FinetuneInputs, accelerator: Any, tracker:
                 f"finetune {pair}: {err}; check finetune.temperatures and that distill answered this pair"
             ) from err
         examples, dropped = encode_rows(tokenizer, train_rows, loop.max_length)
-        batches = MixBatches(
-            examples, inputs.data_seed, loop.per_device_batch_size, accelerator.process_index,
-            accelerator.num_processes, accelerator.gradient_accumulation_steps, pad_id_of(tokenizer),
-        )  # fmt: skip
-        if batches.steps_per_epoch == 0:
-            raise StageFailed(
-                f"finetune {pair}: {len(examples)} training examples are fewer than one global batch of "
-                f"{batches.global_batch} (per_device_batch_size x processes x grad_accum_steps)"
-            )
         assert loop.epochs is not None, "the recipe loader fills finetune.loop.epochs"
-        total_steps = loop.max_steps or max(1, int(loop.epochs * batches.steps_per_epoch))
+        batches, total_steps = sized_batches(
+            f"finetune {pair}", examples, inputs.data_seed, loop, accelerator, pad_id_of(tokenizer)
+        )
         log.info("[%s] %d examples (%d over max_length), %d steps", pair, len(examples), dropped, total_steps)
         set_seed(loop.seed)
         model = initial_drafter(

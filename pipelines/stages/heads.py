@@ -25,7 +25,7 @@ from polydraft.pipelines.stage import (
     optim_settings,
     training_main,
 )
-from polydraft.pipelines.stages.head_training import (
+from polydraft.pipelines.stages.mix_training import (
     mix_data,
     peak_memory_gib,
     prepare_trainable,

@@ -1,9 +1,9 @@
-"""What the `early_exit` and `heads` stages share: both train a small part (an exit head, proposal heads)
-on a frozen target, on the distill stage's mix of every pair, and write one output folder.
-
-`mix_data` reads the mix into this process's batches (and the held-out examples) and sizes the run;
-`prepare_trainable` builds the optimizer and schedule and hands the trainable part to accelerate;
-`write_output` writes the output folder atomically and drops the checkpoints it makes useless.
+"""What the stages that train on the distill stage's mix share. `sized_batches` cuts encoded mix rows into
+this process's batches and sizes the run (finetune, early_exit, heads). The `early_exit` and `heads`
+stages both train a small part (an exit head, proposal heads) on a frozen target over the mix of every
+pair: `mix_data` reads it, `prepare_trainable` builds the optimizer and schedule and hands the trainable
+part to accelerate, `write_output` writes the output folder atomically and drops the checkpoints it makes
+useless.
 """
 
 from __future__ import annotations
@@ -34,17 +34,27 @@ def mix_data(
         eval_examples = load_examples(distill_dir, tokenizer, "eval", **options)
     except (FileNotFoundError, ValueError) as err:
         raise StageFailed(f"{stage}: {err}") from err
+    batches, total_steps = sized_batches(
+        stage, train_examples, loop.seed, loop, accelerator, pad_id_of(tokenizer)
+    )
+    return batches, eval_examples, total_steps
+
+
+def sized_batches(
+    stage: str, examples: list[dict[str, list[int]]], seed: int, loop: Any, accelerator: Any, pad_id: int
+) -> tuple[MixBatches, int]:
+    """(this process's batches of `examples`, total optimizer steps: `loop.max_steps`, else `loop.epochs`
+    passes). StageFailed when the examples do not fill one global batch."""
     batches = MixBatches(
-        train_examples, loop.seed, loop.per_device_batch_size, accelerator.process_index,
-        accelerator.num_processes, accelerator.gradient_accumulation_steps, pad_id_of(tokenizer),
+        examples, seed, loop.per_device_batch_size, accelerator.process_index, accelerator.num_processes,
+        accelerator.gradient_accumulation_steps, pad_id,
     )  # fmt: skip
     if batches.steps_per_epoch == 0:
         raise StageFailed(
-            f"{stage}: {len(train_examples)} training examples are fewer than one global batch of "
+            f"{stage}: {len(examples)} training examples are fewer than one global batch of "
             f"{batches.global_batch} (per_device_batch_size x processes x grad_accum_steps)"
         )
-    total_steps = loop.max_steps or max(1, int(loop.epochs * batches.steps_per_epoch))
-    return batches, eval_examples, total_steps
+    return batches, loop.max_steps or max(1, int(loop.epochs * batches.steps_per_epoch))
 
 
 def prepare_trainable(
