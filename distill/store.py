@@ -1,6 +1,7 @@
 """Append-only, sharded JSONL records that survive a crash or `kill -9`.
 
-Records live in `<dir>/records/shard<NNNNN>-part<NNNNN>.jsonl`. Every run opens a new part file and
+Records live in `<dir>/records/shard<NNNNN>-part<NNNNN>.jsonl` (`shard<NNNNN>-engine<EE>-part<NNNNN>.jsonl`
+when several vLLM engines write at once, see `distill/engines.py`). Every run opens a new part file and
 appends whole lines in one write per batch, then flushes and fsyncs, so a kill loses at most the batch
 being written: at worst a torn last line, which `repair()` cuts off before the next run reads the keys
 that are done. `datasets.load_dataset("json", data_files=".../records/*.jsonl")` loads the folder.
@@ -22,7 +23,7 @@ from polydraft.distill.plan import Generation, Key, Request, record_id, request_
 log = logging.getLogger(__name__)
 
 RECORDS_DIR = "records"
-_PART = re.compile(r"shard(\d+)-part(\d+)\.jsonl$")
+_PART = re.compile(r"shard(\d+)(?:-engine\d+)?-part(\d+)\.jsonl$")
 
 
 class StoreError(RuntimeError):
@@ -112,13 +113,15 @@ def iter_records(directory: Path) -> Iterator[dict[str, Any]]:
 
 
 class RecordStore:
-    """The records of one shard of the distill stage, in `<directory>/records/`."""
+    """The records of one shard of the distill stage, in `<directory>/records/`; `engine` names the files
+    of one of several engines that write at once (each to its own files)."""
 
-    def __init__(self, directory: Path, shard_index: int, records_per_file: int):
+    def __init__(self, directory: Path, shard_index: int, records_per_file: int, engine: int | None = None):
         self.root = Path(directory) / RECORDS_DIR
         self.directory = Path(directory)
         self.shard_index = shard_index
         self.records_per_file = records_per_file
+        self.prefix = f"shard{shard_index:05d}" + (f"-engine{engine:02d}" if engine is not None else "")
         self._handle: Any = None
         self._in_file = 0
         self._next_part = 0
@@ -150,7 +153,7 @@ class RecordStore:
         self.root.mkdir(parents=True, exist_ok=True)
         parts = [int(m.group(2)) for p in record_files(self.directory) if (m := _PART.search(p.name))]
         self._next_part = max([self._next_part, *[p + 1 for p in parts]])
-        path = self.root / f"shard{self.shard_index:05d}-part{self._next_part:05d}.jsonl"
+        path = self.root / f"{self.prefix}-part{self._next_part:05d}.jsonl"
         self._next_part += 1
         self._handle = open(path, "a", encoding="utf-8")  # noqa: SIM115 - kept open across batches
         self._in_file = 0
@@ -231,6 +234,14 @@ class RecordWriter:
         self.response_tokens += max(0, generation.response_tokens)
         if len(self.buffer) >= self.batch_size:
             self.flush()
+
+    def absorb(self, keys: set[Key], failures: dict[Key, str], written: int, response_tokens: int) -> None:
+        """Count what engine processes wrote to the same store (`distill/engines.py`): the keys now on
+        disk, the samples that failed, the records and response tokens they wrote."""
+        self.done |= keys
+        self.failures.update({key: why for key, why in failures.items() if key not in self.done})
+        self.written += written
+        self.response_tokens += response_tokens
 
     def fail(self, request: Request, sample_index: int, reason: str) -> None:
         self.failures[request.key(sample_index)] = reason

@@ -15,6 +15,7 @@ Python below. On the CPU build the engine differs in three ways (measured with v
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from polydraft.distill.plan import Emit, Fail, Generation, Request, request_seed
@@ -146,8 +147,10 @@ def generate_vllm(
     emit: Emit,
     fail: Fail,
     show_progress: bool = True,
+    after_chunk: Callable[[], None] | None = None,
 ) -> None:
-    """Submit the pending prompts of one temperature together (or `submit_size` at a time)."""
+    """Submit the pending prompts of one temperature `submit_size` at a time (None: all at once);
+    `after_chunk()` runs when a call's answers are all emitted (the engines write them to disk then)."""
     vllm = import_vllm()
     for temperature in sorted({r.temperature for r in requests}):
         pending = [r for r in requests if r.temperature == temperature]
@@ -166,3 +169,5 @@ def generate_vllm(
                         fail(request, sample_index, result)
                     else:
                         emit(request, sample_index, result)
+            if after_chunk is not None:
+                after_chunk()

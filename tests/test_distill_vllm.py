@@ -5,6 +5,7 @@ stand-in engine, the install message; and the real CPU build of vLLM on the demo
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from polydraft.distill.engines import EngineError, deal, engine_count, engine_envs
 from polydraft.distill.plan import PromptItem, Request, request_seed
 from polydraft.distill.store import RecordStore, iter_records, record_files, record_key
 from polydraft.distill.vllm_backend import (
@@ -230,3 +232,98 @@ def test_real_vllm_four_temperatures_kill_and_rerun_gives_every_record_once(tmp_
         assert record["prompt_tokens"] == ids.shape[1]
         out = model.generate(ids, do_sample=False, max_new_tokens=24, pad_token_id=tokenizer.pad_token_id)
         assert record["token_ids"] == out[0, ids.shape[1] :].tolist()
+
+
+# ----------------------------------------------------------------------------- data-parallel engines
+
+
+def test_engines_take_every_visible_gpu_group_unless_told():
+    gpus = [str(i) for i in range(8)]
+    assert engine_count(None, 1, gpus) == 8
+    assert engine_count(None, 2, gpus) == 4
+    assert engine_count(None, 4, []) == 1  # the CPU build: one engine unless told
+    assert engine_count(3, 2, gpus) == 3
+    with pytest.raises(EngineError, match="needs 10 GPUs, 8 are visible"):
+        engine_count(5, 2, gpus)
+    envs = engine_envs(4, 2, gpus)
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0,1", "2,3", "4,5", "6,7"]
+    requests = [Request(_item(str(n), [1]), 0.0, [0]) for n in range(7)]
+    shares = deal(requests, 3)
+    assert sorted(r.item.id for share in shares for r in share) == sorted(r.item.id for r in requests)
+    assert [len(s) for s in shares] == [3, 2, 2]
+
+
+def _progress(work, index: int) -> int:
+    path = work / "engines" / f"engine-{index}.progress"
+    return int(path.read_text() or 0) if path.exists() else 0
+
+
+def test_two_real_vllm_engines_one_killed_then_rerun_give_every_record_once(tmp_path):
+    """The stage with two CPU engines, each on one core and half of the requests. One engine is killed
+    with SIGKILL once it has written records: the stage fails after the other finishes, keeping what both
+    wrote; the rerun generates exactly the missing records. The greedy records equal a one-engine run's."""
+    require_vllm()
+    target = demo_target()
+    data = translation_file(tmp_path, 10)
+    temperatures = [0.0, 0.7]
+
+    def recipe(engines: int):
+        vllm = {"max_model_len": 512, "submit_size": 2, "cpu_kv_cache_gib": 0.25, "data_parallel": engines}
+        return make_recipe(
+            target, [local_source(data)], backend="vllm", temperatures=temperatures, samples_per_prompt=1, max_new_tokens=24,
+            batch_size=1, vllm=vllm,
+        )  # fmt: skip
+
+    def spec(engines: int, work) -> str:
+        path = tmp_path / f"spec{engines}.json"
+        path.write_text(json.dumps({"recipe": recipe(engines).model_dump(mode="json"), "target": str(target),
+                                    "work": str(work)}))  # fmt: skip
+        return path
+
+    expected = {(f"0:local:{data}/train/{i}", t, 0) for i in range(10) for t in temperatures}
+    work = tmp_path / "two" / "distill"
+    process = _stage_process(spec(2, work), multiprocessing=False)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and process.poll() is None and _progress(work, 1) < 2:
+            time.sleep(0.05)
+        assert process.poll() is None and _progress(work, 1) >= 2, "engine 1 wrote nothing to kill"
+        pid = int((work / "engines" / "engine-1.pid").read_text())
+        os.kill(pid, signal.SIGKILL)
+        assert process.wait(timeout=240) != 0, "the stage ignored its killed engine"
+    finally:
+        stop_group(process, signal.SIGKILL)
+    RecordStore(work, 0, 1).repair()
+    before = [record_key(r) for r in iter_records(work)]
+    assert len(before) == len(set(before)) and 0 < len(before) < len(expected)
+    engine0 = {
+        record_key(r) for p in record_files(work) if "-engine00-" in p.name for r in iter_records_of(p)
+    }
+    assert len(engine0) == len(expected) // 2, "engine 0 did not finish its share after engine 1 died"
+
+    rerun = _stage_process(spec(2, work), multiprocessing=False)
+    try:
+        assert rerun.wait(timeout=300) == 0
+    finally:
+        stop_group(rerun)
+    keys = [record_key(r) for r in iter_records(work)]
+    assert len(keys) == len(set(keys)), "a record was written twice"
+    assert set(keys) == expected, "a record is missing"
+    assert {p.name.split("-part")[0] for p in record_files(work)} == {
+        "shard00000-engine00",
+        "shard00000-engine01",
+    }
+
+    single = tmp_path / "one" / "distill"
+    one = _stage_process(spec(1, single), multiprocessing=False)
+    try:
+        assert one.wait(timeout=300) == 0
+    finally:
+        stop_group(one)
+    greedy = {record_key(r): r["token_ids"] for r in iter_records(work) if r["temperature"] == 0.0}
+    assert greedy == {record_key(r): r["token_ids"] for r in iter_records(single) if r["temperature"] == 0.0}
+
+
+def iter_records_of(path):
+    with open(path, "rb") as handle:
+        yield from (json.loads(line) for line in handle)

@@ -33,10 +33,15 @@ class VLLMConfig(StrictModel):
     cpu_kv_cache_gib: float = Field(default=1.0, gt=0.0)
     """KV cache of the CPU build of vLLM, in GiB (ignored on a GPU). vLLM's own CPU default reserves 92%
     of the machine's memory and refuses to start when less is free."""
-    submit_size: int | None = Field(default=None, ge=1)
-    """Prompts per `LLM.generate` call. None submits every pending prompt of one temperature at once so
-    that vLLM schedules them together; records are written when a call returns, so set a size (e.g.
-    50000) to bound what a crash loses on a very long run."""
+    data_parallel: int | None = Field(default=None, ge=1)
+    """vLLM engines that run at once, each a process of its own on `tensor_parallel_size` GPUs and its
+    share of the prompts (their records are merged as they land). None: every visible GPU divided by
+    `tensor_parallel_size` (one engine on the CPU build, where a set number splits the cores)."""
+    submit_size: int = Field(default=2048, ge=1)
+    """Prompts per `LLM.generate` call of one engine. Records reach disk when a call returns, so a crash
+    or `kill -9` loses at most one call's answers per engine, and a rerun generates just the missing
+    ones. Larger calls let vLLM schedule more prompts together (it keeps at most its `max_num_seqs`,
+    256 by default, running at once); smaller ones lose less."""
 
 
 class OpenAIServerConfig(StrictModel):

@@ -4,6 +4,7 @@ F.2, seed 001 §3.2), and the answers plus some open-source rows become the `mix
 Work dir layout:
 - `plan.json`, `prompts.jsonl`: what this shard has to generate (the merge step checks against them)
 - `records/*.jsonl`: one record per (prompt id, temperature, sample index), append-only (`store.py`)
+- `engines/`: the settings, requests, logs and results of the vllm backend's engine processes
 - `failures.jsonl`: the records still missing after a run, with the reason (only after a failure)
 - `mix/<pair>/{train,eval}.jsonl`: the trainers' input (`mix.py`)
 A rerun in the same work dir (`polydraft run RECIPE --only distill`) generates only the missing keys.
@@ -12,6 +13,7 @@ A rerun in the same work dir (`polydraft run RECIPE --only distill`) generates o
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -19,6 +21,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from polydraft.distill.engines import (
+    EngineError,
+    EngineSpec,
+    deal,
+    engine_count,
+    engine_envs,
+    run_engines,
+    visible_gpus,
+)
 from polydraft.distill.openai_backend import ServerSettings, generate_openai
 from polydraft.distill.plan import (
     PromptItem,
@@ -41,6 +52,7 @@ from polydraft.distill.report import (
 )
 from polydraft.distill.sources import SourceError, read_source
 from polydraft.distill.store import RecordStore, RecordWriter, StoreError
+from polydraft.distill.vllm_backend import INSTALL_HINT
 from polydraft.models.loading import load_tokenizer
 from polydraft.pipelines.schema.common import SourceConfig, reader_args
 from polydraft.pipelines.schema.inputs import DistillInputs
@@ -61,7 +73,13 @@ OPERATIONAL_FIELDS = {
 (`shard_index` is left out so that all shards of one distillation share the fingerprint; the plan
 records it separately.)"""
 OPERATIONAL_SUBFIELDS = {
-    "vllm": {"gpu_memory_utilization", "submit_size", "tensor_parallel_size", "cpu_kv_cache_gib"},
+    "vllm": {
+        "gpu_memory_utilization",
+        "submit_size",
+        "tensor_parallel_size",
+        "cpu_kv_cache_gib",
+        "data_parallel",
+    },
     "openai": {
         "base_urls",
         "api_key_env",
@@ -266,36 +284,7 @@ def generate(
         )
         return {}
     if cfg.backend == "vllm":
-        from polydraft.distill.vllm_backend import engine_kwargs, generate_vllm, import_vllm, on_cpu
-
-        try:
-            vllm = import_vllm()
-        except ImportError as err:
-            raise StageFailed(str(err)) from err
-        v = cfg.vllm
-        llm = vllm.LLM(
-            **engine_kwargs(
-                target.path,
-                target.revision,
-                target.dtype,
-                target.trust_remote_code,
-                v.tensor_parallel_size,
-                v.max_model_len,
-                v.gpu_memory_utilization,
-                cfg.seed,
-                v.cpu_kv_cache_gib if on_cpu() else None,
-            )
-        )
-        generate_vllm(
-            llm,
-            requests,
-            submit_size=v.submit_size,
-            emit=writer.emit,
-            fail=writer.fail,
-            show_progress=not ctx.quiet,
-            **sampling,
-        )
-        return {}
+        return generate_with_engines(inputs, ctx, requests, writer, sampling)
     o = cfg.openai
     settings = ServerSettings(
         base_urls=o.base_urls,
@@ -314,6 +303,64 @@ def generate(
     sampling["stop_token_ids"] = extra
     stats = generate_openai(requests, settings, emit=writer.emit, fail=writer.fail, **sampling)
     return dict(stats)
+
+
+def generate_with_engines(
+    inputs: DistillInputs,
+    ctx: StageContext,
+    requests: list[Request],
+    writer: RecordWriter,
+    sampling: dict[str, Any],
+) -> dict[str, int]:
+    """The vllm backend: `distill.vllm.data_parallel` engine processes (`distill/engines.py`), each on
+    its own GPU group and its share of the requests; what they write is counted into `writer`."""
+    if importlib.util.find_spec("vllm") is None:
+        raise StageFailed(INSTALL_HINT)
+    cfg, target, v = inputs.distill, inputs.target, inputs.distill.vllm
+    try:
+        gpus = visible_gpus()
+        engines = engine_count(v.data_parallel, v.tensor_parallel_size, gpus)
+        envs = engine_envs(engines, v.tensor_parallel_size, gpus)
+    except EngineError as err:
+        raise StageFailed(str(err)) from err
+    engine = {
+        "path": target.path, "revision": target.revision, "dtype": target.dtype,
+        "trust_remote_code": target.trust_remote_code, "tensor_parallel_size": v.tensor_parallel_size,
+        "max_model_len": v.max_model_len, "gpu_memory_utilization": v.gpu_memory_utilization, "seed": cfg.seed,
+    }  # fmt: skip
+    specs = [
+        EngineSpec(
+            index=i,
+            work_dir=str(ctx.work_dir),
+            shard_index=cfg.shard_index,
+            records_per_file=cfg.records_per_file,
+            batch_size=cfg.batch_size,
+            engine=engine,
+            cpu_kv_cache_gib=v.cpu_kv_cache_gib,
+            sampling=sampling,
+            submit_size=v.submit_size,
+            meta=writer.meta,
+            seed=cfg.seed,
+        )  # fmt: skip
+        for i in range(engines)
+    ]
+    log.info("distill: %d vLLM engine(s) of %d GPU(s) each", engines, v.tensor_parallel_size if gpus else 0)
+    try:
+        results = run_engines(specs, deal(requests, engines), envs, writer.bar.update)
+    except EngineError as err:
+        writer.absorb(writer.store.keys(), {}, 0, 0)
+        raise StageFailed(
+            f"distill: {err}\nThe records written are kept: rerun `polydraft run RECIPE --only distill` "
+            "to generate the missing ones."
+        ) from err
+    failures = {key: why for result in results for key, why in result.failures.items()}
+    writer.absorb(
+        writer.store.keys(),
+        failures,
+        sum(r.written for r in results),
+        sum(r.response_tokens for r in results),
+    )
+    return {"engines": engines}
 
 
 def run(inputs: DistillInputs, ctx: StageContext) -> StageResult:
