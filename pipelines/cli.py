@@ -11,6 +11,7 @@ import tempfile
 import traceback
 from pathlib import Path
 
+from polydraft.pipelines.nodes import NodeError, NodeLeader, follow, machines_of
 from polydraft.pipelines.preflight import (
     OFFLINE,
     InputError,
@@ -21,7 +22,13 @@ from polydraft.pipelines.preflight import (
 )
 from polydraft.pipelines.recipe import RecipeError, dump_recipe, load_recipe
 from polydraft.pipelines.rundir import RunDirTaken, claim_run_dir, default_run_dir
-from polydraft.pipelines.stage import StageFailed, configure_logging
+from polydraft.pipelines.schema import Recipe
+from polydraft.pipelines.stage import (
+    StageFailed,
+    configure_logging,
+    join_launch,
+    resolve_accelerate_config,
+)
 
 log = logging.getLogger("polydraft.pipelines.cli")
 
@@ -65,6 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--rerun-stale", action="store_true",
         help="rerun the stages whose folders other code made (kept by default, with a warning)",
+    )  # fmt: skip
+    run.add_argument(
+        "--node-rank", type=int, metavar="R",
+        help="this node's rank when launch.accelerate_config has num_machines > 1 (default: the config's "
+        "machine_rank); node 0 runs the pipeline, the others join its training launches",
+    )  # fmt: skip
+    run.add_argument(
+        "--node-timeout", type=float, default=600.0, metavar="SECONDS",
+        help="several nodes: how long to wait for the other nodes to be seen in the shared run directory",
     )  # fmt: skip
 
     status = commands.add_parser(
@@ -214,6 +230,9 @@ def _run(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     run_dir = args.run_dir or default_run_dir(args.recipe)
     check_run_dir(run_dir)
+    nodes, rank = _node_rank(recipe, args.node_rank)
+    if rank > 0:
+        return _follow(run_dir, nodes, rank, args)
     target = resolve_target(recipe.target, recipe.data, show_progress=not args.quiet)
     findings = check_recipe(recipe, target)
     for finding in findings:
@@ -222,24 +241,67 @@ def _run(args: argparse.Namespace) -> int:
     raise_problems(findings)
     command = shlex.join(["polydraft", *sys.argv[1:]])
     claim_run_dir(run_dir, args.recipe, args.overrides, command, force=args.force)
-    outcomes = run_pipeline(
-        recipe,
-        run_dir,
-        default_stages(),
-        target,
-        command=command,
-        only=args.only,
-        start=args.start,
-        force=args.force,
-        rerun_stale=args.rerun_stale,
-        quiet=args.quiet,
-        verbose=args.verbose,
-    )
+    leader = NodeLeader(run_dir, nodes) if nodes > 1 else None
+    if leader is not None:
+        try:
+            leader.start(args.node_timeout)
+        except NodeError as err:
+            raise InputError(str(err)) from err
+    try:
+        outcomes = run_pipeline(
+            recipe,
+            run_dir,
+            default_stages(),
+            target,
+            command=command,
+            only=args.only,
+            start=args.start,
+            force=args.force,
+            rerun_stale=args.rerun_stale,
+            quiet=args.quiet,
+            verbose=args.verbose,
+            leader=leader,
+        )
+    except BaseException as err:
+        if leader is not None:
+            leader.stop(f"{type(err).__name__}: {err}")
+        raise
+    if leader is not None:
+        leader.stop()
     print(f"\nrun directory: {run_dir}\n")
     print(summary_table(outcomes))
     results = results_summary(run_dir)
     if results:
         print(f"\n{results}")
+    return 0
+
+
+def _node_rank(recipe: Recipe, flag: int | None) -> tuple[int, int]:
+    """(nodes, this node's rank): the accelerate config's num_machines, and --node-rank or its machine_rank."""
+    nodes, config_rank = machines_of(resolve_accelerate_config(recipe.launch.accelerate_config))
+    rank = config_rank if flag is None else flag
+    if flag is not None and nodes == 1:
+        raise InputError(
+            f"--node-rank {flag}: launch.accelerate_config {recipe.launch.accelerate_config} has num_machines 1; "
+            "several nodes need a config with num_machines > 1 (see recipes/accelerate/multinode.yaml)"
+        )
+    if not 0 <= rank < nodes:
+        raise InputError(
+            f"node rank {rank} is not in 0..{nodes - 1} (num_machines {nodes} in the accelerate config)"
+        )
+    return nodes, rank
+
+
+def _follow(run_dir: Path, nodes: int, rank: int, args: argparse.Namespace) -> int:
+    """Another node than node 0: join node 0 through the shared run directory and each training launch."""
+    try:
+        launches = follow(
+            run_dir, rank, args.node_timeout,
+            lambda event: join_launch(event, run_dir, nodes, rank, args.quiet),
+        )  # fmt: skip
+    except NodeError as err:
+        raise StageFailed(str(err)) from err
+    print(f"\nnode {rank} of {nodes}: joined {launches} training launch(es) of node 0 in {run_dir}")
     return 0
 
 

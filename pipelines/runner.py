@@ -42,6 +42,7 @@ from polydraft.pipelines.manifest import (
     stage_manifest,
     write_json_atomic,
 )
+from polydraft.pipelines.nodes import NodeLeader
 from polydraft.pipelines.recipe import dump_recipe
 from polydraft.pipelines.rundir import move_aside
 from polydraft.pipelines.schema import Recipe, ResolvedTarget
@@ -164,6 +165,7 @@ def run_pipeline(
     rerun_stale: bool = False,
     quiet: bool = False,
     verbose: bool = False,
+    leader: NodeLeader | None = None,
 ) -> list[StageOutcome]:
     """Run the recipe's enabled stages in order, skipping those whose manifest matches (and, unless
     `rerun_stale`, those made by other code, with a warning)."""
@@ -233,6 +235,7 @@ def run_pipeline(
             tracking=tracking,
             quiet=quiet,
             verbose=verbose,
+            leader=leader,
         )
         started = datetime.datetime.now(datetime.timezone.utc)
         clock = time.perf_counter()

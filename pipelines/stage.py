@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel
 
+from polydraft.pipelines.nodes import NodeLeader
 from polydraft.pipelines.schema import (
     LaunchConfig,
     LoopConfig,
@@ -65,6 +66,8 @@ class StageContext:
     """The recipe's tracking block, for the wandb runs of training subprocesses."""
     quiet: bool = False
     verbose: bool = False
+    leader: NodeLeader | None = None
+    """Node 0 of several (`pipelines/nodes.py`): training launches are announced to the other nodes."""
 
     def progress(self, total: int, verb: str, unit: str, initial: int = 0) -> ProgressLine:
         """A line of progress every 5% of `total` units, with the rate and the time left (none with
@@ -170,12 +173,47 @@ def cpu_fallback(config_file: Path) -> str | None:
 
 
 def accelerate_command(
-    config_file: Path, num_processes: int | None, module: str, args: list[str]
+    config_file: Path,
+    num_processes: int | None,
+    module: str,
+    args: list[str],
+    machine: tuple[int, int] | None = None,
 ) -> list[str]:
+    """`accelerate launch` of `module`; `machine` = (num_machines, machine_rank) on several nodes."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file)]
     if num_processes is not None:
         command += ["--num_processes", str(num_processes)]
+    if machine is not None:
+        command += ["--num_machines", str(machine[0]), "--machine_rank", str(machine[1])]
     return [*command, "-m", module, *args]
+
+
+def training_env(cpu: bool, extra: dict[str, str], config_file: Path, name: str) -> dict[str, str]:
+    """The environment of a training launch: on a machine without a GPU (or with `launch.cpu`),
+    ACCELERATE_USE_CPU=true turns a multi-process config into real gloo DDP ranks."""
+    import torch
+
+    env = {**os.environ, **extra}
+    if cpu or not torch.cuda.is_available():
+        env["ACCELERATE_USE_CPU"] = "true"
+        fallback = cpu_fallback(config_file)
+        if fallback:
+            log.warning("[%s] %s", name, fallback)
+    return env
+
+
+def run_logged(command: list[str], env: dict[str, str], log_path: Path, quiet: bool) -> int:
+    """Run `command`, its output appended to `log_path` and (unless `quiet`) shown; returns its status."""
+    with open(log_path, "ab") as log_file:
+        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        assert process.stdout is not None
+        for line in process.stdout:
+            log_file.write(line)
+            log_file.flush()
+            if not quiet:
+                sys.stderr.buffer.write(line)
+                sys.stderr.flush()
+        return process.wait()
 
 
 TRAINING_METRICS = "metrics.json"
@@ -190,35 +228,26 @@ def launch_training(
     """Run `module` as `accelerate launch ... -m module SPEC`, wait, and return its headline metrics.
 
     On a machine without a GPU (or with `launch.cpu`), ACCELERATE_USE_CPU=true turns a multi-process
-    config into real gloo DDP ranks. (`accelerate launch --cpu --num_processes 2` would silently run
-    one process.) The subprocess's output goes to the console and to `<work_dir>/<stage>.log`. A failed
+    config into real gloo DDP ranks (`accelerate launch --cpu --num_processes 2` would silently run
+    one process). The subprocess's output goes to the console and to `<work_dir>/<stage>.log`. A failed
     subprocess raises StageFailed with the reason it wrote (see `run_training_process`).
     """
-    import torch
-
     spec_path = spec_for(inputs, ctx).write(ctx.work_dir / "spec.json")
     config_file = resolve_accelerate_config(launch.accelerate_config)
-    command = accelerate_command(config_file, launch.num_processes, module, [str(spec_path)])
+    machine = (ctx.leader.nodes, 0) if ctx.leader is not None else None
+    command = accelerate_command(config_file, launch.num_processes, module, [str(spec_path)], machine)
     error_file = ctx.work_dir / TRAINING_ERROR
     error_file.unlink(missing_ok=True)
-    env = {**os.environ, **launch.env}
-    if launch.cpu or not torch.cuda.is_available():
-        env["ACCELERATE_USE_CPU"] = "true"
-        fallback = cpu_fallback(config_file)
-        if fallback:
-            log.warning("[%s] %s", ctx.name, fallback)
+    env = training_env(launch.cpu, launch.env, config_file, ctx.name)
+    if ctx.leader is not None:  # the other nodes start the same launch with their machine rank
+        ctx.leader.announce(
+            {"kind": "launch", "stage": ctx.name, "module": module,
+             "spec": spec_path.relative_to(ctx.run_dir).as_posix(), "config": launch.accelerate_config,
+             "num_processes": launch.num_processes, "cpu": launch.cpu, "env": launch.env}
+        )  # fmt: skip
     log.info("[%s] launching: %s", ctx.name, " ".join(command))
     log_path = ctx.work_dir / f"{ctx.name}.log"
-    with open(log_path, "ab") as log_file:
-        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        assert process.stdout is not None
-        for line in process.stdout:
-            log_file.write(line)
-            log_file.flush()
-            if not ctx.quiet:
-                sys.stderr.buffer.write(line)
-                sys.stderr.flush()
-        code = process.wait()
+    code = run_logged(command, env, log_path, ctx.quiet)
     if code != 0:
         if error_file.is_file():
             raise StageFailed(
@@ -229,6 +258,22 @@ def launch_training(
     if not metrics.is_file():
         raise StageFailed(f"{ctx.name}: training ended without writing {metrics.name}; see {log_path}")
     return json.loads(metrics.read_text(encoding="utf-8"))
+
+
+def join_launch(event: dict[str, Any], run_dir: Path, nodes: int, rank: int, quiet: bool) -> None:
+    """This node's part of a training launch node 0 announced (`pipelines/nodes.py`): the same accelerate
+    config (resolved here), spec (in the shared run directory) and settings, with this node's rank."""
+    config_file = resolve_accelerate_config(event["config"])
+    spec = str(run_dir / event["spec"])
+    command = accelerate_command(config_file, event["num_processes"], event["module"], [spec], (nodes, rank))
+    env = training_env(event["cpu"], event["env"], config_file, event["stage"])
+    log_path = run_dir / "nodes" / f"node-{rank}-{event['stage']}.log"
+    log.info("[%s] node %d launching: %s", event["stage"], rank, " ".join(command))
+    code = run_logged(command, env, log_path, quiet)
+    if code != 0:
+        raise StageFailed(
+            f"{event['stage']}: node {rank}'s training processes exited with status {code}; see {log_path}"
+        )
 
 
 def optim_settings(optim: OptimConfig) -> OptimSettings:
