@@ -112,6 +112,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _common(check)
 
+    plan = commands.add_parser(
+        "plan",
+        help="estimate each stage's tokens, hours, GPU-hours and peak memory per GPU on a cluster; "
+        "warn about idle GPUs and memory that will not fit (runs nothing)",
+    )
+    _common(plan)
+    plan.add_argument("--gpus", required=True, help="GPUs per node, e.g. 8xA100-80GB, 8xH100-80GB")
+    plan.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    plan.add_argument(
+        "--distill-engines", type=int, metavar="N",
+        help="vLLM engines distilling at once (default: what the recipe runs)",
+    )  # fmt: skip
+
     show = commands.add_parser("show", help="print the fully resolved recipe (defaults included)")
     _common(show)
 
@@ -318,6 +331,19 @@ def _check(args: argparse.Namespace) -> int:
     return EXIT_BAD_INPUT if problems else 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from polydraft.pipelines.plan import estimate, plan_table
+    from polydraft.pipelines.plan_model import PlanError, parse_gpus
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    try:
+        plan = estimate(recipe, parse_gpus(args.gpus, args.nodes), args.distill_engines)
+    except PlanError as err:
+        raise InputError(str(err)) from err
+    print(plan_table(plan))
+    return 0
+
+
 def _status(args: argparse.Namespace) -> int:
     from polydraft.pipelines.rundir import ORIGIN_FILE, read_origin
     from polydraft.pipelines.stages import default_stages
@@ -380,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run(args)
         if args.command == "check":
             return _check(args)
+        if args.command == "plan":
+            return _plan(args)
         if args.command == "show":
             print(dump_recipe(load_recipe(args.recipe, args.overrides)), end="")
             return 0

@@ -1,0 +1,56 @@
+"""The plan of recipes/vicuna-7b/de.yaml on one 8xA100-80GB node, before and after issue 28: `polydraft plan`
+with the recipe as it was (one vLLM engine; 4 training processes; batch 2 per GPU; 480 prompts decoded by
+every seed) and as it ships now. An estimate from pipelines/plan_model.py's constants, not a measurement.
+
+    python -m bench.plan_vicuna7b_de        # writes bench/results/plan_vicuna7b_de.md
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import io
+import shlex
+from pathlib import Path
+
+from polydraft.pipelines.cli import main
+
+RECIPE = "recipes/vicuna-7b/de.yaml"
+GPUS = ["--gpus", "8xA100-80GB"]
+BEFORE = [
+    "--distill-engines", "1",
+    "launch.num_processes=4",
+    "finetune.loop.per_device_batch_size=2",
+    "measure.num_prompts=480",
+    "measure.disjoint_prompts=false",
+]  # fmt: skip
+"""The recipe's values before issue 28, and distillation on one vLLM engine (the stage's behaviour then)."""
+AFTER = ["--distill-engines", "8"]
+"""One engine per GPU: what `distill.vllm.data_parallel` (None: every GPU) runs."""
+
+
+def plan_of(args: list[str]) -> tuple[str, str]:
+    command = ["plan", RECIPE, *GPUS, *args]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(command)
+    if code:
+        raise SystemExit(f"polydraft {shlex.join(command)} exited {code}")
+    return shlex.join(["polydraft", *command]), out.getvalue()
+
+
+def main_bench() -> None:
+    parts = [
+        f"## {datetime.date.today()} - `python -m bench.plan_vicuna7b_de` (an estimate: no GPU ran)\n",
+    ]
+    for title, args in (("Before issue 28", BEFORE), ("After issue 28", AFTER)):
+        command, output = plan_of(args)
+        print(f"$ {command}\n{output}")
+        parts.append(f"### {title}\n\n```\n$ {command}\n```\n\n{output}")
+    path = Path(__file__).parent / "results" / "plan_vicuna7b_de.md"
+    path.write_text("\n".join(parts), encoding="utf-8")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main_bench()

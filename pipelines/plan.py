@@ -1,0 +1,344 @@
+"""`polydraft plan`: per enabled stage, the tokens it generates or trains on, the estimated hours, GPU-hours
+and peak memory per GPU on a given cluster, with warnings for idle GPUs and memory that will not fit. Every
+constant comes from `pipelines/plan_model.py`; nothing is loaded or run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import yaml
+
+from polydraft.pipelines.plan_model import (
+    ANSWER_TOKENS,
+    GIB,
+    HF_GENERATE_MFU,
+    LOAD_BYTES_PER_S,
+    MEMORY_HEADROOM,
+    SOURCE_TOKENS,
+    SPEC_SPEEDUP,
+    STEP_OVERHEAD_S,
+    TEMPLATE_TOKENS,
+    TRAIN_MFU,
+    VLLM_MFU,
+    VLLM_PREFIX_CACHED,
+    VLLM_STARTUP_S,
+    Cluster,
+    PlanError,
+    Shape,
+    decode_latency,
+    drafter_size,
+    target_shape,
+    train_memory,
+)
+from polydraft.pipelines.schema import Recipe, SourceConfig
+from polydraft.pipelines.stage import StageFailed, resolve_accelerate_config
+from polydraft.train.metrics import train_flops_per_token
+
+SPEC_DECODERS = ("sd", "rsd_c", "rsd_s", "assisted")
+"""Measure decoders run once per standalone drafter (and eval set it is measured on)."""
+
+
+IDLE_WARNING_HOURS = 0.05
+"""Idle GPUs are reported for stages that last at least this long (not for a minute of smoke checks)."""
+
+
+@dataclass
+class StagePlan:
+    name: str
+    tokens: float
+    """Tokens generated (distill, measure) or trained on (training stages)."""
+    hours: float
+    gpus: int
+    """GPUs the stage keeps busy."""
+    peak_gib: float
+    """Estimated peak memory on one of them."""
+    note: str = ""
+
+    @property
+    def gpu_hours(self) -> float:
+        return self.hours * self.gpus
+
+
+@dataclass
+class Plan:
+    cluster: Cluster
+    stages: list[StagePlan] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def hours(self) -> float:
+        return sum(s.hours for s in self.stages)
+
+
+def source_rows(source: SourceConfig, recipe: Recipe, block: str) -> int:
+    """Rows a source yields: its `limit`, or the offline corpus's size; PlanError when only reading it
+    would tell."""
+    if source.limit is not None:
+        return source.limit
+    if source.kind == "offline":
+        train = recipe.data.offline.samples_per_pair
+        return train if source.split == "train" else max(1, train // 10)
+    raise PlanError(
+        f"data.{block} source {source.path or source.kind}: no `limit`, so its size is unknown without "
+        f"reading it; set a limit for the plan"
+    )
+
+
+def prompt_tokens(source: SourceConfig, recipe: Recipe) -> int:
+    if source.format == "text":
+        return recipe.distill.text_prompt_tokens
+    return TEMPLATE_TOKENS[recipe.distill.prompt_format] + SOURCE_TOKENS[source.format]
+
+
+def answer_tokens(source: SourceConfig, max_new_tokens: int) -> int:
+    return min(max_new_tokens, ANSWER_TOKENS[source.format])
+
+
+def training_processes(recipe: Recipe, cluster: Cluster) -> int:
+    """Processes `accelerate launch` starts: launch.num_processes, else the config file's."""
+    if recipe.launch.num_processes is not None:
+        return recipe.launch.num_processes
+    try:
+        config = yaml.safe_load(resolve_accelerate_config(recipe.launch.accelerate_config).read_text())
+    except StageFailed as err:
+        raise PlanError(str(err)) from err
+    return int(config.get("num_processes", 1))
+
+
+def estimate(recipe: Recipe, cluster: Cluster, distill_engines: int | None = None) -> Plan:
+    """The plan of every enabled stage. `distill_engines`: vLLM engines running at once (default: the
+    recipe's `distill.vllm.data_parallel`, None there meaning every GPU of a node divided by
+    `tensor_parallel_size`, as the distill stage does)."""
+    plan = Plan(cluster)
+    target = target_shape(recipe.target)
+    drafter = drafter_size(recipe.pretrain.drafter if recipe.pretrain.enabled else recipe.finetune.drafter,
+                           target.vocab)  # fmt: skip
+    processes = training_processes(recipe, cluster)
+    if processes > cluster.total:
+        plan.warnings.append(
+            f"launch asks for {processes} training processes but {cluster} has {cluster.total} GPUs"
+        )
+    train_gpus = min(processes, cluster.total)
+    mix_rows, mix_tokens = 0.0, 0.0
+    if recipe.distill.enabled:
+        stage, mix_rows, mix_tokens = _distill(recipe, cluster, target, distill_engines)
+        plan.stages.append(stage)
+    if recipe.pretrain.enabled:
+        p = recipe.pretrain
+        plan.stages.append(
+            _train("pretrain", plan, drafter, 0, p.token_budget, p.loop.max_length, p.loop, train_gpus, 0)
+        )
+    if recipe.finetune.enabled:
+        pairs = max(1, len(recipe.data.pairs))
+        frozen = target.params() if recipe.finetune.loss == "kd" else 0
+        for pair in recipe.data.pairs or ["all"]:
+            loop = recipe.finetune.loop
+            stage = _train(f"finetune {pair}", plan, drafter, frozen, mix_tokens / pairs * loop.epochs,
+                           mix_tokens / max(mix_rows, 1), loop, train_gpus, target.vocab if frozen else 0)  # fmt: skip
+            plan.stages.append(stage)
+    if recipe.early_exit.enabled:
+        e = recipe.early_exit
+        exit_shape = Shape(target.hidden, e.num_exit_layers, target.vocab, target.intermediate, target.heads,
+                           target.kv_heads, target.head_dim, target.tied)  # fmt: skip
+        plan.stages.append(
+            _train("early_exit", plan, exit_shape, target.params(e.num_shared_layers),
+                   mix_tokens * e.loop.epochs, mix_tokens / max(mix_rows, 1), e.loop, train_gpus, 0,
+                   frozen_layers=e.num_shared_layers, frozen_shape=target)
+        )  # fmt: skip
+    if recipe.heads.enabled:
+        h = recipe.heads
+        # one LM head per proposal head (their small residual blocks left out)
+        heads_shape = Shape(target.hidden, 0, target.vocab * h.num_heads, 0, 1, 1, 1, tied=True)
+        plan.stages.append(
+            _train("heads", plan, heads_shape, target.params(), mix_tokens * h.loop.epochs,
+                   mix_tokens / max(mix_rows, 1), h.loop, train_gpus, 0,
+                   frozen_layers=target.layers, frozen_shape=target)
+        )  # fmt: skip
+    if recipe.calibrate.enabled:
+        plan.stages.append(_calibrate(recipe, cluster, target, mix_tokens / max(mix_rows, 1)))
+    if recipe.measure.enabled:
+        plan.stages.append(_measure(recipe, plan, target, drafter))
+    if recipe.export.enabled:
+        plan.stages.append(_export(recipe, cluster, target))
+    for stage in plan.stages:
+        if stage.gpus < cluster.total and stage.hours >= IDLE_WARNING_HOURS:
+            plan.warnings.append(
+                f"{stage.name}: {cluster.total - stage.gpus} of {cluster.total} GPUs idle for {stage.hours:.2f} h"
+            )
+        if stage.peak_gib > cluster.memory_gib * MEMORY_HEADROOM:
+            plan.warnings.append(
+                f"{stage.name}: ~{stage.peak_gib:.0f} GiB per GPU will not fit a {cluster.memory_gib} GB "
+                f"{cluster.gpu} ({stage.note or 'see the stage'})"
+            )
+    return plan
+
+
+def _engines(recipe: Recipe, cluster: Cluster, given: int | None) -> int:
+    tp = recipe.distill.vllm.tensor_parallel_size
+    if given is not None:
+        return given
+    data_parallel = recipe.distill.vllm.data_parallel
+    return data_parallel if data_parallel is not None else max(1, cluster.per_node // tp)
+
+
+def _distill(
+    recipe: Recipe, cluster: Cluster, target: Shape, engines: int | None
+) -> tuple[StagePlan, float, float]:
+    """(the stage, distilled mix rows, their tokens)."""
+    d = recipe.distill
+    per_prompt = (1 if 0.0 in d.temperatures else 0) + d.samples_per_prompt * sum(
+        t > 0 for t in d.temperatures
+    )
+    generated = prefill = mix_rows = mix_tokens = 0.0
+    for source in recipe.data.distill:
+        requests = source_rows(source, recipe, "distill") / d.num_shards * per_prompt
+        prompt, answer = prompt_tokens(source, recipe), answer_tokens(source, d.max_new_tokens)
+        cached = TEMPLATE_TOKENS[d.prompt_format] if VLLM_PREFIX_CACHED and d.backend == "vllm" else 0
+        generated += requests * answer
+        prefill += requests * (prompt - cached)
+        mix_rows += requests * (1 - d.eval_fraction)
+        mix_tokens += requests * (1 - d.eval_fraction) * (prompt + answer)
+    flops = 2.0 * target.params() * (generated + prefill)
+    weights_gib = target.params() * 2 / GIB
+    if d.backend == "openai":
+        return (
+            StagePlan("distill", generated, 0.0, 0, 0.0, "external servers: not estimated"),
+            mix_rows,
+            mix_tokens,
+        )
+    if d.backend == "hf":
+        hours = flops / (cluster.peak_flops * HF_GENERATE_MFU) / 3600
+        return (
+            StagePlan("distill", generated, hours, 1, weights_gib * 1.2, "hf generate, 1 GPU"),
+            mix_rows,
+            mix_tokens,
+        )
+    tp = d.vllm.tensor_parallel_size
+    count = _engines(recipe, cluster, engines)
+    gpus = count * tp
+    if gpus > cluster.per_node:
+        raise PlanError(
+            f"distill: {count} engines x tensor_parallel_size {tp} exceed the {cluster.per_node} GPUs of a node"
+        )
+    seconds = flops / (count * tp * cluster.peak_flops * VLLM_MFU) + VLLM_STARTUP_S
+    # vLLM claims gpu_memory_utilization of each GPU; the weights must leave room for a KV cache in it
+    peak = cluster.memory_gib * d.vllm.gpu_memory_utilization
+    note = f"vLLM, {count} engine(s) x TP {tp}"
+    if weights_gib / tp > peak * MEMORY_HEADROOM:
+        peak = weights_gib / tp
+        note += f": {weights_gib:.0f} GiB of weights over {tp} GPU(s)"
+    return StagePlan("distill", generated, seconds / 3600, gpus, peak, note), mix_rows, mix_tokens
+
+
+def _train(
+    name: str, plan: Plan, trainable: Shape, frozen: int, tokens: float, row_tokens: float, loop,
+    gpus: int, kd_vocab: int, frozen_layers: int = 0, frozen_shape: Shape | None = None,
+) -> StagePlan:  # fmt: skip
+    """A data-parallel trainer: 6N FLOPs per token for the trainable part, 2N for frozen parameters,
+    each step paying STEP_OVERHEAD_S on top; memory of one process."""
+    length = min(row_tokens, loop.max_length)
+    flops_token = train_flops_per_token(
+        trainable.matmul_params(), trainable.layers, trainable.hidden, int(length)
+    )
+    flops_token += 2.0 * frozen
+    micro_tokens = loop.per_device_batch_size * length
+    compute = micro_tokens * flops_token / (plan.cluster.peak_flops * TRAIN_MFU)
+    steps = tokens / (micro_tokens * gpus)
+    busy = compute / (compute + STEP_OVERHEAD_S)
+    if busy < 0.5:
+        plan.warnings.append(
+            f"{name}: a micro-batch of {loop.per_device_batch_size} x ~{length:.0f} tokens keeps the GPU busy "
+            f"{busy:.0%} of a step (fixed step cost {STEP_OVERHEAD_S * 1000:.0f} ms): raise per_device_batch_size"
+        )
+    layers_hidden = trainable.layers * trainable.hidden + (
+        frozen_layers * frozen_shape.hidden if frozen_shape else 0
+    )
+    memory = train_memory(trainable.params(), frozen, int(micro_tokens), layers_hidden,
+                          trainable.vocab + kd_vocab)  # fmt: skip
+    hours = steps * (compute + STEP_OVERHEAD_S) / 3600
+    return StagePlan(
+        name, tokens, hours, gpus, memory / GIB, f"{steps:.0f} steps of {gpus} x {micro_tokens:.0f} tokens"
+    )
+
+
+def _calibrate(recipe: Recipe, cluster: Cluster, target: Shape, row_tokens: float) -> StagePlan:
+    """One process: one target forward over prefix + drafts per sampled position; the target spread over
+    every GPU of a node."""
+    c = recipe.calibrate
+    positions = c.num_positions * (1 + c.heldout_fraction)
+    tokens = positions * (row_tokens + c.draft_length)
+    seconds = 2.0 * target.params() * tokens / (cluster.peak_flops * TRAIN_MFU)
+    seconds += positions * c.draft_length * decode_latency(target, cluster) / target.layers
+    weights = target.params() * 2 / GIB
+    return StagePlan("calibrate", tokens, seconds / 3600, cluster.per_node, weights / cluster.per_node)
+
+
+def _measure(recipe: Recipe, plan: Plan, target: Shape, drafter: Shape) -> StagePlan:
+    """One process on one GPU, batch 1: every method decodes every prompt of every (eval set, T, seed)."""
+    m = recipe.measure
+    cluster = plan.cluster
+    languages = len(recipe.data.pairs) if recipe.finetune.enabled else 0
+    generic = int(m.include_pretrained and recipe.pretrain.enabled) + len(m.extra_drafters)
+    drafters = languages + generic
+    per_set = m.num_prompts * (len(m.seeds) if m.disjoint_prompts else 1)
+    spec = sum(d in SPEC_DECODERS for d in m.decoders) + ("sd" in m.decoders) * (
+        len(m.controls) - 1 + len(m.k_sweep)
+    )
+    spec += ("eesd" in m.decoders and recipe.early_exit.enabled) * len(m.controls)
+    ar_seconds = decode_latency(target, cluster)
+    generated = seconds = 0.0
+    for source in recipe.data.eval:
+        prompts = min(source_rows(source, recipe, "eval"), per_set)
+        if prompts < per_set:
+            plan.warnings.append(
+                f"measure: eval source {source.path or source.kind} has {prompts} prompts, fewer than the "
+                f"{per_set} that num_prompts x seeds asks for (disjoint_prompts: the stage will stop)"
+            )
+        # without cross_pairs a language drafter is measured on its own pair's eval set only
+        own = drafters if m.cross_pairs or source.pair is None else generic + min(languages, 1)
+        methods = 1 + spec * own
+        per_seed = prompts / (len(m.seeds) if m.disjoint_prompts else 1)
+        tokens = per_seed * len(m.seeds) * len(m.temperatures) * answer_tokens(source, m.max_new_tokens)
+        generated += tokens * methods
+        seconds += tokens * (ar_seconds + (methods - 1) * ar_seconds / SPEC_SPEEDUP)
+    weights = (target.params() + drafters * drafter.params()) * 2
+    seconds += weights / LOAD_BYTES_PER_S
+    note = f"1 GPU, batch 1, {ar_seconds * 1000:.0f} ms a target step"
+    return StagePlan("measure", generated, seconds / 3600, 1, weights * 1.1 / GIB, note)
+
+
+def _export(recipe: Recipe, cluster: Cluster, target: Shape) -> StagePlan:
+    """The smoke checks: target alone and with each drafter, greedy, on a few prompts, after a load."""
+    e = recipe.export
+    folders = len(recipe.data.pairs) + int(e.include_pretrained and recipe.pretrain.enabled)
+    tokens = folders * e.smoke_prompts * e.smoke_max_new_tokens * 2
+    seconds = tokens * decode_latency(target, cluster) + target.params() * 2 / LOAD_BYTES_PER_S
+    return StagePlan("export", tokens, seconds / 3600, 1, target.params() * 2.2 / GIB, "smoke checks, 1 GPU")
+
+
+def _si(value: float) -> str:
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.2f}{unit}"
+    return f"{value:.0f}"
+
+
+def plan_table(plan: Plan) -> str:
+    """The plan as a Markdown table, its total and its warnings."""
+    lines = [
+        f"plan on {plan.cluster} (constants: pipelines/plan_model.py)",
+        "",
+        "| stage | tokens | hours | GPUs | GPU-hours | peak GiB/GPU | how |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for s in plan.stages:
+        lines.append(
+            f"| {s.name} | {_si(s.tokens)} | {s.hours:.2f} | {s.gpus} | {s.gpu_hours:.1f} | {s.peak_gib:.1f} | {s.note} |"
+        )
+    gpu_hours = sum(s.gpu_hours for s in plan.stages)
+    lines.append(
+        f"| **total** | | **{plan.hours:.2f}** | | {gpu_hours:.1f} of {plan.hours * plan.cluster.total:.1f} | | |"
+    )
+    lines += ["", *(f"warning: {w}" for w in plan.warnings)] if plan.warnings else []
+    return "\n".join(lines)

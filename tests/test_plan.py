@@ -1,0 +1,170 @@
+"""`polydraft plan`: the GPU spec parser, the throughput arithmetic on a small recipe against hand-computed
+values, and the idle-GPU and does-not-fit warnings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from polydraft.pipelines.cli import EXIT_BAD_INPUT, main
+from polydraft.pipelines.plan import estimate, plan_table
+from polydraft.pipelines.plan_model import (
+    STEP_OVERHEAD_S,
+    TRAIN_MFU,
+    VLLM_MFU,
+    VLLM_STARTUP_S,
+    PlanError,
+    parse_gpus,
+)
+from polydraft.pipelines.recipe import load_recipe
+from polydraft.pipelines.schema import Recipe
+
+
+@pytest.mark.parametrize(
+    ("spec", "gpu", "memory", "peak", "bandwidth"),
+    [
+        ("8xA100-80GB", "A100", 80, 312e12, 2039e9),
+        ("8xA100-40GB", "A100", 40, 312e12, 1555e9),
+        ("8xH100-80GB", "H100", 80, 989e12, 3350e9),
+        ("1xH200-141GB", "H200", 141, 989e12, 4800e9),
+    ],
+)
+def test_gpu_specs(spec, gpu, memory, peak, bandwidth):
+    cluster = parse_gpus(spec, nodes=2)
+    assert (cluster.gpu, cluster.memory_gib, cluster.peak_flops, cluster.bandwidth) == (
+        gpu,
+        memory,
+        peak,
+        bandwidth,
+    )
+    assert cluster.total == 2 * int(spec.split("x")[0])
+
+
+@pytest.mark.parametrize(
+    ("spec", "nodes", "message"),
+    [
+        ("8xV100-32GB", 1, "unknown GPU V100-32GB"),
+        ("8xA100-48GB", 1, "unknown GPU A100-48GB"),
+        ("A100-80GB", 1, "expected COUNTxGPU-MEMORYGB"),
+        ("8 A100", 1, "expected COUNTxGPU-MEMORYGB"),
+        ("0xA100-80GB", 1, "at least one GPU"),
+        ("8xA100-80GB", 0, "--nodes 0"),
+    ],
+)
+def test_bad_gpu_specs(spec, nodes, message):
+    with pytest.raises(PlanError, match=message):
+        parse_gpus(spec, nodes)
+
+
+def small_recipe(tmp_path, **blocks) -> Recipe:
+    """A target of 2 layers, hidden 64, vocab 1000 (config.json in a folder); 100 de-en prompts."""
+    folder = tmp_path / "target"
+    folder.mkdir()
+    config = {"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 1000, "intermediate_size": 128,
+              "num_attention_heads": 4}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    source = {"kind": "local", "path": "rows.jsonl", "pair": "de-en", "limit": 100}
+    recipe = {
+        "target": {"path": str(folder)},
+        "data": {"pairs": ["de-en"], "distill": [source], "eval": [{**source, "limit": 30}]},
+        "distill": {
+            "backend": "vllm",
+            "temperatures": [0.0, 1.0],
+            "max_new_tokens": 512,
+            "eval_fraction": 0.0,
+        },
+        "pretrain": {"enabled": False},
+        "finetune": {
+            "drafter": {
+                "arch": "custom",
+                "hidden_size": 32,
+                "num_layers": 1,
+                "num_heads": 2,
+                "intermediate_size": 64,
+            },
+            "loop": {"epochs": 1.0, "per_device_batch_size": 4},
+        },
+        "early_exit": {"enabled": False},
+        "calibrate": {"enabled": False},
+        "measure": {"enabled": False},
+        "export": {"enabled": False},
+        "launch": {"num_processes": 2},
+    }
+    for key, value in blocks.items():
+        recipe[key] = {**recipe[key], **value}
+    return Recipe.model_validate(recipe)
+
+
+def test_arithmetic_of_a_small_recipe(tmp_path):
+    plan = estimate(small_recipe(tmp_path), parse_gpus("2xA100-80GB"), distill_engines=1)
+    distill, finetune = plan.stages
+    # 100 prompts x (T=0 once + T=1 once) = 200 answers of 45 tokens (a translation, under 512)
+    assert distill.tokens == 200 * 45
+    # target params: embeddings 1000x64 x2 (untied) + 2 layers x (attention 64x16x(2x4+2x4) + MLP 3x64x128
+    # + two norms of 64) + the final norm 64 = 210240; prefill = 200 x (87 prompt - 42 cached template)
+    params = 2 * 1000 * 64 + 2 * (64 * 16 * 16 + 3 * 64 * 128 + 2 * 64) + 64
+    assert params == 210240
+    flops = 2 * params * (200 * 45 + 200 * 45)
+    assert distill.hours * 3600 - VLLM_STARTUP_S == pytest.approx(flops / (312e12 * VLLM_MFU))
+    assert distill.gpus == 1
+    # finetune: 200 rows of 87 + 45 tokens, 1 epoch; micro-batch 4 x 132 on each of 2 processes
+    assert finetune.tokens == 200 * 132
+    drafter_matmul = 1 * (32 * 16 * 2 * 4 + 3 * 32 * 64 + 2 * 32) + 1000 * 32
+    per_token = 6 * drafter_matmul + 12 * 1 * 32 * 132
+    compute = 4 * 132 * per_token / (312e12 * TRAIN_MFU)
+    steps = 200 * 132 / (4 * 132 * 2)
+    assert steps == 25
+    assert finetune.hours == pytest.approx(steps * (compute + STEP_OVERHEAD_S) / 3600)
+    assert finetune.gpus == 2 and finetune.gpu_hours == pytest.approx(2 * finetune.hours)
+    assert plan.hours == pytest.approx(distill.hours + finetune.hours)
+
+
+def test_idle_gpus_are_reported(tmp_path):
+    recipe = small_recipe(tmp_path, data={"distill": [{"kind": "local", "path": "r.jsonl", "pair": "de-en",
+                                                       "limit": 1_000_000}]})  # fmt: skip
+    one = estimate(recipe, parse_gpus("8xA100-80GB"), distill_engines=1)
+    assert "distill: 7 of 8 GPUs idle" in "\n".join(one.warnings)
+    assert "finetune de-en: 6 of 8 GPUs idle" in "\n".join(one.warnings)
+    every = estimate(recipe, parse_gpus("8xA100-80GB"), distill_engines=8)
+    assert not any(w.startswith("distill:") for w in every.warnings)
+    work = [plan.stages[0].hours * 3600 - VLLM_STARTUP_S for plan in (one, every)]
+    assert work[1] == pytest.approx(work[0] / 8)
+
+
+def test_small_batches_are_reported(tmp_path):
+    warnings = estimate(small_recipe(tmp_path), parse_gpus("2xA100-80GB"), 1).warnings
+    assert any("raise per_device_batch_size" in w for w in warnings)
+
+
+def test_a_70b_target_on_one_80gb_gpu_does_not_fit():
+    recipe = load_recipe("recipes/llama2-chat-7b/de.yaml", ["target.path=meta-llama/Llama-2-70b-chat-hf"])
+    plan = estimate(recipe, parse_gpus("8xA100-80GB"), distill_engines=1)
+    measure = next(s for s in plan.stages if s.name == "measure")
+    assert measure.peak_gib > 128  # 69B bf16 weights on the one GPU measuring
+    text = plan_table(plan)
+    assert "measure: ~" in text and "will not fit a 80 GB A100" in text
+    assert "distill: ~" in text and "will not fit" in text  # tensor_parallel_size 1
+    split = estimate(recipe.model_copy(update={"distill": recipe.distill.model_copy(update={
+        "vllm": recipe.distill.vllm.model_copy(update={"tensor_parallel_size": 4})})}),
+        parse_gpus("8xA100-80GB"), distill_engines=2)  # fmt: skip
+    assert not any(w.startswith("distill: ~") for w in split.warnings)
+
+
+def test_unknown_hub_target_and_unsized_source_are_refused(tmp_path):
+    recipe = load_recipe("recipes/vicuna-7b/de.yaml", ["target.path=someone/unknown-7b"])
+    with pytest.raises(PlanError, match="someone/unknown-7b.*give a local folder"):
+        estimate(recipe, parse_gpus("8xA100-80GB"))
+    unsized = small_recipe(
+        tmp_path, data={"distill": [{"kind": "local", "path": "r.jsonl", "pair": "de-en"}]}
+    )
+    with pytest.raises(PlanError, match="no `limit`"):
+        estimate(unsized, parse_gpus("8xA100-80GB"))
+
+
+def test_cli(capsys):
+    assert main(["plan", "recipes/vicuna-7b/de.yaml", "--gpus", "8xA100-80GB", "--distill-engines", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "| distill | 180.00M |" in out and "8 engine(s)" in out and "**total**" in out
+    assert main(["plan", "recipes/vicuna-7b/de.yaml", "--gpus", "8xV100-32GB"]) == EXIT_BAD_INPUT
+    assert "unknown GPU V100-32GB" in capsys.readouterr().err
