@@ -32,29 +32,29 @@ def mix_pairs(distill_dir: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
 
 
+def mix_file(distill_dir: Path, pair: str, split: str) -> Path:
+    """The path of one pair's `split` mix; FileNotFoundError naming the pairs that have one if it is missing."""
+    path = mix_path(distill_dir, pair, split)
+    if not path.is_file():
+        available = ", ".join(mix_pairs(distill_dir)) or "none"
+        raise FileNotFoundError(f"{path}: no `{split}` mix for pair {pair!r} (pairs with a mix: {available})")
+    return path
+
+
 def read_mix(
     distill_dir: Path,
     pair: str,
     split: str,
     temperatures: list[float] | None = None,
-    need_distilled: bool = False,
 ) -> list[dict[str, Any]]:
-    """Rows of one pair's mix; `temperatures` keeps distilled rows of those temperatures (open rows stay).
-    `need_distilled`: a ValueError when no distilled row is kept (training on open rows alone would not
-    teach the drafter the target's own answers)."""
-    path = mix_path(distill_dir, pair, split)
-    if not path.is_file():
-        available = ", ".join(mix_pairs(distill_dir)) or "none"
-        raise FileNotFoundError(f"{path}: no `{split}` mix for pair {pair!r} (pairs with a mix: {available})")
+    """Rows of one pair's mix; `temperatures` keeps distilled rows of those temperatures (open rows stay)."""
+    path = mix_file(distill_dir, pair, split)
     rows = []
     with open(path, encoding="utf-8") as handle:
         for line in handle:
             row = json.loads(line)
             if temperatures is None or row["origin"] != "distill" or row["temperature"] in temperatures:
                 rows.append(row)
-    if need_distilled and not any(row["origin"] == "distill" for row in rows):
-        kept = "any temperature" if temperatures is None else f"temperatures {temperatures}"
-        raise ValueError(f"{path}: no distilled row at {kept} ({len(rows)} open rows only)")
     return rows
 
 

@@ -275,20 +275,3 @@ def test_a_distill_source_that_yields_no_prompt_fails_before_generating(tmp_path
     with pytest.raises(StageFailed, match=r"data.distill yields no prompt for shard 0 of 1 \(2 invalid rows"):
         run_distill(recipe, tiny_target_dir, tmp_path / "distill")
     assert not (tmp_path / "distill" / "records").exists()
-
-
-def test_a_mix_without_a_distilled_row_is_refused_for_finetuning(tmp_path):
-    from polydraft.distill.mix import mix_path, read_mix
-    from tests.distill_setup import write_jsonl
-
-    row = {"pair": "de-en", "prompt": "p", "response": "r", "sample_index": 0}
-    write_jsonl(
-        mix_path(tmp_path, "de-en", "train"),
-        [{**row, "id": "a", "origin": "open", "temperature": None},
-         {**row, "id": "b", "origin": "distill", "temperature": 1.0}],
-    )  # fmt: skip
-    assert len(read_mix(tmp_path, "de-en", "train", [1.0], need_distilled=True)) == 2
-    with pytest.raises(
-        ValueError, match=r"train.jsonl: no distilled row at temperatures \[0.0\] \(1 open rows"
-    ):
-        read_mix(tmp_path, "de-en", "train", [0.0], need_distilled=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -130,8 +131,8 @@ def test_the_step_loss_is_the_decay_weighted_sum_of_each_heads_token_mean(
     from polydraft.models.heads import heads_for_target
     from polydraft.models.loading import load_tokenizer
     from polydraft.train.data import MixBatches, pad_id_of
-    from polydraft.train.early_exit import load_examples
     from polydraft.train.heads import ce_sums, head_labels, heads_forward, last_hidden
+    from polydraft.train.mix_cache import load_examples
 
     distill = write_tiny_mix(tmp_path / "distill", ["de-en", "fr-en"], train_rows=16, eval_rows=4)
     spec, inputs = job(tmp_path, tiny_target_dir, distill, "run", max_steps=1)
@@ -141,7 +142,8 @@ def test_the_step_loss_is_the_decay_weighted_sum_of_each_heads_token_mean(
     tokenizer = load_tokenizer(str(tiny_target_dir), None, False)
     loop = inputs.heads.loop
     examples = load_examples(distill, tokenizer, "train", temperatures=inputs.heads.temperatures,
-                             loss_on="response", max_length=loop.max_length)  # fmt: skip
+                             loss_on="response", max_length=loop.max_length, cache_dir=tmp_path / "cache",
+                             main_process_first=nullcontext).examples  # fmt: skip
     batches = MixBatches(examples, loop.seed, loop.per_device_batch_size, 0, 1, loop.grad_accum_steps,
                          pad_id_of(tokenizer))  # fmt: skip
     heads = heads_for_target(tiny_target, "medusa", 3)

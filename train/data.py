@@ -209,13 +209,15 @@ def tokenized_documents(
 
 class MixBatches:
     """Finetuning batches: examples in a (seed, epoch) order, incomplete final global batches dropped.
+    `examples` is a list or the memory-mapped `datasets.Dataset` of `train.mix_cache` (indexed one
+    example at a time: only a step's examples are read).
 
     The data position is the step itself, so there is nothing to save beyond it.
     """
 
     def __init__(
         self,
-        examples: list[dict[str, list[int]]],
+        examples: Sequence[dict[str, list[int]]],
         seed: int,
         per_device: int,
         rank: int,

@@ -19,7 +19,6 @@ once the head is written.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -28,47 +27,14 @@ import torch
 from polydraft.models.decoder_layers import attention_masks, run_layers
 from polydraft.models.early_exit import EarlyExitDrafter
 from polydraft.models.partial_load import decoder_parts
-from polydraft.train.data import MixBatches, collate, encode_rows
+from polydraft.train.data import MixBatches, collate
 from polydraft.train.loop import LoopPlan, TrainingLoop
 from polydraft.train.losses import IGNORE_INDEX, ce_sum, loss_window, topk_kl_sum
 from polydraft.train.results import HeadEval
 from polydraft.train.step import StepLog, StepStats, train_step
 
-log = logging.getLogger(__name__)
-
 HEAD_DIR = "head"
 LOG_FILE = "train_log.jsonl"
-
-
-def load_examples(
-    distill_dir: Path,
-    tokenizer: Any,
-    split: str,
-    *,
-    temperatures: list[float],
-    loss_on: str,
-    max_length: int,
-) -> list[dict[str, list[int]]]:
-    """Encoded mix rows of every pair; `loss_on: all` puts the labels on the prompt tokens too.
-    ValueError when the distill folder holds no mix, FileNotFoundError when a pair has no train split."""
-    from polydraft.distill.mix import mix_pairs, read_mix
-
-    pairs = mix_pairs(distill_dir)
-    if not pairs:
-        raise ValueError(f"{distill_dir}/mix holds no pair; did the distill stage write one?")
-    rows = []
-    for pair in pairs:
-        try:
-            rows += read_mix(distill_dir, pair, split, temperatures)
-        except FileNotFoundError:
-            if split == "train":
-                raise
-    examples, dropped = encode_rows(tokenizer, rows, max_length)
-    if dropped:
-        log.info("early_exit: %d %s rows left no response token within max_length", dropped, split)
-    if loss_on == "all":
-        examples = [{**e, "labels": list(e["input_ids"])} for e in examples]
-    return examples
 
 
 def eval_set(

@@ -68,7 +68,7 @@ def train_early_exit(
     set_seed(loop.seed)
     tokenizer = load_tokenizer(target.path, target.revision, target.trust_remote_code)
     batches, eval_examples, total_steps = mix_data(
-        "early_exit", Path(spec.upstream["distill"]), tokenizer, loop, accelerator,
+        "early_exit", Path(spec.upstream["distill"]), work_dir, tokenizer, loop, accelerator,
         temperatures=block.temperatures, loss_on=block.loss_on, max_length=loop.max_length,
     )  # fmt: skip
     attn = resolve_attn_implementation(loop.attn_implementation, device.type == "cuda")

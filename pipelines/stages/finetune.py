@@ -29,12 +29,13 @@ from polydraft.pipelines.stage import (
     optim_settings,
     training_main,
 )
-from polydraft.pipelines.stages.mix_training import sized_batches
+from polydraft.pipelines.stages.mix_training import MIX_CACHE, sized_batches
 from polydraft.pipelines.stages.pretrain import preflight
 from polydraft.pipelines.tracking import Tracker
-from polydraft.train.data import encode_rows, pad_id_of
+from polydraft.train.data import pad_id_of
 from polydraft.train.drafter import export, initial_drafter, train_drafter
 from polydraft.train.evaluation import read_eval_sets
+from polydraft.train.mix_cache import load_examples
 from polydraft.train.results import DrafterMetrics, FinetuneMetrics, Launched
 from polydraft.train.runtime import resolve_attn_implementation
 
@@ -79,8 +80,6 @@ def finetune(spec: StageSpec, inputs: FinetuneInputs, accelerator: Any, tracker:
     """One drafter per pair of `inputs.pairs`, each exported to `<pair>/` with its metrics file."""
     from accelerate.utils import set_seed
 
-    from polydraft.distill.mix import read_mix
-
     block, target, work_dir = inputs.finetune, inputs.target, Path(spec.work_dir)
     loop = block.loop
     distill_dir = Path(spec.upstream["distill"])
@@ -101,14 +100,18 @@ def finetune(spec: StageSpec, inputs: FinetuneInputs, accelerator: Any, tracker:
     for pair in inputs.pairs:
         out_dir = work_dir / pair
         try:
-            train_rows = read_mix(distill_dir, pair, "train", block.temperatures, need_distilled=True)
+            mix = load_examples(
+                distill_dir, tokenizer, "train", temperatures=block.temperatures, loss_on="response",
+                max_length=loop.max_length, cache_dir=work_dir / MIX_CACHE,
+                main_process_first=accelerator.main_process_first, pairs=[pair], need_distilled=True,
+            )  # fmt: skip
         except FileNotFoundError as err:
             raise StageFailed(f"finetune: {err}") from err
         except ValueError as err:
             raise StageFailed(
                 f"finetune {pair}: {err}; check finetune.temperatures and that distill answered this pair"
             ) from err
-        examples, dropped = encode_rows(tokenizer, train_rows, loop.max_length)
+        examples, dropped = mix.examples, mix.dropped
         assert loop.epochs is not None, "the recipe loader fills finetune.loop.epochs"
         batches, total_steps = sized_batches(
             f"finetune {pair}", examples, inputs.data_seed, loop, accelerator, pad_id_of(tokenizer)

@@ -67,7 +67,7 @@ def train_heads(
     set_seed(loop.seed)
     tokenizer = load_tokenizer(target_spec.path, target_spec.revision, target_spec.trust_remote_code)
     batches, eval_examples, total_steps = mix_data(
-        "heads", Path(spec.upstream["distill"]), tokenizer, loop, accelerator,
+        "heads", Path(spec.upstream["distill"]), work_dir, tokenizer, loop, accelerator,
         temperatures=block.temperatures, loss_on="response", max_length=loop.max_length,
     )  # fmt: skip
 

@@ -8,8 +8,9 @@ useless.
 
 from __future__ import annotations
 
+import logging
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,31 +18,43 @@ import torch
 
 from polydraft.pipelines.stage import StageFailed
 from polydraft.train.data import MixBatches, pad_id_of
-from polydraft.train.early_exit import load_examples
+from polydraft.train.mix_cache import load_examples
 from polydraft.train.runtime import configure_deepspeed
 from polydraft.train.schedule import build_optimizer, build_scheduler
 from polydraft.train.step import OptimSettings
 
+log = logging.getLogger(__name__)
+
+MIX_CACHE = "mix_cache"
+"""The folder, in a stage's work dir, of its tokenized mix (`train.mix_cache`)."""
+
 
 def mix_data(
-    stage: str, distill_dir: Path, tokenizer: Any, loop: Any, accelerator: Any, **options: Any
+    stage: str, distill_dir: Path, work_dir: Path, tokenizer: Any, loop: Any, accelerator: Any, **options: Any
 ) -> tuple[MixBatches, list[dict[str, list[int]]], int]:
-    """(training batches of this process, held-out examples, total optimizer steps). `options`:
-    `load_examples`' (temperatures, loss_on, max_length). StageFailed when the mix is missing or holds
-    less than one global batch."""
+    """(training batches of this process, held-out examples, total optimizer steps). The mix of every
+    pair is tokenized once, into `<work_dir>/mix_cache` (`train.mix_cache`). `options`: `load_examples`'
+    (temperatures, loss_on, max_length). StageFailed when the mix is missing or holds less than one
+    global batch."""
+    cache = {"cache_dir": work_dir / MIX_CACHE, "main_process_first": accelerator.main_process_first}
+    splits = {}
     try:
-        train_examples = load_examples(distill_dir, tokenizer, "train", **options)
-        eval_examples = load_examples(distill_dir, tokenizer, "eval", **options)
+        for split in ("train", "eval"):
+            splits[split] = load_examples(distill_dir, tokenizer, split, **options, **cache)
     except (FileNotFoundError, ValueError) as err:
         raise StageFailed(f"{stage}: {err}") from err
+    for split, mix in splits.items():
+        if mix.dropped:
+            log.info("%s: %d %s rows left no response token within max_length", stage, mix.dropped, split)
     batches, total_steps = sized_batches(
-        stage, train_examples, loop.seed, loop, accelerator, pad_id_of(tokenizer)
+        stage, splits["train"].examples, loop.seed, loop, accelerator, pad_id_of(tokenizer)
     )
-    return batches, eval_examples, total_steps
+    # the held-out split is small: eval batches are cut from a list
+    return batches, splits["eval"].examples.to_list(), total_steps
 
 
 def sized_batches(
-    stage: str, examples: list[dict[str, list[int]]], seed: int, loop: Any, accelerator: Any, pad_id: int
+    stage: str, examples: Sequence[dict[str, list[int]]], seed: int, loop: Any, accelerator: Any, pad_id: int
 ) -> tuple[MixBatches, int]:
     """(this process's batches of `examples`, total optimizer steps: `loop.max_steps`, else `loop.epochs`
     passes). StageFailed when the examples do not fill one global batch."""

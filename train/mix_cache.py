@@ -1,0 +1,179 @@
+"""The distill stage's mix, tokenized once per run into an Arrow file that every process memory-maps.
+
+Tokenizing the mix in every process into Python lists costs each rank memory in proportion to the mix
+(and the tokenizing time, once per rank). Here the main process reads the mix files with `datasets`
+(JSON to Arrow, in chunks) and tokenizes them with a batched `map` into
+`<cache_dir>/<split>-<key>.arrow`; the other processes wait (`main_process_first`) and open the same file,
+memory-mapped. `key` is a fingerprint of the mix files' bytes, the tokenizer, `max_length`, the
+temperatures kept and `loss_on`, so a changed mix or setting tokenizes anew and a rerun (or a resumed
+run) reads the file it made. The examples are those of `train.data.encode_texts`, in the mix's order,
+rows without a response token within `max_length` dropped and counted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from polydraft.train.data import encode_texts
+
+# bump when the encoding changes, so that caches of an older encoding are not read
+ENCODING_VERSION = "1"
+
+
+@dataclass(frozen=True)
+class MixExamples:
+    """Encoded mix rows: `examples[i]` is `{"input_ids": [...], "labels": [...]}` (a memory-mapped
+    `datasets.Dataset`), `rows` the rows kept by temperature, `dropped` those of them left without a
+    response token, `distilled` the kept rows that are the target's own answers."""
+
+    examples: Any
+    rows: int
+    dropped: int
+    distilled: int
+
+
+def _features() -> tuple[Any, Any]:
+    from datasets import Features, Sequence, Value
+
+    raw = Features(
+        {
+            "id": Value("string"),
+            "pair": Value("string"),
+            "origin": Value("string"),
+            "prompt": Value("string"),
+            "response": Value("string"),
+            "temperature": Value("float64"),
+            "sample_index": Value("int64"),
+        }
+    )
+    encoded = Features({"input_ids": Sequence(Value("int32")), "labels": Sequence(Value("int32"))})
+    return raw, encoded
+
+
+def cache_key(files: list[Path], tokenizer: Any, settings: dict[str, Any]) -> str:
+    """Fingerprint of the mix files' bytes (read in chunks), the tokenizer and the encoding settings."""
+    from datasets.fingerprint import Hasher
+
+    digest = hashlib.sha256(f"{ENCODING_VERSION}|{sorted(settings.items())!r}".encode())
+    for path in files:
+        digest.update(path.name.encode() + b"\0")
+        with open(path, "rb") as handle:
+            while chunk := handle.read(1 << 20):
+                digest.update(chunk)
+    digest.update(Hasher.hash(tokenizer).encode())
+    return digest.hexdigest()[:20]
+
+
+def _encoder(
+    tokenizer: Any, max_length: int, temperatures: list[float] | None, loss_on: str
+) -> Callable[[dict[str, list[Any]]], dict[str, list[list[int]]]]:
+    def encode(batch: dict[str, list[Any]]) -> dict[str, list[list[int]]]:
+        kept = [
+            (prompt, response)
+            for prompt, response, origin, temperature in zip(
+                batch["prompt"], batch["response"], batch["origin"], batch["temperature"], strict=True
+            )
+            if temperatures is None or origin != "distill" or temperature in temperatures
+        ]
+        examples = [e for e in encode_texts(tokenizer, kept, max_length) if e is not None]
+        return {
+            "input_ids": [e["input_ids"] for e in examples],
+            "labels": [e["input_ids"] if loss_on == "all" else e["labels"] for e in examples],
+        }
+
+    return encode
+
+
+def mix_examples(
+    files: list[Path],
+    tokenizer: Any,
+    *,
+    split: str,
+    temperatures: list[float] | None,
+    loss_on: str,
+    max_length: int,
+    cache_dir: Path,
+    main_process_first: Callable[[], AbstractContextManager[Any]],
+) -> MixExamples:
+    """The encoded rows of the mix `files` (in order), from the cache under `cache_dir`, made by the
+    first process to enter `main_process_first()` (`accelerator.main_process_first`; a
+    `contextlib.nullcontext` for one process). `loss_on: all` puts the labels on the prompt too."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    from datasets import Dataset
+
+    raw_features, encoded_features = _features()
+    files = [path for path in files if path.stat().st_size > 0]
+    if not files:
+        return MixExamples(Dataset.from_dict({"input_ids": [], "labels": []}, encoded_features), 0, 0, 0)
+    settings = {"max_length": max_length, "temperatures": temperatures, "loss_on": loss_on}
+    key = cache_key(files, tokenizer, settings)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with main_process_first():
+        raw = Dataset.from_json(
+            [str(path) for path in files], features=raw_features, cache_dir=str(cache_dir / "json")
+        )
+        examples = raw.map(
+            _encoder(tokenizer, max_length, temperatures, loss_on),
+            batched=True,
+            remove_columns=raw.column_names,
+            features=encoded_features,
+            cache_file_name=str(cache_dir / f"{split}-{key}.arrow"),
+            new_fingerprint=key,
+            desc=f"tokenizing the {split} mix",
+        )
+    # the counts come from two columns of the memory-mapped raw rows, not from the texts
+    distill = pc.equal(raw.data.column("origin"), "distill")
+    if temperatures is None:
+        rows, distilled = len(raw), pc.sum(distill).as_py() or 0
+    else:
+        kept = pa.array(temperatures, type=pa.float64())
+        at_temperature = pc.and_kleene(distill, pc.is_in(raw.data.column("temperature"), value_set=kept))
+        distilled = pc.sum(at_temperature).as_py() or 0
+        rows = len(raw) - (pc.sum(distill).as_py() or 0) + distilled
+    return MixExamples(examples, rows, rows - len(examples), distilled)
+
+
+def load_examples(
+    distill_dir: Path,
+    tokenizer: Any,
+    split: str,
+    *,
+    temperatures: list[float] | None,
+    loss_on: str,
+    max_length: int,
+    cache_dir: Path,
+    main_process_first: Callable[[], AbstractContextManager[Any]],
+    pairs: list[str] | None = None,
+    need_distilled: bool = False,
+) -> MixExamples:
+    """`mix_examples` of the `split` mix of `pairs` (default: every pair, in sorted order). ValueError
+    when the distill folder holds no mix, FileNotFoundError when a pair has no train split (a pair
+    without an `eval` split adds no eval row). `need_distilled`: a ValueError when no distilled row is
+    kept (training on open rows alone would not teach the drafter the target's own answers)."""
+    from polydraft.distill.mix import mix_file, mix_pairs
+
+    pairs = mix_pairs(distill_dir) if pairs is None else pairs
+    if not pairs:
+        raise ValueError(f"{distill_dir}/mix holds no pair; did the distill stage write one?")
+    files = []
+    for pair in pairs:
+        try:
+            files.append(mix_file(distill_dir, pair, split))
+        except FileNotFoundError:
+            if split == "train":
+                raise
+    mix = mix_examples(
+        files, tokenizer, split=split, temperatures=temperatures, loss_on=loss_on, max_length=max_length,
+        cache_dir=cache_dir, main_process_first=main_process_first,
+    )  # fmt: skip
+    if need_distilled and mix.distilled == 0:
+        kept = "any temperature" if temperatures is None else f"temperatures {temperatures}"
+        where = files[0] if len(files) == 1 else Path(distill_dir) / "mix"
+        raise ValueError(f"{where}: no distilled row at {kept} ({mix.rows} open rows only)")
+    return mix
