@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
+import json
 import math
 
 import pytest
 import torch
 
+from polydraft.pipelines.schema.common import SourceConfig, reader_args
 from polydraft.train.checkpoint import (
     STATE_FILE,
     list_checkpoints,
@@ -19,6 +22,8 @@ from polydraft.train.losses import IGNORE_INDEX, ce_sum, scale_for_step, top1_ma
 from polydraft.train.packing import PackedStream, PackPosition
 from polydraft.train.runtime import NonFiniteLoss, check_finite
 from polydraft.train.schedule import build_scheduler, lr_multiplier, warmup_steps_for
+from polydraft.train.stream import StreamPosition, texts
+from polydraft.train.stream import documents as stream_documents
 
 
 def _docs(count: int, seed: int = 0) -> list[list[int]]:
@@ -32,10 +37,24 @@ def _docs(count: int, seed: int = 0) -> list[list[int]]:
     return out
 
 
+def _listed(epochs: dict[int, list]):
+    """A document source over in-memory epochs, as `train/stream.py` gives it: each document with the
+    position after it."""
+
+    def documents(start):
+        epoch, row = (start["epoch"], start["row"]) if start else (0, 0)
+        while epoch in epochs:
+            for index in range(row, len(epochs[epoch])):
+                yield epochs[epoch][index], {"epoch": epoch, "row": index + 1}
+            epoch, row = epoch + 1, 0
+
+    return documents
+
+
 def test_packing_loses_and_duplicates_no_token():
     docs = _docs(50)
     expected = [t for d in docs for t in [*d, 2]]
-    stream = PackedStream(lambda epoch, start: iter(docs[start:] if epoch == 0 else []), seq_len=16, eos_id=2)
+    stream = PackedStream(_listed({0: docs}), seq_len=16, eos_id=2)
     sequences = stream.take(len(expected) // 16)
     assert all(len(s) == 16 for s in sequences)
     flat = [t for s in sequences for t in s]
@@ -44,27 +63,64 @@ def test_packing_loses_and_duplicates_no_token():
 
 
 def test_packed_stream_resumes_at_the_same_sequence_across_epochs():
-    epochs = {e: _docs(7, seed=e) for e in range(10)}
-
-    def documents(epoch, start):
-        return iter([None if i == 3 else d for i, d in enumerate(epochs[epoch])][start:])
-
-    straight = PackedStream(documents, seq_len=24, eos_id=2)
+    epochs = {e: [None if i == 3 else d for i, d in enumerate(_docs(7, seed=e))] for e in range(10)}
+    straight = PackedStream(_listed(epochs), seq_len=24, eos_id=2)
     first = straight.take(5)
-    saved = PackPosition(straight.position.epoch, straight.position.documents, list(straight.position.carry))
+    saved = PackPosition(dict(straight.position.stream), list(straight.position.carry))
     rest = straight.take(20)
-    assert straight.position.epoch >= 1  # crossed an epoch boundary
-    resumed = PackedStream(documents, seq_len=24, eos_id=2, position=saved)
+    assert straight.epoch >= 1  # crossed an epoch boundary
+    resumed = PackedStream(_listed(epochs), seq_len=24, eos_id=2, position=saved)
     assert resumed.take(20) == rest
     # across the epoch boundary nothing is dropped either: the stream is the concatenation of all epochs
     flat = [t for s in first + rest for t in s]
-    expected = [t for e in range(10) for i, d in enumerate(epochs[e]) if i != 3 for t in [*d, 2]]
+    expected = [t for e in range(10) for d in epochs[e] if d is not None for t in [*d, 2]]
     assert flat == expected[: len(flat)]
 
 
-def test_packed_stream_of_an_empty_corpus_is_an_error():
+def test_an_empty_corpus_is_an_error():
     with pytest.raises(ValueError, match="no documents"):
-        PackedStream(lambda epoch, start: iter([]), seq_len=8, eos_id=2).take(1)
+        next(texts([], 0, StreamPosition()))
+
+
+def _sources(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps({"text": f"alpha {i} " * (i % 3 + 1)}) + "\n" for i in range(5)))
+    b.write_text("".join(json.dumps({"text": f"beta {i}"}) + "\n" for i in range(3)))
+    return [reader_args(SourceConfig(kind="local", format="text", path=str(p)), 0, None) for p in (a, b)]
+
+
+def test_the_stream_takes_sources_in_turn_and_resumes_without_reading_what_was_used(tmp_path, monkeypatch):
+    sources = _sources(tmp_path)
+    whole = [text for text, _ in itertools.islice(texts(sources, 7, StreamPosition()), 20)]
+    # in turn while both last, then the longer one alone; then the next epoch, shuffled anew
+    assert [t.split()[0] for t in whole[:8]] == ["alpha", "beta"] * 3 + ["alpha", "alpha"]
+    assert sorted(whole[:8]) != whole[:8] or sorted(whole[8:16]) != whole[8:16]
+    position = None
+    for index, (_, after) in enumerate(texts(sources, 7, StreamPosition())):
+        if index == 10:  # 3 documents into the second epoch
+            position = after
+            break
+    import polydraft.train.stream as stream
+
+    read = []
+    normalised = stream.document_text
+    monkeypatch.setattr(stream, "document_text", lambda row, fmt: read.append(row) or normalised(row, fmt))
+    resumed = [text for text, _ in itertools.islice(texts(sources, 7, position), 9)]
+    assert resumed == whole[11:20]
+    assert len(read) == 9, "the resume read documents it had already used"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_workers_tokenize_the_documents_in_order(tmp_path, tiny_tokenizer, workers):
+    sources = _sources(tmp_path)
+    expected = [
+        tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+        for text, _ in itertools.islice(texts(sources, 3, StreamPosition()), 21)
+    ]
+    got = [
+        ids for ids, _ in itertools.islice(stream_documents(tiny_tokenizer, sources, 3, None, workers), 21)
+    ]
+    assert got == expected
 
 
 def test_only_response_tokens_carry_loss(tiny_tokenizer):

@@ -1,12 +1,11 @@
 """Training examples: mix rows tokenized with loss on the response only, padded batches, deterministic
-batch order, and pretraining documents read from recipe sources.
+batch order, and pretraining documents' text (`train/stream.py` reads and tokenizes them).
 """
 
 from __future__ import annotations
 
-import itertools
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -14,7 +13,7 @@ import torch
 
 from polydraft.distill.prompts import vicuna_prompt
 from polydraft.train.losses import IGNORE_INDEX
-from polydraft.train.packing import PackedStream, PackPosition
+from polydraft.train.packing import Documents, PackedStream, PackPosition
 
 _END = object()
 
@@ -136,74 +135,6 @@ def document_text(row: dict[str, Any], format: str) -> str:
     return row["prompt"]
 
 
-def iter_source_rows(source: dict[str, Any], seed: int) -> Iterator[dict[str, Any] | None]:
-    """Normalised rows of a source (`read_source` keyword arguments), shuffled with `seed`.
-
-    Streaming `hf` sources are read lazily (C4 does not fit in memory) and yield None for a row skipped
-    as invalid, so that positions count raw rows; other sources go through `read_source` whole.
-    """
-    from polydraft.distill.sources import describe, normalise, read_source
-
-    if not (source["kind"] == "hf" and source["streaming"]):
-        yield from read_source(**{**source, "seed": seed}).rows
-        return
-    import datasets
-
-    stream = datasets.load_dataset(
-        source["path"], source["name"], split=source["split"], revision=source["revision"], streaming=True
-    ).shuffle(seed=seed, buffer_size=10_000)
-    if source["limit"] is not None:
-        stream = stream.take(source["limit"])
-    description = describe("hf", source["format"], source["path"], source["name"], source["split"], None)
-    for index, raw in enumerate(stream):
-        rows = normalise(
-            [(index, raw)],
-            source["format"],
-            source["fields"],
-            source["pair"],
-            description,
-            source["skip_invalid"],
-            f"hf:{source['path']}/{source['split']}",
-        ).rows
-        yield rows[0] if rows else None
-
-
-def interleaved_documents(sources: list[dict[str, Any]], seed: int) -> Iterator[str | None]:
-    """Document texts of all sources, one from each in turn until each runs out (C4 and ShareGPT mix
-    evenly instead of one after the other)."""
-    streams = [
-        (
-            (None if row is None else document_text(row, source["format"]))
-            for row in iter_source_rows(source, seed)
-        )
-        for source in sources
-    ]
-    while streams:
-        for stream in list(streams):
-            text = next(stream, _END)
-            if text is _END:
-                streams.remove(stream)
-            else:
-                yield text
-
-
-def tokenized_documents(
-    tokenizer: Any, sources: list[dict[str, Any]], seed: int, epoch: int, start: int, chunk: int = 256
-) -> Iterator[list[int] | None]:
-    """Token ids of the documents of epoch `epoch` (sources shuffled with `seed + epoch`), from document
-    `start` on; None stands for a row skipped as invalid.
-
-    Skipped documents are read but not tokenized. The rest are tokenized in chunks (the fast tokenizers
-    are much quicker on batches) without special tokens: the packer adds the EOS separators.
-    """
-    texts = itertools.islice(interleaved_documents(sources, seed + epoch), start, None)
-    while batch := list(itertools.islice(texts, chunk)):
-        present = [text for text in batch if text is not None]
-        encoded = iter(tokenizer(present, add_special_tokens=False)["input_ids"] if present else [])
-        for text in batch:
-            yield None if text is None else list(next(encoded))
-
-
 # ----------------------------------------------------------------------------- batches of a training step
 
 
@@ -259,13 +190,13 @@ class PackedBatches:
     """Pretraining batches: consecutive packed sequences, loss on every token.
 
     Every process reads the same stream and keeps its share, so the global batch of a step does not
-    depend on the number of processes. The position (epoch, documents read, carried tokens) goes into
-    checkpoints.
+    depend on the number of processes. The position (the document stream's, `train/stream.py`, and the
+    carried tokens) goes into checkpoints.
     """
 
     def __init__(
         self,
-        documents: Callable[[int, int], Iterator[Sequence[int] | None]],
+        documents: Documents,
         seq_len: int,
         eos_id: int,
         per_device: int,
@@ -290,10 +221,15 @@ class PackedBatches:
 
     def epoch(self, step: int) -> float:
         """The pass over the corpus being read (1: the first); `step` is only for symmetry."""
-        return self.stream.position.epoch + 1
+        return self.stream.epoch + 1
 
     def state(self) -> dict[str, Any]:
         return asdict(self.stream.position)
 
     def restore(self, state: dict[str, Any]) -> None:
+        if "stream" not in state:
+            raise ValueError(
+                "this checkpoint's data position is the older document count, which this version no longer "
+                "reads; delete the stage's .partial folder to pretrain from the start"
+            )
         self.stream = PackedStream(self.documents, self.seq_len, self.eos_id, PackPosition(**state))

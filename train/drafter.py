@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from polydraft.models.drafters import build_drafter, export_drafter, load_drafter
-from polydraft.train.data import MixBatches, PackedBatches, tokenized_documents
+from polydraft.train.data import MixBatches, PackedBatches
 from polydraft.train.evaluation import eval_log, evaluate
 from polydraft.train.loop import LoopPlan, TrainingLoop
 from polydraft.train.losses import ce_sum, loss_window, topk_kl_sum
@@ -31,6 +31,7 @@ from polydraft.train.results import DrafterMetrics
 from polydraft.train.runtime import configure_deepspeed, unwrap
 from polydraft.train.schedule import build_optimizer, build_scheduler
 from polydraft.train.step import OptimSettings, StepLog, StepStats, train_step
+from polydraft.train.stream import corpus_tokens
 
 log = logging.getLogger(__name__)
 
@@ -236,10 +237,8 @@ def pretrain_steps(
         return max_steps
     steps = token_budget // (global_batch * max_length)
     if not any(s["kind"] == "hf" and s["streaming"] for s in sources):
-        corpus_tokens = sum(
-            len(d) + 1 for d in tokenized_documents(tokenizer, sources, seed, 0, 0) if d is not None
-        )
-        steps = min(steps, int(epochs * corpus_tokens / max_length) // global_batch)
+        tokens = corpus_tokens(tokenizer, sources, seed)
+        steps = min(steps, int(epochs * tokens / max_length) // global_batch)
     if steps < 1:
         raise ValueError(
             f"the token budget ({token_budget}) or corpus is smaller than one global batch of "

@@ -9,63 +9,51 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-
-_END = object()
+from typing import Any
 
 
 @dataclass
 class PackPosition:
     """Where a `PackedStream` stands: saved in checkpoints so that a resumed run reads the same sequences."""
 
-    epoch: int = 0
-    documents: int = 0
-    """Documents of `epoch` already read into the buffer."""
+    stream: dict[str, Any] | None = None
+    """The document source's position after the last document read into the buffer (None: its start)."""
     carry: list[int] = field(default_factory=list)
     """Tokens read but not yet emitted (the start of the next sequence)."""
 
 
-class PackedStream:
-    """An endless, resumable stream of packed sequences over epochs of a document source.
+Documents = Callable[[dict[str, Any] | None], Iterator[tuple[Sequence[int] | None, dict[str, Any]]]]
+"""`documents(position)`: the token ids of the documents after `position` (None: from the start), each
+with the position right after it, endless (epoch after epoch); None stands for a source row skipped as
+invalid (it adds no token). It must be a deterministic function of the position (`train/stream.py`)."""
 
-    `documents(epoch, start)` yields the token ids of the documents of `epoch` from index `start` on
-    (None for a source row that was skipped as invalid: it counts as a document but adds no token);
-    it must be a deterministic function of its arguments (e.g. a source shuffled with `seed + epoch`).
-    When an epoch runs out, the stream continues with the next one; the buffer carries over, so no
-    token is dropped at epoch boundaries either.
+
+class PackedStream:
+    """An endless, resumable stream of packed sequences over a document source.
+
+    The buffer carries over epoch boundaries, so no token is dropped there either.
     """
 
-    def __init__(
-        self,
-        documents: Callable[[int, int], Iterator[Sequence[int] | None]],
-        seq_len: int,
-        eos_id: int,
-        position: PackPosition | None = None,
-    ):
+    def __init__(self, documents: Documents, seq_len: int, eos_id: int, position: PackPosition | None = None):
         if seq_len < 1:
             raise ValueError(f"seq_len must be positive, got {seq_len}")
         self._documents = documents
         self.seq_len = seq_len
         self.eos_id = eos_id
         start = position or PackPosition()
-        self.position = PackPosition(start.epoch, start.documents, list(start.carry))
-        self._iterator: Iterator[Sequence[int] | None] | None = None
+        self.position = PackPosition(start.stream, list(start.carry))
+        self._iterator: Iterator[tuple[Sequence[int] | None, dict[str, Any]]] | None = None
+
+    @property
+    def epoch(self) -> int:
+        """The pass over the corpus being read (0: the first)."""
+        return int(self.position.stream["epoch"]) if self.position.stream else 0
 
     def _next_document(self) -> Sequence[int]:
-        rollovers = 0
+        if self._iterator is None:
+            self._iterator = self._documents(self.position.stream)
         while True:
-            if self._iterator is None:
-                self._iterator = iter(self._documents(self.position.epoch, self.position.documents))
-            doc = next(self._iterator, _END)
-            if doc is _END:
-                # two whole epochs without a single document (the first end may be a resumed one): empty
-                rollovers += 1
-                if rollovers > 2:
-                    raise ValueError("the pretraining corpus yields no documents")
-                self.position.epoch += 1
-                self.position.documents = 0
-                self._iterator = None
-                continue
-            self.position.documents += 1
+            doc, self.position.stream = next(self._iterator)
             if doc is not None:
                 return doc
 

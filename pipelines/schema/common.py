@@ -208,7 +208,7 @@ def check_kind_weights(weights: dict[str, float]) -> None:
 
 def reader_args(source: SourceConfig, seed: int, offline: OfflineCorpusConfig | None) -> dict[str, Any]:
     """A recipe source -> the keyword arguments of `distill.sources.read_source` (and of the pretraining
-    document reader, `train.data.tokenized_documents`): the one place where that mapping is written."""
+    document stream, `train.stream.texts`): the one place where that mapping is written."""
     args: dict[str, Any] = {
         "kind": source.kind,
         "format": source.format,

@@ -185,6 +185,10 @@ class PretrainConfig(StrictModel):
     `loop.epochs` passes over corpora that are not streamed)."""
     optim: PretrainOptim = Field(default_factory=PretrainOptim)
     loop: PretrainLoop = Field(default_factory=PretrainLoop)
+    data_workers: int = Field(default=1, ge=0)
+    """DataLoader worker processes per training process that read and tokenize the corpora ahead of the
+    training loop (`train/stream.py`); 0 does it in the training process, between steps. Each worker
+    reads every row and tokenizes its share; each streams a streaming `hf` source on its own."""
 
 
 class FinetuneConfig(StrictModel):

@@ -28,10 +28,11 @@ from polydraft.pipelines.stage import (
     training_main,
 )
 from polydraft.pipelines.tracking import Tracker
-from polydraft.train.data import PackedBatches, pad_id_of, tokenized_documents
+from polydraft.train.data import PackedBatches, pad_id_of
 from polydraft.train.drafter import export, initial_drafter, pretrain_steps, train_drafter
 from polydraft.train.results import PretrainMetrics
 from polydraft.train.runtime import resolve_attn_implementation
+from polydraft.train.stream import documents as document_stream
 
 
 def run(inputs: PretrainInputs, ctx: StageContext) -> StageResult:
@@ -88,8 +89,8 @@ def pretrain(spec: StageSpec, inputs: PretrainInputs, accelerator: Any, tracker:
     )
     sources = [reader_args(s, inputs.data_seed, inputs.offline) for s in inputs.corpora]
 
-    def documents(epoch: int, start: int) -> Any:
-        return tokenized_documents(tokenizer, sources, inputs.data_seed, epoch, start)
+    def documents(start: dict[str, Any] | None) -> Any:
+        return document_stream(tokenizer, sources, inputs.data_seed, start, block.data_workers)
 
     batches = PackedBatches(
         documents,
