@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
 RESULTS_FILE = "results.jsonl"
 
@@ -106,8 +106,12 @@ class ResultRow(BaseModel):
     smallest batch size."""
     batch_rates: list[BatchRate] | None
     """For `vllm`: tokens/s without and with the drafter per batch size."""
-    ideal_speedup: float | None = None
-    """The speedup the measured forward latencies allow for these rounds (`decoding.measurement.latency`)."""
+    predicted_speedup: float | None = Field(
+        default=None, validation_alias=AliasChoices("predicted_speedup", "ideal_speedup")
+    )
+    """The speedup a latency model predicts for these rounds from the measured forward latencies
+    (`decoding.measurement.latency`): a prediction, not a bound. Rows written before the rename call it
+    `ideal_speedup`, which is still read."""
     matches_ar: bool | None
     """Temperature 0: identical tokens to `ar`'s on every prompt (for `vllm`: to vLLM's target alone);
     None otherwise."""
