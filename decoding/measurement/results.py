@@ -44,6 +44,9 @@ class ResultRow(BaseModel):
     """`polydraft` (its own decoders) or `vllm` (vLLM's draft-model speculative decoding)."""
     engine_detail: str | None
     """For `vllm`: version, device and draft sampling method (`vLLM 0.32.0 cpu, greedy drafts`)."""
+    engine_version: str | None = None
+    """For `vllm`: `vllm.__version__` of the engine that measured the row (a known engine bug is tied to
+    versions); None for polydraft's rows and for vLLM rows written before this field."""
     decoder: DecoderName
     method: str
     """A readable label unique within a group, e.g. `sd[de-en] K=4`, `rsd_s[de-en] 3x3`, `eesd beta_ts`."""
