@@ -1,4 +1,4 @@
-"""Drafter depth x draft length on the demo's task: block efficiency, wall-clock speedup and predicted speedup.
+"""Drafter depth x draft length on the demo's task: block efficiency, wall-clock and predicted speedup.
 
 For each depth, the pipeline itself trains the drafters (`polydraft run` of the recipe with
 `pretrain.drafter.num_layers=<depth>` and any extra overrides, up to finetune; the distill stage is run

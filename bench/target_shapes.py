@@ -1,4 +1,4 @@
-"""What a different bootstrap target would allow: forward latencies and the `sd` speedup a latency model predicts by target shape.
+"""What a different bootstrap target would allow: forward latencies and the predicted `sd` speedup by shape.
 
 The demo's speedup is bounded by two ratios of forward latencies (README, demo section): verifying K+1
 tokens against one target step, and a drafter step against a target step. Both depend on the target's

@@ -125,7 +125,9 @@ def test_the_summary_flags_vllm_rows_beyond_noise_and_cites_the_cause():
 
 
 def test_issue_55005_is_the_cause_only_for_its_version_on_a_cpu_at_t_above_0():
-    def flag(version: str, device: str = "cpu", temperature: float = 1.0, drafts: str = "probabilistic") -> str:
+    def flag(
+        version: str, device: str = "cpu", temperature: float = 1.0, drafts: str = "probabilistic"
+    ) -> str:
         r = {**result(temperature=temperature, first=0.05, drafts=drafts), "vllm": version, "device": device}
         vllm = vllm_rows([(SOURCE, 0.1, r)], SETS, 64, CONTEXT)
         (line,) = engine_differences(polydraft_sd(temperature, [0.5, 0.6]) + vllm)
@@ -133,7 +135,12 @@ def test_issue_55005_is_the_cause_only_for_its_version_on_a_cpu_at_t_above_0():
 
     assert "issue 55005" in flag("0.32.0") and "issue 55005" in flag("0.32.3+cpu")
     assert "Unexplained" not in flag("0.32.0")
-    for other in (flag("0.33.0"), flag("0.3.2"), flag("0.32.0", device="cuda"), flag("0.32.0", temperature=0.0)):
+    for other in (
+        flag("0.33.0"),
+        flag("0.3.2"),
+        flag("0.32.0", device="cuda"),
+        flag("0.32.0", temperature=0.0),
+    ):
         assert "55005" not in other and "Unexplained" in other, other
     assert "no known cause matches vLLM 0.33.0 on cpu at T=1" in flag("0.33.0")
     assert "at T=0 both engines should agree" in flag("0.32.0", temperature=0.0)

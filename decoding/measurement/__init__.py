@@ -1,5 +1,5 @@
 """The measurement harness around the decoding engines: eval-set inputs, decoding groups and their result
-rows, latency probes and the speedups a latency model predicts from them, the seeds' metrics, summary tables and plots, and
+rows, latency probes and the speedups a latency model predicts, the seeds' metrics, summary tables and plots, and
 the rows measured inside vLLM.
 
 - `inputs`: the drafters of a run and the eval sets' prompts.

@@ -53,7 +53,7 @@ class Method:
     fields: dict[str, Any]
     decode: Callable[[torch.Tensor, int], Generation]
     cost: RoundCost | None = None
-    """A round's cost from measured forward latencies (`decoding.measurement.latency`); None: no predicted speedup."""
+    """A round's cost from measured forward latencies (`decoding.measurement.latency`); None: no prediction."""
     generations: list[Generation] = field(default_factory=list)
 
 
@@ -193,7 +193,7 @@ def group_rows(
     target_step: float | None = None,
 ) -> list[ResultRow]:
     """One row per method of a finished group, with speedups against the group's `ar` (`methods[0]`)
-    and, given the target's one-token latency `target_step`, the latency model's predicted speedups of methods with a cost."""
+    and, given the target's one-token latency `target_step`, the predicted speedups of methods with a cost."""
     ar = methods[0]
     ar_rate = summarize(ar.generations, None)["token_rate"]
     rows = []

@@ -83,9 +83,7 @@ def outcome_of(claim: Claim, difference: float, noise: float) -> Outcome:
     return "holds" if difference > noise else "within noise"
 
 
-def compare(
-    label: str, claim: Claim, first: str, a: list[float], second: str, b: list[float]
-) -> Check:
+def compare(label: str, claim: Claim, first: str, a: list[float], second: str, b: list[float]) -> Check:
     """Check `first claim second` from the per-repetition values of each."""
     sa, sb = stat(a), stat(b)
     few = sa is None or sb is None or min(sa.n, sb.n) < MIN_REPETITIONS
