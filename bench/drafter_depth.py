@@ -1,10 +1,10 @@
-"""Drafter depth x draft length on the demo's task: block efficiency, wall-clock speedup and ideal speedup.
+"""Drafter depth x draft length on the demo's task: block efficiency, wall-clock and predicted speedup.
 
 For each depth, the pipeline itself trains the drafters (`polydraft run` of the recipe with
 `pretrain.drafter.num_layers=<depth>` and any extra overrides, up to finetune; the distill stage is run
 once and shared). Then, in ONE process, `ar` and `sd` with every (depth, K) decode each pair's held-out
 eval prompts with the pair's own drafter at temperature 0, the methods rotating prompt by prompt, in
-`--repetitions` disjoint prompt subsets. The ideal speedup is the one the measured forward latencies
+`--repetitions` disjoint prompt subsets. The predicted speedup is the one the measured forward latencies
 allow (`decoding.measurement.latency`, timed inside rounds): BE x t_T(1) / (t_T(K + 1) + t_D,1 + ... + t_D,K).
 
     python -m bench.drafter_depth --out-dir /tmp/depth [--depths 1 2 3] [--ks 1 2 3 4 6 8] \
@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from polydraft.decoding.control import FixedK  # noqa: E402
 from polydraft.decoding.engine import autoregressive  # noqa: E402
 from polydraft.decoding.lm import CachedLM  # noqa: E402
-from polydraft.decoding.measurement.latency import chain_cost, ideal_speedup, run_latencies  # noqa: E402
+from polydraft.decoding.measurement.latency import chain_cost, predicted_speedup, run_latencies  # noqa: E402
 from polydraft.decoding.measurement.measure import eos_ids_of, hardware  # noqa: E402
 from polydraft.decoding.measurement.metrics import summarize  # noqa: E402
 from polydraft.decoding.sampling import Sampling  # noqa: E402
@@ -116,7 +116,7 @@ def measure(args: argparse.Namespace) -> list[str]:
             for r in [rounds[(d, eval_sets[0].pair)]]
         ),
         "",
-        "| pair | depth | K | block efficiency | speedup | ideal speedup | measured / ideal |",
+        "| pair | depth | K | block efficiency | speedup | predicted speedup | measured / predicted - 1 |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     greedy = Sampling(0.0, 1.0)
@@ -155,14 +155,14 @@ def measure(args: argparse.Namespace) -> list[str]:
                     (
                         metrics["block_efficiency"],
                         metrics["token_rate"] / ar_rate,
-                        ideal_speedup(outs, step, cost),
+                        predicted_speedup(outs, step, cost),
                     )
                 )
         for (depth, k), values in sorted(results.items()):
-            be, speed, ideal = ([v[i] for v in values] for i in range(3))
+            be, speed, predicted = ([v[i] for v in values] for i in range(3))
             lines.append(
                 f"| {eval_set.pair} | {depth} | {k} | {_mean_std(be)} | {_mean_std(speed)} | "
-                f"{statistics.mean(ideal):.2f} | {statistics.mean(speed) / statistics.mean(ideal):.2f} |"
+                f"{statistics.mean(predicted):.2f} | {statistics.mean(speed) / statistics.mean(predicted) - 1:+.0%} |"
             )
     return lines
 

@@ -1,4 +1,4 @@
-"""What a different bootstrap target would allow: forward latencies and the ideal `sd` speedup by target shape.
+"""What a different bootstrap target would allow: forward latencies and the predicted `sd` speedup by shape.
 
 The demo's speedup is bounded by two ratios of forward latencies (README, demo section): verifying K+1
 tokens against one target step, and a drafter step against a target step. Both depend on the target's
@@ -6,7 +6,7 @@ shape, so before rebuilding the bootstrap target (an hour or more on 2 cores) th
 on randomly initialised Llama targets of each shape, beside the demo's 1-layer drafter (hidden 128),
 with the measure stage's own latency probe (`decoding.measurement.latency.lm_latencies`, a context of
 `--context` tokens). Shapes are measured in turn within each repetition; cells are mean ± std over the
-repetitions. The ideal speedup BE x t_T(1) / (t_T(K+1) + K t_D(1)) is printed for block efficiencies
+repetitions. The predicted speedup BE x t_T(1) / (t_T(K+1) + K t_D(1)) is printed for block efficiencies
 given on the command line: a new target changes what the drafter can learn, so BE is an assumption
 here, not a measurement. `fp32 MB` is the size of the weights as committed (limit 30 MB), `ar s` the
 time of the demo's `ar` decoding (3 x 2 x 8 prompts of ~45 tokens) at that step latency.
@@ -99,7 +99,7 @@ def main() -> None:
         f"{torch.get_num_threads()} threads, context {args.context}, K={args.k}, {args.repeats} repetitions "
         f"(mean ± std), drafter {args.drafter}: t_D(1) {mean_std(t1[0])} ms"
     )
-    be_cols = " | ".join(f"ideal at BE {be}" for be in args.be)
+    be_cols = " | ".join(f"predicted at BE {be}" for be in args.be)
     print(
         f"| target h:L:I | params | fp32 MB | t_T(1) ms | t_T(K+1) ms | verify / step | t_D / t_T | ar s | {be_cols} |"
     )
@@ -107,11 +107,11 @@ def main() -> None:
     for index in range(1, len(models)):
         params = parameter_count(models[index].model)
         step, verify = statistics.mean(t1[index]), statistics.mean(tk[index])
-        ideals = [be * step / (verify + args.k * draft) for be in args.be]
+        predictions = [be * step / (verify + args.k * draft) for be in args.be]
         print(
             f"| {args.shapes[index - 1]} | {params / 1e6:.1f}M | {params * 4 / 2**20:.1f} | {mean_std(t1[index])} | "
             f"{mean_std(tk[index])} | {verify / step:.2f} | {draft / step:.3f} | {args.ar_tokens * step / 1e3:.1f} | "
-            + " | ".join(f"{x:.2f}" for x in ideals)
+            + " | ".join(f"{x:.2f}" for x in predictions)
             + " |"
         )
 

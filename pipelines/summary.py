@@ -28,7 +28,7 @@ def results_summary(run_dir: Path) -> str | None:
         f"Block efficiency (tokens per target call), mean ± std over n = {repetitions(rows)} repetitions:",
         table(rows, "block_efficiency"),
         "",
-        "Wall-clock speedup over ar (same process, same prompts), with the ideal speedup the measured "
+        "Wall-clock speedup over ar (same process, same prompts), with the speedup a latency model predicts from the measured "
         "forward latencies allow and the share of it reached:",
         speedup_table(rows),
         "",

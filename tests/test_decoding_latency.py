@@ -1,4 +1,4 @@
-"""Forward latencies and the ideal speedup they imply (`decoding.measurement.latency`)."""
+"""Forward latencies and the speedup a latency model predicts from them (`decoding.measurement.latency`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from polydraft.decoding.measurement.latency import (
     ar_cost,
     chain_cost,
     chain_round_latencies,
-    ideal_speedup,
     lm_latencies,
+    predicted_speedup,
     run_latencies,
     self_speculative_latencies,
     tree_cost,
@@ -35,21 +35,21 @@ def generation(tokens: int, rounds: list[Round]) -> Generation:
     return Generation(tokens=list(range(tokens)), stop="length", rounds=rounds, target_calls=len(rounds))
 
 
-def test_ideal_speedup_of_a_fixed_k_chain_is_the_closed_form():
+def test_predicted_speedup_of_a_fixed_k_chain_is_the_closed_form():
     # 3 rounds of K=4 that produced 5 + 2 + 3 tokens: BE = 10 / 3
     gens = [generation(7, [Round(4, 4, 4), Round(4, 4, 1)]), generation(3, [Round(4, 4, 2)])]
-    ideal = ideal_speedup(gens, TARGET.chain[1], chain_cost(ROUNDS))
-    assert ideal == pytest.approx((10 / 3) * 10.0 / (14.0 + 4.0 + 3 * 2.0))
+    predicted = predicted_speedup(gens, TARGET.chain[1], chain_cost(ROUNDS))
+    assert predicted == pytest.approx((10 / 3) * 10.0 / (14.0 + 4.0 + 3 * 2.0))
 
 
-def test_ideal_speedup_sums_the_cost_of_every_round_and_is_one_for_ar():
+def test_predicted_speedup_sums_the_cost_of_every_round_and_is_one_for_ar():
     # Thompson sampling drafts a different k each round; k = 0 is a plain target step
     gens = [generation(6, [Round(2, 2, 2), Round(0, 0, 0), Round(3, 3, 1)])]
     costs = (12.0 + 4.0 + 2.0) + 10.0 + (13.0 + 4.0 + 2 * 2.0)
-    assert ideal_speedup(gens, 10.0, chain_cost(ROUNDS)) == pytest.approx(6 * 10.0 / costs)
+    assert predicted_speedup(gens, 10.0, chain_cost(ROUNDS)) == pytest.approx(6 * 10.0 / costs)
     ar = [generation(5, [Round(0, 0, 0)] * 5)]
-    assert ideal_speedup(ar, 10.0, ar_cost(TARGET)) == 1.0
-    assert ideal_speedup([generation(0, [])], 10.0, chain_cost(ROUNDS)) is None
+    assert predicted_speedup(ar, 10.0, ar_cost(TARGET)) == 1.0
+    assert predicted_speedup([generation(0, [])], 10.0, chain_cost(ROUNDS)) is None
 
 
 def test_tree_rounds_cost_the_masked_verification_the_root_call_and_every_level_but_the_last():

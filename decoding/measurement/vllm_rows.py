@@ -88,6 +88,7 @@ def vllm_rows(
             ResultRow(
                 engine="vllm",
                 engine_detail=f"vLLM {r['vllm']} {r['device']}, {r['draft_sample_method']} drafts",
+                engine_version=r["vllm"],
                 decoder="sd",
                 method=f"sd[{source.name}] K={k} (vLLM)",
                 drafter=source.name,

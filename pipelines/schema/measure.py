@@ -43,7 +43,7 @@ class MeasureConfig(StrictModel):
     that the seeds are repetitions over different prompts and their spread shows the prompts' variance,
     at temperature 0 too (where seeds alone change nothing but Thompson sampling's draws)."""
     latency_repeats: int = Field(default=20, ge=1)
-    """Repeats of each forward-latency measurement (medians) behind the ideal speedups."""
+    """Repeats of each forward-latency measurement (medians) behind the latency model's predicted speedups."""
     max_new_tokens: int = Field(default=128, ge=1)
     max_prompt_tokens: int = Field(default=1024, ge=1)
     """Longer prompts are skipped (and counted in the log)."""

@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from polydraft.decoding.measurement.results import ResultRow
-from polydraft.pipelines.study.verdicts import Check, Verdict, verdict_of
+from polydraft.pipelines.study.verdicts import Check, SanityVerdict, Verdict, sanity_verdict, verdict_of
 
 # variant names (the variants themselves are built in `pipelines.study.variants`)
 PF = "pf"
@@ -87,7 +87,10 @@ class Finding(BaseModel):
     details: str = ""
     """Extra markdown: the fit, the best K, rows that were missing."""
     panels: list[Panel] = []
-    verdict: Verdict
+    sanity: bool = False
+    """A sanity check of the pipeline (it cannot come out otherwise when the code is right), not a seed's
+    finding: judged passed/failed and reported apart from the findings."""
+    verdict: Verdict | SanityVerdict
     reason: str
 
 
@@ -135,17 +138,21 @@ def finish(
     runs: Runs,
     build: Callable[[], tuple[list[Check], str, list[Panel]]],
     quantity: str = "speedup",
+    sanity: bool = False,
 ) -> Finding:
-    """The finding with its checks and verdict, or `not run` with the reason when a variant is missing."""
+    """The finding with its checks and verdict, or `not run` with the reason when a variant is missing;
+    `sanity` judges it as a sanity check (passed/failed) instead of a seed's finding."""
     reason = not_run(runs, variants)
     checks: list[Check] = []
     details, panels = "", []
     if reason is None:
         checks, details, panels = build()
-    verdict, why = ("not run", reason) if reason is not None else verdict_of(checks)
+    judge = sanity_verdict if sanity else verdict_of
+    verdict, why = ("not run", reason) if reason is not None else judge(checks)
     return Finding(
         key=key, title=title, source=source, seed_numbers=seed_numbers, metric=metric, quantity=quantity,
-        variants=variants, checks=checks, details=details, panels=panels, verdict=verdict, reason=why,
+        variants=variants, checks=checks, details=details, panels=panels, sanity=sanity, verdict=verdict,
+        reason=why,
     )  # fmt: skip
 
 

@@ -1,6 +1,6 @@
-"""The study's report: `report.md` (a summary table, then per finding the seed's numbers, the measured
-mean ± std with n, each check against the noise, a plot and the verdict), `plots/<finding>.png`, and
-`study.json` (the same, machine-readable). Figures are drawn on matplotlib `Figure` objects with the Agg
+"""The study's report: `report.md` (a summary table of the seeds' findings, the sanity checks apart, then
+per finding the seed's numbers, the measured mean ± std with n, each check against the noise, a plot and
+the verdict), `plots/<finding>.png`, and `study.json` (the same, machine-readable). Figures are drawn on matplotlib `Figure` objects with the Agg
 canvas, so nothing touches pyplot's global state."""
 
 from __future__ import annotations
@@ -157,30 +157,42 @@ def variants_table(records: list[VariantRecord]) -> str:
     return "\n".join(lines)
 
 
+def _summary(findings: list[Finding], first: int) -> list[str]:
+    lines = [
+        "| # | finding | seed | measured (mean ± std, n) | verdict | reason |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for number, f in enumerate(findings, first):
+        lines.append(
+            f"| {number} | `{f.key}`: {cell(f.title)} | {cell(f.source)} | {cell(measured_cell(f.checks))} "
+            f"| **{f.verdict}** | {cell(f.reason)} |"
+        )
+    return lines
+
+
+def tally(findings: list[Finding]) -> str:
+    """How many findings got each verdict, e.g. `2 reproduced, 0 consistent, ...` (of the findings only)."""
+    counts = ", ".join(f"{sum(f.verdict == v for f in findings)} {v}" for v in verdicts.VERDICTS)
+    return f"Of the seeds' {len(findings)} findings: {counts}."
+
+
 def write_report(
     study_dir: Path,
     findings: list[Finding],
+    sanity: list[Finding],
     records: list[VariantRecord],
     *,
     command: str,
     quick: bool,
     total_seconds: float,
 ) -> Path:
-    """Write report.md, plots/ and study.json into `study_dir`; returns the report's path."""
+    """Write report.md, plots/ and study.json into `study_dir`; returns the report's path. `findings` are
+    the seeds' claims, `sanity` the sanity checks (reported apart, never counted among the findings)."""
     folder = study_dir / PLOTS
     folder.mkdir(parents=True, exist_ok=True)
-    plots = {f.key: draw(f, folder) for f in findings}
+    plots = {f.key: draw(f, folder) for f in [*findings, *sanity]}
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     git = git_state(PROJECT_ROOT)
-    summary = [
-        "| # | finding | seed | measured (mean ± std, n) | verdict | reason |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for number, f in enumerate(findings, 1):
-        summary.append(
-            f"| {number} | `{f.key}`: {cell(f.title)} | {cell(f.source)} | {cell(measured_cell(f.checks))} "
-            f"| **{f.verdict}** | {cell(f.reason)} |"
-        )
     head = [
         "# polydraft study: the seeds' findings reproduced by the pipeline",
         "",
@@ -192,7 +204,13 @@ def write_report(
         "",
         "## Summary",
         "",
-        *summary,
+        tally(findings),
+        "",
+        *_summary(findings, 1),
+        "",
+        "Sanity checks (they cannot come out otherwise when the code is right, so they are no finding):",
+        "",
+        *_summary(sanity, len(findings) + 1),
         "",
         "## The rule",
         "",
@@ -201,6 +219,9 @@ def write_report(
         "## Findings",
         "",
         *(section(n, f, plots[f.key]) for n, f in enumerate(findings, 1)),
+        "## Sanity checks",
+        "",
+        *(section(n, f, plots[f.key]) for n, f in enumerate(sanity, len(findings) + 1)),
         "## Variants",
         "",
         "Each variant is the recipe plus overrides, in its own run directory; rerun one alone with its "
@@ -220,6 +241,7 @@ def write_report(
             "total_seconds": round(total_seconds, 1),
             "variants": [asdict(r) for r in records],
             "findings": [f.model_dump() for f in findings],
+            "sanity_checks": [f.model_dump() for f in sanity],
         },
     )
     return path

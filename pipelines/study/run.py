@@ -16,7 +16,7 @@ from polydraft.pipelines.recipe import load_recipe
 from polydraft.pipelines.runner import reuse_outputs, run_pipeline, stale_stages
 from polydraft.pipelines.stage import StageFailed
 from polydraft.pipelines.stages import default_stages
-from polydraft.pipelines.study.findings import all_findings
+from polydraft.pipelines.study.findings import all_findings, sanity_checks
 from polydraft.pipelines.study.model import VariantData
 from polydraft.pipelines.study.report import VariantRecord, write_report
 from polydraft.pipelines.study.variants import MIN_SEEDS, Variant, quick_overrides, variants
@@ -75,7 +75,7 @@ def run_study(options: StudyOptions) -> Path:
             log.info("study: variant `%s` %s in %.1f s", variant.name, record.status, record.seconds)
     _account(options.study_dir, records)
     return write_report(
-        options.study_dir, all_findings(data, recipe.measure.draft_length), records,
+        options.study_dir, all_findings(data, recipe.measure.draft_length), sanity_checks(data), records,
         command=options.command, quick=options.quick, total_seconds=time.perf_counter() - clock,
     )  # fmt: skip
 

@@ -2,12 +2,16 @@
 
 A *check* compares two measured quantities, each a mean ± sample std over n repetitions (seeds over
 disjoint prompts), or tests a fitted slope. Its noise is twice the pooled std of the two groups (for a
-slope: twice its standard error). A check of a claim `A > B` *holds* when A - B exceeds the noise, is
-*contradicted* when B - A does, and is *within noise* otherwise; a claim `A >= B` holds unless A is below
-B by more than the noise. A finding is *reproduced* when every one of its checks holds, *not reproduced*
-when one is contradicted, and *inconclusive* otherwise (the reason names the checks within noise or
-with fewer than 2 repetitions); *not run* when the pipeline produced no rows for it. The same rule serves
-every finding; nothing in it is chosen per finding.
+slope: twice its standard error). A strict claim `A > B` *holds* only when A - B exceeds the noise, is
+*contradicted* when B - A does, and is *within noise* otherwise. A claim `A >= B` can never hold: it is
+*consistent* unless A is below B by more than the noise (then contradicted). A claim `A == B` (a sanity
+check, such as outputs identical to `ar`) holds when |A - B| is within the noise and is contradicted
+otherwise; a sanity check *passed* when every one of its checks holds and *failed* otherwise. A finding is *reproduced* only when every one of its checks is a strict claim that holds;
+*consistent* when none is contradicted or open and at least one is merely consistent; *not reproduced*
+when one is contradicted; *inconclusive* otherwise (the reason names the checks within noise or with
+fewer than 2 repetitions); *not run* when the pipeline produced no rows for it. The seeds' findings are
+strict claims; sanity checks (every decoder lossless) are judged by the same rule and reported apart,
+never counted among the findings. Nothing in the rule is chosen per finding.
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ from pydantic import BaseModel, ConfigDict
 from polydraft.decoding.measurement.metrics import mean_std
 from polydraft.decoding.measurement.report import pooled_std
 
-Outcome = Literal["holds", "contradicted", "within noise", "too few repetitions"]
-Verdict = Literal["reproduced", "not reproduced", "inconclusive", "not run"]
-VERDICTS: tuple[Verdict, ...] = ("reproduced", "not reproduced", "inconclusive", "not run")
+Claim = Literal[">", ">=", "=="]
+Outcome = Literal["holds", "consistent", "contradicted", "within noise", "too few repetitions"]
+Verdict = Literal["reproduced", "consistent", "not reproduced", "inconclusive", "not run"]
+VERDICTS: tuple[Verdict, ...] = ("reproduced", "consistent", "not reproduced", "inconclusive", "not run")
+SanityVerdict = Literal["passed", "failed", "not run"]
 MIN_REPETITIONS = 2
 
 
@@ -54,7 +60,7 @@ class Check(BaseModel):
 
     label: str
     """What is compared, e.g. `de-en, T=0: P-F > F`."""
-    claim: Literal[">", ">="]
+    claim: Claim
     first: str
     second: str
     a: Stat | None
@@ -66,17 +72,18 @@ class Check(BaseModel):
     outcome: Outcome
 
 
-def outcome_of(claim: str, difference: float, noise: float) -> Outcome:
+def outcome_of(claim: Claim, difference: float, noise: float) -> Outcome:
+    """The outcome of `A claim B` given difference = A - B and the noise (see the module docstring)."""
+    if claim == "==":
+        return "holds" if abs(difference) <= noise else "contradicted"
     if difference < -noise:
         return "contradicted"
-    if claim == ">=" or difference > noise:
-        return "holds"
-    return "within noise"
+    if claim == ">=":
+        return "consistent"  # not contradicted is all a non-strict claim can show
+    return "holds" if difference > noise else "within noise"
 
 
-def compare(
-    label: str, claim: Literal[">", ">="], first: str, a: list[float], second: str, b: list[float]
-) -> Check:
+def compare(label: str, claim: Claim, first: str, a: list[float], second: str, b: list[float]) -> Check:
     """Check `first claim second` from the per-repetition values of each."""
     sa, sb = stat(a), stat(b)
     few = sa is None or sb is None or min(sa.n, sb.n) < MIN_REPETITIONS
@@ -166,4 +173,20 @@ def verdict_of(checks: list[Check]) -> tuple[Verdict, str]:
         if few:
             parts.append(f"fewer than {MIN_REPETITIONS} repetitions for: " + "; ".join(few))
         return "inconclusive", ". ".join(parts)
-    return "reproduced", f"all {len(checks)} checks hold"
+    consistent = [c.label for c in checks if c.outcome == "consistent"]
+    if consistent:
+        return "consistent", (
+            f"nothing contradicted, but {len(consistent)} of {len(checks)} checks are non-strict claims that "
+            "can only be consistent: " + "; ".join(consistent)
+        )
+    return "reproduced", f"all {len(checks)} checks hold beyond noise"
+
+
+def sanity_verdict(checks: list[Check]) -> tuple[SanityVerdict, str]:
+    """A sanity check's verdict: passed only when every check holds (see the module docstring)."""
+    if not checks:
+        return "not run", "the study produced no rows for it"
+    failing = [f"{c.label} ({c.outcome})" for c in checks if c.outcome != "holds"]
+    if failing:
+        return "failed", "; ".join(failing)
+    return "passed", f"all {len(checks)} checks hold"
