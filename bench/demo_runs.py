@@ -1,0 +1,157 @@
+"""The demo's headline table from several fresh clones: each run's measure outputs kept, the table their median.
+
+    python -m bench.demo_runs [--runs 3] [--out bench/results/demo_runs]
+
+Each run clones the committed HEAD of this repository into a temporary folder and runs the demo recipe
+there (`polydraft run recipes/demo/demo.yaml`, every stage from scratch; the bootstrap target is the
+committed one) with this checkout's virtual environment, the clone's code first on the import path.
+Run it with nothing else on the machine: the speedups are wall-clock ratios.
+
+Writes `<out>/run-<i>/{summary.md,results.jsonl,run.json}` (verbatim from each run) and `<out>.md`: per
+drafter and decoder at T=0, the block efficiency and the speedup over `ar` on each eval set, as the median
+over the runs of each run's mean over its repetitions, with the min-max over runs, and the latency model's
+predicted speedup with the median error (measured / predicted - 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("pipelines", "distill", "train", "models", "decoding")
+
+
+def clone_and_run(index: int, recipe: str, out: Path) -> dict:
+    """One fresh clone of HEAD, the whole demo in it; returns what the run recorded."""
+    work = Path(tempfile.mkdtemp(prefix=f"polydraft-demo-run{index}-"))
+    clone = work / "clone"
+    subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True)
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=clone, capture_output=True, text=True
+    ).stdout.strip()
+    shim = work / "shim" / "polydraft"
+    shim.mkdir(parents=True)
+    for package in PACKAGES:
+        (shim / package).symlink_to(clone / package)
+    run_dir = work / "run"
+    command = [
+        sys.executable,
+        "-m",
+        "polydraft.pipelines.cli",
+        "run",
+        recipe,
+        "--run-dir",
+        str(run_dir),
+        "--quiet",
+    ]
+    started = time.perf_counter()
+    subprocess.run(command, cwd=clone, env={**os.environ, "PYTHONPATH": f"{shim.parent}:{clone}"}, check=True)
+    wall = time.perf_counter() - started
+    target = out / f"run-{index}"
+    target.mkdir(parents=True, exist_ok=True)
+    for name in ("summary.md", "results.jsonl"):
+        shutil.copyfile(run_dir / "measure" / name, target / name)
+    stages = json.loads((run_dir / "run.json").read_text())["stages"]
+    record = {
+        "commit": commit,
+        "wall_s": round(wall, 1),
+        "stages": {s["name"]: s["duration_s"] for s in stages},
+    }
+    (target / "run.json").write_text(json.dumps(record, indent=2) + "\n")
+    shutil.rmtree(work, ignore_errors=True)
+    return record
+
+
+def per_run_means(results: Path) -> dict[tuple[str, str], dict[str, float]]:
+    """(method, dataset) -> mean over the run's repetitions of block efficiency, speedup and predicted
+    speedup, at T=0, for every decoder but `ar`."""
+    groups: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for line in results.read_text().splitlines():
+        row = json.loads(line)
+        if (
+            row["temperature"] != 0.0
+            or row["decoder"] == "ar"
+            or row.get("engine", "polydraft") != "polydraft"
+        ):
+            continue
+        for metric in ("block_efficiency", "speedup", "predicted_speedup"):
+            if row.get(metric) is not None:
+                groups[(row["method"], row["dataset"])][metric].append(row[metric])
+    return {key: {m: statistics.fmean(v) for m, v in metrics.items()} for key, metrics in groups.items()}
+
+
+def cell(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def table(runs: list[dict[tuple[str, str], dict[str, float]]]) -> str:
+    datasets = sorted({dataset for run in runs for _, dataset in run})
+    methods = sorted({method for run in runs for method, _ in run})
+    header = ["method"] + [f"{d} {what}" for d in datasets for what in ("BE", "speedup", "predicted (error)")]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for method in methods:
+        cells = [method]
+        for dataset in datasets:
+            rows = [run[(method, dataset)] for run in runs if (method, dataset) in run]
+            be = [r["block_efficiency"] for r in rows if "block_efficiency" in r]
+            speedup = [r["speedup"] for r in rows if "speedup" in r]
+            predicted = [r["predicted_speedup"] for r in rows if "predicted_speedup" in r]
+            errors = [r["speedup"] / r["predicted_speedup"] - 1 for r in rows if "predicted_speedup" in r]
+            cells += [
+                cell(be) if be else "",
+                cell(speedup) if speedup else "",
+                f"{statistics.median(predicted):.2f} ({statistics.median(errors):+.0%})" if predicted else "",
+            ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--recipe", default="recipes/demo/demo.yaml")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/demo_runs"))
+    args = parser.parse_args()
+    out = ROOT / args.out
+    records = [clone_and_run(i, args.recipe, out) for i in range(1, args.runs + 1)]
+    runs = [per_run_means(out / f"run-{i}" / "results.jsonl") for i in range(1, args.runs + 1)]
+    stage_seconds = ", ".join(f"{sum(r['stages'].values()):.0f}" for r in records)
+    walls = ", ".join(f"{r['wall_s']:.0f}" for r in records)
+    text = "\n".join(
+        [
+            f"## {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}Z - `python -m bench.demo_runs "
+            f"--runs {args.runs}` ({platform.machine()}, {os.cpu_count()} cores)",
+            "",
+            f"{args.runs} fresh clones of {records[0]['commit'][:7]}, each running `polydraft run {args.recipe}` "
+            f"from scratch: {stage_seconds} s of stages "
+            f"({walls} s wall clock). Each cell: the median over the "
+            "runs of each run's mean over its repetitions (min-max over the runs), T=0; `predicted`: the latency "
+            "model's prediction from the forward latencies the run measured, and the median error of the "
+            "measured speedup against it (measured / predicted - 1). Each run's `summary.md` and `results.jsonl` "
+            f"are in `{args.out}/run-<i>/`.",
+            "",
+            table(runs),
+            "",
+        ]
+    )
+    (out.parent / f"{out.name}.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
