@@ -188,3 +188,16 @@ def test_a_target_split_between_the_gpu_and_the_cpu_decodes_as_ar_with_every_dec
     assert input_device(model) == torch.device("cuda", 0)
     assert any(p.device.type == "meta" for p in model.model.layers[-1].parameters())  # offloaded to the CPU
     every_decoder_is_ar(model, tmp_path)
+
+
+def test_the_final_norm_goes_with_a_tied_lm_head():
+    """A tied lm head shares the embeddings' weight on GPU 0; the final norm, after the last layer on the
+    last GPU, goes to GPU 0 with it."""
+    config = LlamaConfig(
+        num_hidden_layers=8, hidden_size=256, intermediate_size=1024, tie_word_embeddings=True
+    )
+    model = meta_causal_lm(config, torch.float32)
+    size = model_bytes(model)
+    device_map = plan_placement(model, {0: int(size * 0.7), 1: int(size * 0.7)}).device_map
+    assert device_map is not None and device_map["model.layers.7"] == 1
+    assert device_map["model.norm"] == device_map["lm_head"] == device_map["model.embed_tokens"] == 0
