@@ -161,13 +161,14 @@ def load_target(
 ) -> nn.Module:
     """The whole target in eval mode, as `plan_placement` decides: over every visible GPU (`device` None;
     the CPU without a GPU), or on `device` alone (a process of a multi-process run, or a CPU process)."""
+    spread = device is None
     if device is None:
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        gpus = list(range(torch.cuda.device_count()))
-    else:
-        gpus = [device.index if device.index is not None else torch.cuda.current_device()]
     if device.type != "cuda":
         return load_causal_lm(path, revision, dtype, trust_remote_code, device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    gpus = list(range(torch.cuda.device_count())) if spread else [device.index]
     from transformers import AutoConfig
 
     torch_dtype = resolve_dtype(dtype, device)
