@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 
 from polydraft.decoding.engine import Generation
 from polydraft.decoding.sampling import Sampling
+from polydraft.models.placement import input_device
 
 
 class _CallClock:
@@ -59,7 +60,7 @@ def assisted(
     profile: bool = True,
 ) -> Generation:
     """Decode one prompt with transformers' assisted generation; sampling is seeded with `seed`."""
-    device = target.device
+    device = input_device(target)
     input_ids = prompt.view(1, -1).to(device)
     saved = drafter.generation_config
     drafter.generation_config = copy.deepcopy(saved)

@@ -56,8 +56,9 @@ class HeadsDraft:
     def log_probs(self, hidden: Tensor, sampling: Sampling) -> Tensor:
         """Log-distributions [m, V] of the m positions after the token that `hidden` [H] predicts."""
         start = time.perf_counter()
-        dtype = next(self.heads.parameters()).dtype
-        logp = head_log_probs(self.heads(hidden.to(dtype), self.shared_head), sampling)
+        weight = next(self.heads.parameters())  # on the target's head's device (`attach_heads`)
+        logp = head_log_probs(self.heads(hidden.to(weight.device, weight.dtype), self.shared_head), sampling)
+        logp = logp.to(self.device)
         if self.sync:
             torch.cuda.synchronize(self.device)
         self.seconds += time.perf_counter() - start

@@ -34,6 +34,7 @@ class SelfSpeculative:
     def __init__(self, target: torch.nn.Module, drafter: torch.nn.Module, profile: bool = True) -> None:
         from polydraft.models.decoder_layers import run_layers
         from polydraft.models.partial_load import decoder_parts
+        from polydraft.models.placement import input_device
 
         parts = decoder_parts(target)
         self.run_layers = run_layers
@@ -46,7 +47,7 @@ class SelfSpeculative:
         self.norm, self.head = parts.norm, parts.lm_head
         # the target's logits as its own forward post-processes them (Gemma 2's soft-capping), as `CachedLM`'s
         self.softcap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
-        self.device = next(target.parameters()).device
+        self.device = input_device(target)  # token ids, positions and the returned logits live here
         self.sync = profile and self.device.type == "cuda"
         self.reset()
 
@@ -97,7 +98,7 @@ class SelfSpeculative:
             assert self.buffer is not None
             last = self.buffer[0, -1]
         hidden = exit_head.norm(last)
-        logits = exit_head.lm_head(hidden).float()
+        logits, hidden = exit_head.lm_head(hidden).float().to(self.device), hidden.to(self.device)
         self.draft_seconds += seconds + self._clock(start)
         self.draft_calls += 1
         return logits, hidden
@@ -112,6 +113,7 @@ class SelfSpeculative:
         logits = self.head(hidden).float()
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
+        logits, hidden = logits.to(self.device), hidden.to(self.device)
         self.target_seconds += seconds + self._clock(start)
         self.target_calls += 1
         return logits, hidden

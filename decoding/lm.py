@@ -25,6 +25,8 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from polydraft.models.placement import input_device
+
 
 class CachedLM:
     """A causal LM plus its KV cache for one sequence (batch size 1)."""
@@ -38,7 +40,9 @@ class CachedLM:
         text_config = model.config.get_text_config()
         # models that post-process the head's output (Gemma 2/3) do it here, exactly as their forward does
         self.softcap = getattr(text_config, "final_logit_softcapping", None)
-        self.device = model.device
+        # a target spread over devices takes token ids on its embeddings' device and ends on its head's:
+        # the logits and hidden states come back to the first, where the decoders keep everything
+        self.device = input_device(model)
         self.dtype = model.dtype
         self.sync = profile and self.device.type == "cuda"
         self.reset()
@@ -89,6 +93,7 @@ class CachedLM:
         logits = self.head(hidden)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
+        logits, hidden = logits.to(self.device), hidden.to(self.device)
         if self.sync:
             torch.cuda.synchronize(self.device)
         self.seconds += time.perf_counter() - start
@@ -120,8 +125,9 @@ class CachedLM:
                     f"tree decoding needs cache layers that hold every position, not {type(layer).__name__}"
                 )
             # the chosen positions move down in place (index_select copies them first), the tail is dropped
-            layer.keys[..., start:kept, :] = layer.keys.index_select(-2, index)
-            layer.values[..., start:kept, :] = layer.values.index_select(-2, index)
+            at = index.to(layer.keys.device)  # each layer's cache sits on its layer's device
+            layer.keys[..., start:kept, :] = layer.keys.index_select(-2, at)
+            layer.values[..., start:kept, :] = layer.values.index_select(-2, at)
             layer.keys = layer.keys[..., :kept, :]
             layer.values = layer.values[..., :kept, :]
             if sliding:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from polydraft.models.partial_load import TargetLayoutError
+from polydraft.models.placement import execution_device
 
 
 def _mask_functions() -> dict[str, Any]:
@@ -112,6 +113,10 @@ def run_layers(
         rope = position_embeddings
         if isinstance(rope, dict):
             rope = rope[layer_types[i]]
+        device = execution_device(layer)
+        if hidden.device != device:  # a target spread over devices: this layer's inputs go where it computes
+            hidden, mask, rope = _to(hidden, device), _to(mask, device), _to(rope, device)
+            position_ids = _to(position_ids, device)
         out = layer(
             hidden,
             attention_mask=mask,
@@ -122,3 +127,10 @@ def run_layers(
         )
         hidden = out[0] if isinstance(out, tuple) else out
     return hidden
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    """A tensor, a tuple of tensors (cos, sin) or None on `device`."""
+    if isinstance(value, tuple):
+        return tuple(t.to(device) for t in value)
+    return value.to(device) if value is not None else None

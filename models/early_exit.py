@@ -50,6 +50,7 @@ from polydraft.models.partial_load import (
     meta_causal_lm,
     open_checkpoint,
 )
+from polydraft.models.placement import execution_device
 
 WEIGHTS_FILE = "early_exit.safetensors"
 CONFIG_FILE = "early_exit.json"
@@ -350,14 +351,14 @@ def from_target(
     with `init_exit` it is copied from the target's last layer(s), final norm and lm head (eq. 1).
     """
     parts = decoder_parts(target)
-    reference = next(parts.layers[num_shared_layers - 1].parameters())
+    reference = next(parts.layers[num_shared_layers - 1].parameters())  # its dtype (`meta` when offloaded)
     remote = bool(getattr(target.config, "auto_map", None))  # a target built from hub code needs it again
     skeleton = meta_causal_lm(
         target.config, exit_dtype or reference.dtype, target.config._attn_implementation, remote
     )
     drafter = _assemble(parts, decoder_parts(skeleton), num_shared_layers, num_exit_layers)
     head = drafter.exit
-    head.to_empty(device=reference.device)
+    head.to_empty(device=execution_device(parts.layers[num_shared_layers - 1]))
     with torch.no_grad():
         for module in head.modules():
             skeleton._init_weights(module)  # non-persistent buffers; weights are overwritten below

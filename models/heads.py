@@ -36,6 +36,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from polydraft.models.placement import execution_device
+
 HeadKind = Literal["medusa", "bpd"]
 KINDS: tuple[str, ...] = ("medusa", "bpd")
 WEIGHTS_FILE = "heads.safetensors"
@@ -131,7 +133,7 @@ def heads_for_target(
     hidden_size, vocab_size = target_sizes(target.config)
     target_head = target.get_output_embeddings()
     heads = Heads(kind, num_heads, hidden_size, vocab_size, num_layers, bias)
-    heads.to(target_head.weight.device)
+    heads.to(execution_device(target_head))
     if kind == "medusa":
         heads.init_lm_heads(target_head)
     return heads
@@ -207,8 +209,8 @@ def attach_heads(target: nn.Module, folder: str | Path) -> Heads:
     """Load heads for decoding with a loaded target: on its device, in its dtype, shapes checked."""
     heads = load_heads(folder)
     check_heads_fit(heads, target, str(folder))
-    reference = target.get_output_embeddings().weight
-    return heads.to(device=reference.device, dtype=reference.dtype).eval()
+    head = target.get_output_embeddings()
+    return heads.to(device=execution_device(head), dtype=head.weight.dtype).eval()
 
 
 # ----------------------------------------------------------------------------- vLLM's medusa format

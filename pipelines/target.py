@@ -40,6 +40,7 @@ def resolve_target(
             revision=target.revision,
             dtype=target.dtype,
             trust_remote_code=target.trust_remote_code,
+            max_memory_per_gpu_gib=target.max_memory_per_gpu_gib,
         )
     from polydraft.train.bootstrap import DONE, build_bootstrap_target
 
@@ -72,5 +73,9 @@ def resolve_target(
             show_progress=show_progress,
         )
     return ResolvedTarget(
-        path=str(folder.resolve()), revision=None, dtype=target.dtype, trust_remote_code=False
+        path=str(folder.resolve()),
+        revision=None,
+        dtype=target.dtype,
+        trust_remote_code=False,
+        max_memory_per_gpu_gib=target.max_memory_per_gpu_gib,
     )

@@ -250,21 +250,3 @@ def fit(
 
     training.run(one_step, steplog, epoch=lambda step: step / steps_per_epoch, throughput_unit="rows")
     return model
-
-
-def load_target(
-    path: str, revision: str | None, dtype: str, trust_remote_code: bool, accelerator: Any
-) -> torch.nn.Module:
-    """The whole target: spread over the visible GPUs by accelerate (a 70B target fits no single one) when
-    this is the only process, else on this process's device."""
-    from transformers import AutoModelForCausalLM
-
-    from polydraft.models.loading import load_causal_lm, resolve_dtype
-
-    device = accelerator.device
-    if device.type == "cuda" and accelerator.num_processes == 1:
-        return AutoModelForCausalLM.from_pretrained(
-            path, revision=revision, dtype=resolve_dtype(dtype, device),
-            trust_remote_code=trust_remote_code, device_map="auto",
-        ).eval()  # fmt: skip
-    return load_causal_lm(path, revision, dtype, trust_remote_code, device)

@@ -56,10 +56,12 @@ def label_counts(labels: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 @torch.no_grad()
 def last_hidden(target: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The frozen target's final hidden states [B, T, H] (the input of its lm head), no autograd."""
-    return target.base_model(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-    ).last_hidden_state
+    """The frozen target's final hidden states [B, T, H] (the input of its lm head), no autograd, on the
+    batch's device (a target spread over GPUs ends on its last one)."""
+    ids = batch["input_ids"]
+    return target.base_model(input_ids=ids, attention_mask=batch["attention_mask"]).last_hidden_state.to(
+        ids.device
+    )
 
 
 def heads_forward(
@@ -71,8 +73,8 @@ def heads_forward(
     """
     rows = (labels != IGNORE_INDEX).any(0)
     selected = hidden[rows].to(next(heads.parameters()).dtype)
-    logits = heads(selected, shared_head)
-    return logits, labels[:, rows]
+    logits = heads(selected, shared_head)  # `bpd`: the target's lm head, maybe on another GPU
+    return logits.to(labels.device), labels[:, rows]
 
 
 def ce_sums(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -107,7 +109,7 @@ def evaluate(
     for batch in evals:
         batch = {k: v.to(device) for k, v in batch.items()}
         hidden = last_hidden(target, batch)
-        greedy = target_head(hidden).argmax(-1)  # the target's greedy token for position t + 1
+        greedy = target_head(hidden).argmax(-1).to(device)  # the target's greedy token for position t + 1
         labels = head_labels(batch["labels"], num_heads)
         reference = head_labels(torch.cat([greedy[:, :1], greedy[:, :-1]], 1), num_heads)
         rows = (labels != IGNORE_INDEX).any(0)

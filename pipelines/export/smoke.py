@@ -36,6 +36,7 @@ import torch
 
 from polydraft.decoding.measurement.vllm_measure import PER_POSITION, spec_counters
 from polydraft.decoding.measurement.vllm_rows import vllm_unavailable
+from polydraft.models.placement import input_device
 
 # Architectures of vLLM's text-generation registry (vllm/model_executor/models/registry.py) that small
 # drafters use; checked against vLLM's own registry instead whenever vllm is importable.
@@ -166,7 +167,7 @@ def assisted_check(
     """transformers' assisted generation with the drafter gives the target's own greedy tokens."""
     options = generation_options(eos_ids, target.config.pad_token_id)
     for index, prompt in enumerate(prompts):
-        ids = prompt.view(1, -1).to(target.device)
+        ids = prompt.view(1, -1).to(input_device(target))
         common = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "max_new_tokens": max_new_tokens}
         alone = target.generate(**common, **options)[0, ids.shape[1] :].tolist()
         helped = target.generate(**common, **options, assistant_model=drafter)[0, ids.shape[1] :].tolist()
@@ -204,7 +205,9 @@ def drafter_checks(
 
     checks = [file_checks(folder)]
     try:
-        drafter = AutoModelForCausalLM.from_pretrained(folder, dtype=target.dtype).to(target.device).eval()
+        drafter = (
+            AutoModelForCausalLM.from_pretrained(folder, dtype=target.dtype).to(input_device(target)).eval()
+        )
     except (OSError, ValueError, RuntimeError) as err:
         checks.append(Check("reload", "fail", f"AutoModelForCausalLM.from_pretrained failed: {err}"))
         return checks
@@ -223,7 +226,7 @@ def drafter_checks(
     if (folder / "calibration").is_dir():
         draft_hidden = drafter.config.get_text_config().hidden_size
         hidden = target.config.get_text_config().hidden_size
-        checks.append(calibration_check(folder / "calibration", hidden, draft_hidden, target.device))
+        checks.append(calibration_check(folder / "calibration", hidden, draft_hidden, input_device(target)))
     if d_vocab != t_vocab:
         checks.append(Check("assisted_generation", "skipped", "not run: the vocabularies differ"))
     else:
@@ -276,7 +279,7 @@ def head_checks(
     ]
     greedy, target_lm = Sampling(0.0), CachedLM(target, profile=False)
     model = SelfSpeculative(target, head, profile=False)
-    generator = torch.Generator(device=target.device).manual_seed(0)
+    generator = torch.Generator(device=input_device(target)).manual_seed(0)
     check = Check(
         "eesd_greedy",
         "pass",
@@ -294,7 +297,7 @@ def head_checks(
     checks.append(check)
     hidden = target.config.get_text_config().hidden_size
     if (folder / "calibration").is_dir():
-        checks.append(calibration_check(folder / "calibration", hidden, hidden, target.device))
+        checks.append(calibration_check(folder / "calibration", hidden, hidden, input_device(target)))
     checks.append(
         Check("vllm", "skipped", "vLLM has no method for polydraft's early-exit heads; decode with `eesd`")
     )

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from polydraft.models.placement import input_device
 from polydraft.pipelines.export.smoke import Check
 
 
@@ -100,7 +101,7 @@ def greedy_check(
     greedy, target_lm = Sampling(0.0), CachedLM(target, profile=False)
     draft = HeadsDraft(heads, target_lm, profile=False)
     tree = CandidateTree.from_paths([[0], [1], *[[0] * d for d in range(2, heads.num_heads + 1)]])
-    generator = torch.Generator(device=target.device)
+    generator = torch.Generator(device=input_device(target))
     accepted = 0
     for index, prompt in enumerate(prompts):
         alone = autoregressive(target_lm, prompt, max_new_tokens, greedy, generator, eos_ids).tokens

@@ -58,6 +58,12 @@ class ResolvedTarget(StrictModel):
     revision: str | None
     dtype: Literal["auto", "float32", "bfloat16", "float16"]
     trust_remote_code: bool
+    max_memory_per_gpu_gib: float | None = Field(default=None, gt=0)
+    """Bytes of target weights each GPU may hold, in GiB, where a stage loads the whole target (measure,
+    calibrate, heads, the export's checks). Unset: each GPU's free memory less a reserve of 2 GiB for the KV
+    cache and activations. A target within the first GPU's share goes there whole; a larger one is spread over
+    the visible GPUs, never splitting a decoder layer (`models.placement`); lower it to leave more room
+    for activations."""
 
 
 class BootstrapConfig(StrictModel):
@@ -107,6 +113,12 @@ class TargetConfig(StrictModel):
     """`auto` loads bfloat16 on a GPU and float32 on a CPU."""
     trust_remote_code: bool = False
     """Off unless the recipe says so: remote code runs arbitrary Python from the hub."""
+    max_memory_per_gpu_gib: float | None = Field(default=None, gt=0)
+    """Bytes of target weights each GPU may hold, in GiB, where a stage loads the whole target (measure,
+    calibrate, heads, the export's checks). Unset: each GPU's free memory less a reserve of 2 GiB for the KV
+    cache and activations. A target within the first GPU's share goes there whole; a larger one is spread over
+    the visible GPUs, never splitting a decoder layer (`models.placement`); lower it to leave more room
+    for activations."""
     bootstrap: BootstrapConfig | None = None
     """Build a small target here instead of loading one (offline demos and tests)."""
 

@@ -23,6 +23,7 @@ import torch
 from polydraft.models.calibration import CalibrationModel, calibration_metrics
 from polydraft.models.drafters import DrafterMismatch, load_drafter
 from polydraft.models.loading import load_tokenizer
+from polydraft.models.placement import input_device, load_target, process_device
 from polydraft.pipelines.schema.inputs import CalibrateInputs
 from polydraft.pipelines.stage import (
     StageContext,
@@ -42,7 +43,6 @@ from polydraft.train.calibrate import (
     flatten,
     hf_forward,
     label_position,
-    load_target,
     predict,
     sample_positions,
 )
@@ -100,7 +100,7 @@ def standalone(
     """A finetuned drafter (Hugging Face folder) on the target's device, checked to share its vocabulary."""
     from transformers import DynamicCache
 
-    reference = next(target.parameters())
+    reference = next(target.parameters())  # its dtype; a spread target's parameters may sit on `meta`
     spec = inputs.target
     tokenizer = load_tokenizer(spec.path, spec.revision, spec.trust_remote_code)
     try:
@@ -113,7 +113,7 @@ def standalone(
         )
     except DrafterMismatch as err:
         raise StageFailed(f"calibrate: {err}") from err
-    model = model.to(reference.device).eval()
+    model = model.to(input_device(target)).eval()
     return hf_forward(model), DynamicCache, model.config.get_text_config().hidden_size, str(folder)
 
 
@@ -122,8 +122,9 @@ def calibrate(spec: StageSpec, inputs: CalibrateInputs, accelerator: Any, tracke
     target_spec, work_dir = inputs.target, Path(spec.work_dir)
     tokenizer = load_tokenizer(target_spec.path, target_spec.revision, target_spec.trust_remote_code)
     target = load_target(
-        target_spec.path, target_spec.revision, target_spec.dtype, target_spec.trust_remote_code, accelerator
-    )
+        target_spec.path, target_spec.revision, target_spec.dtype, target_spec.trust_remote_code,
+        target_spec.max_memory_per_gpu_gib, process_device(accelerator.device, accelerator.num_processes),
+    )  # fmt: skip
     heldout = {}
     for name, load, pairs in drafters_of(spec, target, inputs):
         folder = work_dir / name

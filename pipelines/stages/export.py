@@ -356,7 +356,7 @@ def finish_items(
     """Stage each folder's files, smoke-check them, write results.json and the card, rename into place."""
     from polydraft.decoding.measurement.measure import eos_ids_of
     from polydraft.decoding.measurement.report import write_report
-    from polydraft.models.loading import load_causal_lm
+    from polydraft.models.placement import load_target
 
     cfg, resolved = inputs.export, inputs.target
     extras: dict[str, dict[str, Any]] = {}
@@ -391,7 +391,13 @@ def finish_items(
         for item in items
         if item.kind in ("drafter", "heads")
     }
-    model = load_causal_lm(resolved.path, resolved.revision, resolved.dtype, resolved.trust_remote_code)
+    model = load_target(
+        resolved.path,
+        resolved.revision,
+        resolved.dtype,
+        resolved.trust_remote_code,
+        resolved.max_memory_per_gpu_gib,
+    )
     eos_ids = eos_ids_of(model, tokenizer)
     # drafters first: attaching the head builds exit modules beside the target's
     for item in sorted(items, key=lambda i: i.kind == "early_exit"):

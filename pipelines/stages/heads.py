@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from polydraft.models.heads import Heads, add_vllm_medusa, heads_for_target, save_heads
-from polydraft.models.loading import load_causal_lm, load_tokenizer
+from polydraft.models.loading import load_tokenizer
+from polydraft.models.placement import load_target, process_device
 from polydraft.pipelines.schema.inputs import HeadsInputs
 from polydraft.pipelines.stage import (
     StageContext,
@@ -71,9 +72,10 @@ def train_heads(
         temperatures=block.temperatures, loss_on="response", max_length=loop.max_length,
     )  # fmt: skip
 
-    target = load_causal_lm(
-        target_spec.path, target_spec.revision, target_spec.dtype, target_spec.trust_remote_code, device
-    )
+    target = load_target(
+        target_spec.path, target_spec.revision, target_spec.dtype, target_spec.trust_remote_code,
+        target_spec.max_memory_per_gpu_gib, process_device(device, accelerator.num_processes),
+    )  # fmt: skip
     target.requires_grad_(False)
     heads = heads_for_target(target, block.kind, block.num_heads, block.num_layers)
     shared_head = target.get_output_embeddings() if block.kind == "bpd" else None

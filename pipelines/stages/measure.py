@@ -87,11 +87,14 @@ def run(inputs: MeasureInputs, ctx: StageContext) -> StageResult:
     """Writes results.jsonl, summary.md and plots into the stage folder."""
     import transformers
 
-    from polydraft.models.loading import default_device, load_causal_lm, load_tokenizer
+    from polydraft.models.loading import load_tokenizer
+    from polydraft.models.placement import input_device, load_target
 
     cfg, spec = inputs.measure, inputs.target
-    device = default_device()
-    target = load_causal_lm(spec.path, spec.revision, spec.dtype, spec.trust_remote_code, device)
+    target = load_target(
+        spec.path, spec.revision, spec.dtype, spec.trust_remote_code, spec.max_memory_per_gpu_gib
+    )
+    device = input_device(target)  # drafters, prompts and samplers live where the target takes its input
     tokenizer = load_tokenizer(spec.path, spec.revision, spec.trust_remote_code)
     eos_ids = eos_ids_of(target, tokenizer)
     # disjoint prompts: each seed (repetition) decodes its own num_prompts prompts
