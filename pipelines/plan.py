@@ -5,6 +5,7 @@ constant comes from `pipelines/plan_model.py`; nothing is loaded or run.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import yaml
@@ -304,8 +305,9 @@ def _measure(recipe: Recipe, plan: Plan, target: Shape, drafter: Shape) -> Stage
         seconds += tokens * (ar_seconds + (methods - 1) * ar_seconds / SPEC_SPEEDUP)
     weights = (target.params() + drafters * drafter.params()) * 2
     seconds += weights / LOAD_BYTES_PER_S
-    note = f"1 GPU, batch 1, {ar_seconds * 1000:.0f} ms a target step"
-    return StagePlan("measure", generated, seconds / 3600, 1, weights * 1.1 / GIB, note)
+    gpus, peak = spread(weights * 1.1, cluster)
+    note = f"{gpus} GPU(s) holding the target, batch 1, {ar_seconds * 1000:.0f} ms a target step"
+    return StagePlan("measure", generated, seconds / 3600, gpus, peak, note)
 
 
 def _export(recipe: Recipe, cluster: Cluster, target: Shape) -> StagePlan:
@@ -314,7 +316,17 @@ def _export(recipe: Recipe, cluster: Cluster, target: Shape) -> StagePlan:
     folders = len(recipe.data.pairs) + int(e.include_pretrained and recipe.pretrain.enabled)
     tokens = folders * e.smoke_prompts * e.smoke_max_new_tokens * 2
     seconds = tokens * decode_latency(target, cluster) + target.params() * 2 / LOAD_BYTES_PER_S
-    return StagePlan("export", tokens, seconds / 3600, 1, target.params() * 2.2 / GIB, "smoke checks, 1 GPU")
+    gpus, peak = spread(target.params() * 2.2, cluster)
+    return StagePlan("export", tokens, seconds / 3600, gpus, peak, f"smoke checks, {gpus} GPU(s)")
+
+
+def spread(needed: float, cluster: Cluster) -> tuple[int, float]:
+    """A target loaded for decoding (`models/placement.py`): on one GPU when it fits, else over as many of
+    a node's GPUs as it takes, whole layers each (returns the GPUs and the GiB on each). Decoding a spread
+    target reads the same weights one GPU after the other: its step costs what one GPU's would."""
+    usable = cluster.memory_gib * MEMORY_HEADROOM * GIB
+    gpus = min(cluster.per_node, max(1, math.ceil(needed / usable)))
+    return gpus, needed / gpus / GIB
 
 
 def _si(value: float) -> str:
