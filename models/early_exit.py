@@ -28,6 +28,7 @@ lm head.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,14 +75,31 @@ class ExitHead(nn.Module):
         cache: Any = None,
         position_ids: torch.Tensor | None = None,
         logits_to_keep: int = 0,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        project: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(logits, hidden) of the last `logits_to_keep` positions (0: all): `hidden` is the final-norm
-        output, the input of the lm head."""
+        output, the input of the lm head. `project=False` skips the lm head (logits None): a trainer
+        that computes the loss chunk by chunk (`train.chunked_loss`) projects the rows itself."""
         hidden = run_layers(
             self.layers, hidden, position_embeddings, attention_mask, cache, position_ids, self.layer_types
         )
         hidden = self.norm(hidden[:, -logits_to_keep:])
-        return self.lm_head(hidden), hidden
+        return (self.lm_head(hidden) if project else None), hidden
+
+    def gradient_checkpointing_enable(self) -> None:
+        """Recompute each exit layer's activations in backward instead of keeping them (training only),
+        through transformers' own switch on its decoder layers (`GradientCheckpointingLayer`)."""
+        from torch.utils.checkpoint import checkpoint
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        for layer in self.layers:
+            if not isinstance(layer, GradientCheckpointingLayer):
+                raise ValueError(
+                    f"{type(layer).__name__} has no gradient checkpointing switch in transformers; set "
+                    "loop.gradient_checkpointing to false"
+                )
+            layer.gradient_checkpointing = True
+            layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
 
 
 @dataclass
