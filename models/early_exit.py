@@ -28,7 +28,6 @@ lm head.
 from __future__ import annotations
 
 import copy
-import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +39,7 @@ from torch import nn
 from polydraft.models.decoder_layers import (
     RotaryEmbeddings,
     attention_masks,
+    checkpoint_layers,
     rotary_embeddings,
     run_layers,
     target_layer_types,
@@ -87,19 +87,8 @@ class ExitHead(nn.Module):
         return (self.lm_head(hidden) if project else None), hidden
 
     def gradient_checkpointing_enable(self) -> None:
-        """Recompute each exit layer's activations in backward instead of keeping them (training only),
-        through transformers' own switch on its decoder layers (`GradientCheckpointingLayer`)."""
-        from torch.utils.checkpoint import checkpoint
-        from transformers.modeling_layers import GradientCheckpointingLayer
-
-        for layer in self.layers:
-            if not isinstance(layer, GradientCheckpointingLayer):
-                raise ValueError(
-                    f"{type(layer).__name__} has no gradient checkpointing switch in transformers; set "
-                    "loop.gradient_checkpointing to false"
-                )
-            layer.gradient_checkpointing = True
-            layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+        """Recompute each exit layer's activations in backward instead of keeping them (training only)."""
+        checkpoint_layers(self.layers)
 
 
 @dataclass

@@ -22,8 +22,6 @@ from torch.utils.checkpoint import checkpoint
 
 from polydraft.train.losses import IGNORE_INDEX, teacher_top_k, topk_kl_terms
 
-DEFAULT_CHUNK_TOKENS = 1024
-
 
 @dataclass(frozen=True)
 class OutputHead:

@@ -94,12 +94,14 @@ class LoopConfig(StrictModel):
 class MemoryLoop(LoopConfig):
     """A loop whose loss goes through an output head over the whole vocabulary."""
 
-    loss_chunk_tokens: int | None = Field(default=1024, ge=1)
+    loss_chunk_tokens: int | None = Field(default=256, ge=1)
     """Compute the loss (cross-entropy, and the KL term where there is one) this many loss-carrying
     positions at a time, each chunk recomputed in backward (`train.chunked_loss`), so that the
     [tokens x vocabulary] logits never exist at once: same loss and gradients (to fp32 rounding), one
-    more head matmul per chunk. null: the full logits, as before. Under FSDP or DeepSpeed ZeRO-3 the
-    full logits are always used (the head's weight is sharded outside the forward)."""
+    more head matmul per chunk. 256 rows of a 256k vocabulary are 0.25 GiB of fp32 logits: the loss
+    of 4,096 tokens peaks about 10x lower than with the full logits (bench/results/loss_memory.md;
+    1,024 rows: 3.5x). null: the full logits, as before. Under FSDP or DeepSpeed ZeRO-3 the full
+    logits are always used (the head's weight is sharded outside the forward)."""
 
 
 class TargetLayerLoop(MemoryLoop):
