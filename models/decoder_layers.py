@@ -134,3 +134,20 @@ def _to(value: Any, device: torch.device) -> Any:
     if isinstance(value, tuple):
         return tuple(t.to(device) for t in value)
     return value.to(device) if value is not None else None
+
+
+def checkpoint_layers(layers: nn.ModuleList | list[nn.Module]) -> None:
+    """Make decoder layers recompute their activations in backward instead of keeping them (in training
+    mode only), through transformers' own switch on its decoder layers (`GradientCheckpointingLayer`,
+    what `gradient_checkpointing_enable` sets), with PyTorch's non-reentrant checkpoint."""
+    from torch.utils.checkpoint import checkpoint
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    for layer in layers:
+        if not isinstance(layer, GradientCheckpointingLayer):
+            raise ValueError(
+                f"{type(layer).__name__} has no gradient checkpointing switch in transformers; set "
+                "loop.gradient_checkpointing to false"
+            )
+        layer.gradient_checkpointing = True
+        layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)

@@ -39,6 +39,7 @@ from torch import nn
 from polydraft.models.decoder_layers import (
     RotaryEmbeddings,
     attention_masks,
+    checkpoint_layers,
     rotary_embeddings,
     run_layers,
     target_layer_types,
@@ -75,14 +76,20 @@ class ExitHead(nn.Module):
         cache: Any = None,
         position_ids: torch.Tensor | None = None,
         logits_to_keep: int = 0,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        project: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(logits, hidden) of the last `logits_to_keep` positions (0: all): `hidden` is the final-norm
-        output, the input of the lm head."""
+        output, the input of the lm head. `project=False` skips the lm head (logits None): a trainer
+        that computes the loss chunk by chunk (`train.chunked_loss`) projects the rows itself."""
         hidden = run_layers(
             self.layers, hidden, position_embeddings, attention_mask, cache, position_ids, self.layer_types
         )
         hidden = self.norm(hidden[:, -logits_to_keep:])
-        return self.lm_head(hidden), hidden
+        return (self.lm_head(hidden) if project else None), hidden
+
+    def gradient_checkpointing_enable(self) -> None:
+        """Recompute each exit layer's activations in backward instead of keeping them (training only)."""
+        checkpoint_layers(self.layers)
 
 
 @dataclass

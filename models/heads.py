@@ -93,13 +93,27 @@ class Heads(nn.Module):
             for _ in range(num_heads if kind == "medusa" else 0)
         )
 
-    def forward(self, hidden: torch.Tensor, shared_head: nn.Module | None = None) -> torch.Tensor:
-        """hidden [..., H] -> logits [num_heads, ..., V]. `shared_head`: the target's lm head (BPD only)."""
+    def forward(
+        self, hidden: torch.Tensor, shared_head: nn.Module | None = None, project: bool = True
+    ) -> torch.Tensor:
+        """hidden [..., H] -> logits [num_heads, ..., V]. `shared_head`: the target's lm head (BPD only).
+        `project=False`: the residual blocks' outputs [num_heads, ..., H], the lm heads' inputs (a trainer
+        computing the loss chunk by chunk projects them itself, `lm_head_of`)."""
+        if not project:
+            return torch.stack([block(hidden) for block in self.blocks])
         if self.kind == "bpd":
             if shared_head is None:
                 raise ValueError("BPD heads project through the target's lm head: pass it as shared_head")
             return torch.stack([shared_head(block(hidden)) for block in self.blocks])
         return torch.stack([head(block(hidden)) for block, head in zip(self.blocks, self.lm_heads)])
+
+    def lm_head_of(self, i: int, shared_head: nn.Module | None = None) -> nn.Module:
+        """The lm head head `i` projects through: its own (Medusa) or the target's (BPD)."""
+        if self.kind == "bpd":
+            if shared_head is None:
+                raise ValueError("BPD heads project through the target's lm head: pass it as shared_head")
+            return shared_head
+        return self.lm_heads[i]
 
     def init_lm_heads(self, target_head: nn.Module) -> None:
         """Copy the target's lm head into every Medusa head (Medusa-1's initialisation)."""

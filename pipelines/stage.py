@@ -29,6 +29,7 @@ from polydraft.pipelines.schema import (
     OptimConfig,
     Recipe,
     ResolvedTarget,
+    TargetLayerLoop,
     TrackingConfig,
 )
 from polydraft.pipelines.tracking import Tracker, start_tracking
@@ -283,7 +284,7 @@ def optim_settings(optim: OptimConfig) -> OptimSettings:
     return OptimSettings(**{**optim.model_dump(), "betas": betas})
 
 
-def loop_settings(loop: LoopConfig, total_steps: int) -> LoopSettings:
+def loop_settings(loop: TargetLayerLoop, total_steps: int) -> LoopSettings:
     return LoopSettings(
         total_steps=total_steps,
         per_device_batch_size=loop.per_device_batch_size,
@@ -294,6 +295,8 @@ def loop_settings(loop: LoopConfig, total_steps: int) -> LoopSettings:
         checkpoint_every=loop.checkpoint_every,
         keep_checkpoints=loop.keep_checkpoints,
         compile=loop.compile,
+        loss_chunk_tokens=loop.loss_chunk_tokens,
+        gradient_checkpointing=loop.gradient_checkpointing,
     )
 
 

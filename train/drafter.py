@@ -22,13 +22,14 @@ from typing import Any
 import torch
 
 from polydraft.models.drafters import build_drafter, export_drafter, load_drafter
+from polydraft.train.chunked_loss import Teacher, chunked_loss, model_head
 from polydraft.train.data import MixBatches, PackedBatches
 from polydraft.train.evaluation import eval_log, evaluate
 from polydraft.train.loop import LoopPlan, TrainingLoop
 from polydraft.train.losses import ce_sum, loss_window, topk_kl_sum
 from polydraft.train.metrics import matmul_params, peak_flops, train_flops_per_token
 from polydraft.train.results import DrafterMetrics
-from polydraft.train.runtime import configure_deepspeed, unwrap
+from polydraft.train.runtime import configure_deepspeed, loss_chunking, unwrap
 from polydraft.train.schedule import build_optimizer, build_scheduler
 from polydraft.train.step import OptimSettings, StepLog, StepStats, train_step
 from polydraft.train.stream import corpus_tokens
@@ -49,6 +50,9 @@ class LoopSettings:
     checkpoint_every: int
     keep_checkpoints: int
     compile: bool = False
+    loss_chunk_tokens: int | None = None
+    """`train.chunked_loss`'s chunk size; None: the full logits."""
+    gradient_checkpointing: bool = False
 
 
 def initial_drafter(
@@ -96,16 +100,34 @@ def step_loss(
     teacher: Any | None,
     kd_top_k: int,
     kd_weight: float,
+    chunk_tokens: int | None = None,
+    bare: torch.nn.Module | None = None,
 ) -> torch.Tensor:
     """Summed cross-entropy of a micro-batch, plus the weighted top-k forward KL to the target (kd).
 
     Logits are computed from `loss_window` on (transformers' causal LMs take `logits_to_keep`): the loss
-    is that of the full logits, without the head's work on the prompts.
+    is that of the full logits, without the head's work on the prompts. With `chunk_tokens`, the model
+    (`model`, maybe wrapped by DDP: its forward still runs) returns its final hidden states with no
+    logits and the loss is computed from them and the head of `bare` (the unwrapped `model`)
+    `train.chunked_loss`'s way.
     """
     first = loss_window(batch["labels"])
     keep = batch["labels"].size(1) - first
     labels = batch["labels"][:, first:]
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    if chunk_tokens is not None:
+        none = torch.empty(0, dtype=torch.long, device=labels.device)  # logits for no position
+        out = model(**inputs, logits_to_keep=none, output_hidden_states=True)
+        hidden = out.hidden_states[-1][:, first:]  # the final-norm states (the last one is tied to them)
+        bare = bare or model
+        kd = None
+        if teacher is not None:
+            with torch.no_grad():
+                target_hidden = teacher.base_model(**inputs).last_hidden_state[:, first:]
+            target_head = model_head(teacher.get_output_embeddings(), teacher.config)
+            kd = Teacher(target_hidden, target_head, kd_top_k, kd_weight)
+        head = model_head(bare.get_output_embeddings(), bare.config)
+        return chunked_loss(hidden, labels, head, chunk_tokens, kd)
     logits = model(**inputs, logits_to_keep=keep).logits
     loss, _ = ce_sum(logits, labels)
     if teacher is not None:
@@ -141,6 +163,8 @@ def train_drafter(
         matmul_params(model), config.num_hidden_layers, config.hidden_size, loop.max_length
     )
     model.to(device)
+    if loop.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if loop.compile:
         model.compile()
     optimizer = build_optimizer(model, optim.lr, optim.weight_decay, optim.betas, optim.eps)
@@ -150,6 +174,7 @@ def train_drafter(
     configure_deepspeed(accelerator, loop.per_device_batch_size, optim.max_grad_norm)
     model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
+    chunk_tokens, bare = loss_chunking(accelerator, loop.loss_chunk_tokens), unwrap(accelerator, model)
 
     log_path = job_dir.with_name(job_dir.name + ".train_log.jsonl")
     plan = LoopPlan(
@@ -182,7 +207,7 @@ def train_drafter(
             optimizer,
             scheduler,
             micro_batches,
-            lambda batch: step_loss(model, batch, teacher, *kd),
+            lambda batch: step_loss(model, batch, teacher, *kd, chunk_tokens, bare),
             optim.max_grad_norm,
         )
 

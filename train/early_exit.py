@@ -27,6 +27,7 @@ import torch
 from polydraft.models.decoder_layers import attention_masks, run_layers
 from polydraft.models.early_exit import EarlyExitDrafter
 from polydraft.models.partial_load import decoder_parts
+from polydraft.train.chunked_loss import OutputHead, Teacher, chunked_loss, model_head
 from polydraft.train.data import MixBatches, collate
 from polydraft.train.loop import LoopPlan, TrainingLoop
 from polydraft.train.losses import IGNORE_INDEX, ce_sum, loss_window, topk_kl_sum
@@ -84,20 +85,39 @@ def eval_reference(
 
 
 def head_forward(
-    drafter: EarlyExitDrafter, head: torch.nn.Module, input_ids: torch.Tensor, logits_to_keep: int = 0
+    drafter: EarlyExitDrafter,
+    head: torch.nn.Module,
+    input_ids: torch.Tensor,
+    logits_to_keep: int = 0,
+    project: bool = True,
 ) -> tuple[torch.Tensor, Any]:
     """Logits of the (prepared) exit head on the frozen part's layer-N states, at the last
-    `logits_to_keep` positions (0: all); right padding needs no mask."""
+    `logits_to_keep` positions (0: all), or with `project=False` the final-norm states the lm head
+    would read; right padding needs no mask."""
     state = drafter.forward_shared(input_ids)
     hidden = state.hidden.to(next(head.parameters()).dtype)
     masks = drafter.exit_masks(state) if drafter.num_exit_layers else None
-    logits, _ = head(hidden, state.position_embeddings, masks, None, state.position_ids, logits_to_keep)
-    return logits, state
+    logits, normed = head(
+        hidden, state.position_embeddings, masks, None, state.position_ids, logits_to_keep, project
+    )
+    return (logits if project else normed), state
 
 
 @torch.no_grad()
 def teacher_logits(teacher: torch.nn.Module, drafter: EarlyExitDrafter, state: Any) -> torch.Tensor:
     """The full target's logits, continuing the shared layer-N states through its layers N..L-1."""
+    return teacher_head(teacher).logits(teacher_hidden(teacher, drafter, state))
+
+
+def teacher_head(teacher: torch.nn.Module) -> OutputHead:
+    """The full target's lm head with its final soft-capping (Gemma 2), as the target's own forward."""
+    return model_head(decoder_parts(teacher).lm_head, teacher.config)
+
+
+@torch.no_grad()
+def teacher_hidden(teacher: torch.nn.Module, drafter: EarlyExitDrafter, state: Any) -> torch.Tensor:
+    """The full target's final-norm states (its lm head's input), continuing the shared layer-N states
+    through its layers N..L-1."""
     parts = decoder_parts(teacher)
     n = drafter.num_shared_layers
     slots = list(range(n, drafter.num_hidden_layers))
@@ -106,11 +126,7 @@ def teacher_logits(teacher: torch.nn.Module, drafter: EarlyExitDrafter, state: A
     hidden = run_layers(
         parts.layers[n:], state.hidden, state.position_embeddings, masks, None, state.position_ids, types
     )
-    logits = parts.lm_head(parts.norm(hidden))
-    softcap = getattr(teacher.config.get_text_config(), "final_logit_softcapping", None)
-    if softcap is not None:  # as the target's own forward (Gemma 2)
-        logits = torch.tanh(logits / softcap) * softcap
-    return logits
+    return parts.norm(hidden)
 
 
 def exit_loss(
@@ -120,11 +136,21 @@ def exit_loss(
     teacher: torch.nn.Module | None,
     kl_weight: float,
     kl_top_k: int,
+    chunk_tokens: int | None = None,
 ) -> torch.Tensor:
     """Summed cross-entropy of the exit head on a micro-batch, plus the weighted top-k KL to the full
-    target (`ce+kl`); the head runs from the first position that carries loss (`loss_window`) on."""
+    target (`ce+kl`); the head runs from the first position that carries loss (`loss_window`) on.
+    `chunk_tokens`: compute it `train.chunked_loss`'s way, never holding more rows of logits."""
     first = loss_window(batch["labels"])
     labels = batch["labels"][:, first:]
+    if chunk_tokens is not None:
+        normed, state = head_forward(drafter, head, batch["input_ids"], labels.size(1), project=False)
+        kl = None
+        if teacher is not None:
+            target_hidden = teacher_hidden(teacher, drafter, state)[:, first:]
+            kl = Teacher(target_hidden, teacher_head(teacher), kl_top_k, kl_weight)
+        # the exit head's logits are not soft-capped, in training as in decoding (decoding.eesd)
+        return chunked_loss(normed, labels, model_head(drafter.exit.lm_head, None), chunk_tokens, kl)
     logits, state = head_forward(drafter, head, batch["input_ids"], labels.size(1))
     loss, _ = ce_sum(logits, labels)
     if teacher is not None:
@@ -199,6 +225,7 @@ def fit(
     teacher: torch.nn.Module | None,
     kl_top_k: int,
     kl_weight: float,
+    chunk_tokens: int | None = None,
 ) -> tuple[int, float | None, HeadEval | None, HeadEval | None]:
     """Train the head through the shared loop (`train.loop`): steps with exact token-mean losses, evals.
     Returns (steps, train loss, held-out metrics of the initial head, held-out metrics at the end)."""
@@ -229,7 +256,8 @@ def fit(
         micro_batches = [{k: v.to(device) for k, v in b.items()} for b in batches.micro_batches(step)]
         return train_step(
             accelerator, head, optimizer, scheduler, micro_batches,
-            lambda batch: exit_loss(drafter, head, batch, teacher, kl_weight, kl_top_k), max_grad_norm,
+            lambda batch: exit_loss(drafter, head, batch, teacher, kl_weight, kl_top_k, chunk_tokens),
+            max_grad_norm,
         )  # fmt: skip
 
     def periodic_eval(step: int) -> None:

@@ -28,10 +28,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from polydraft.models.heads import Heads
+from polydraft.train.chunked_loss import model_head, rows_loss
 from polydraft.train.data import MixBatches
 from polydraft.train.loop import LoopPlan, TrainingLoop
 from polydraft.train.losses import IGNORE_INDEX
 from polydraft.train.results import HeadScore, HeadsEval
+from polydraft.train.runtime import unwrap
 from polydraft.train.step import StepLog, StepStats, token_counts, train_step
 
 HEADS_DIR = "heads"
@@ -75,6 +78,27 @@ def heads_forward(
     selected = hidden[rows].to(next(heads.parameters()).dtype)
     logits = heads(selected, shared_head)  # `bpd`: the target's lm head, maybe on another GPU
     return logits.to(labels.device), labels[:, rows]
+
+
+def chunked_ce_sums(
+    heads: torch.nn.Module,
+    bare: Heads,
+    shared_head: torch.nn.Module | None,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_tokens: int,
+) -> torch.Tensor:
+    """`ce_sums` of `heads_forward`'s logits, computed `train.chunked_loss`'s way: `heads` (maybe
+    wrapped by DDP) runs the residual blocks, each head's lm head (from `bare`, the unwrapped heads)
+    projects `chunk_tokens` rows at a time."""
+    rows = (labels != IGNORE_INDEX).any(0)
+    selected = hidden[rows].to(next(heads.parameters()).dtype)
+    blocks = heads(selected, shared_head, project=False)
+    sums = []
+    for i in range(labels.shape[0]):  # Medusa heads and BPD's frozen head carry no soft-capping
+        head = model_head(bare.lm_head_of(i, shared_head), None)
+        sums.append(rows_loss(blocks[i], labels[i, rows], head, chunk_tokens))
+    return torch.stack(sums)
 
 
 def ce_sums(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -174,6 +198,7 @@ def fit(
     keep_checkpoints: int,
     work_dir: Path,
     quiet: bool,
+    chunk_tokens: int | None = None,
 ) -> tuple[int, float | None, HeadsEval | None, HeadsEval | None]:
     """Train the heads through the shared loop (`train.loop`): steps with exact per-head token means,
     per-head losses, evals. Returns (steps, train loss, held-out metrics of the initial heads, held-out
@@ -201,13 +226,15 @@ def fit(
         tracker, log_path, prefix="", log_every=log_every, flops_per_token=2.0 * frozen + 6.0 * trained,
         peak_flops=None, world=accelerator.num_processes, main_process=main_process,
     )  # fmt: skip
+    bare = unwrap(accelerator, heads)
     current: dict[str, torch.Tensor] = {}  # this step's per-head loss factors and detached loss sums
 
     def loss_sum(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits, labels = heads_forward(
-            heads, shared_head, last_hidden(target, batch), head_labels(batch["labels"], num_heads)
-        )
-        sums = ce_sums(logits, labels)
+        hidden, labels = last_hidden(target, batch), head_labels(batch["labels"], num_heads)
+        if chunk_tokens is None:
+            sums = ce_sums(*heads_forward(heads, shared_head, hidden, labels))
+        else:
+            sums = chunked_ce_sums(heads, bare, shared_head, hidden, labels, chunk_tokens)
         current["sums"] = current["sums"] + sums.detach().double()
         return (sums * current["factors"].to(sums.dtype)).sum()
 

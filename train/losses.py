@@ -59,15 +59,28 @@ def topk_kl_sum(
     teacher = teacher_logits[:, :-1, :]
     mask = labels != IGNORE_INDEX
     student_logp = F.log_softmax(student[mask].float(), dim=-1)
-    teacher_logp = F.log_softmax(teacher[mask].float(), dim=-1)
-    teacher_top, indices = teacher_logp.topk(min(top_k, teacher_logp.size(-1)), dim=-1)
+    teacher_top, indices = teacher_top_k(teacher[mask], top_k)
+    return topk_kl_terms(student_logp, teacher_top, indices).sum()
+
+
+def teacher_top_k(teacher_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's k largest log-probabilities (fp32) over the last dimension, and their token ids."""
+    teacher_logp = F.log_softmax(teacher_logits.float(), dim=-1)
+    return teacher_logp.topk(min(top_k, teacher_logp.size(-1)), dim=-1)
+
+
+def topk_kl_terms(
+    student_logp: torch.Tensor, teacher_top: torch.Tensor, indices: torch.Tensor
+) -> torch.Tensor:
+    """Per-position KL of `topk_kl_sum` from the student's log-probabilities [N, V] and the teacher's
+    top-k ones with their ids ([N, k] each, `teacher_top_k`)."""
     student_top = student_logp.gather(-1, indices)
     tiny = torch.finfo(torch.float32).tiny
     teacher_rest = (1.0 - teacher_top.exp().sum(-1)).clamp_min(0.0)
     student_rest = (1.0 - student_top.exp().sum(-1)).clamp_min(tiny)
     top_terms = (teacher_top.exp() * (teacher_top - student_top)).sum(-1)
     rest_terms = torch.xlogy(teacher_rest, teacher_rest) - teacher_rest * student_rest.log()
-    return (top_terms + rest_terms).sum()
+    return top_terms + rest_terms
 
 
 def top1_matches(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -86,3 +86,16 @@ def configure_deepspeed(accelerator: Any, micro_batch_size: int, max_grad_norm: 
 def unwrap(accelerator: Any, model: torch.nn.Module) -> torch.nn.Module:
     """The bare model under DDP/FSDP/DeepSpeed/compile wrappers."""
     return accelerator.unwrap_model(model, keep_torch_compile=False)
+
+
+def loss_chunking(accelerator: Any, chunk_tokens: int | None) -> int | None:
+    """The chunk size of `train.chunked_loss` to use: `chunk_tokens`, or None (the full logits) where the
+    backend shards the parameters outside the forward (FSDP, DeepSpeed ZeRO-3), so that the lm head's
+    weight is not whole where the chunked loss reads it."""
+    from accelerate.utils import DistributedType
+
+    kind = accelerator.distributed_type
+    sharded = kind == DistributedType.FSDP or (
+        kind == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3
+    )
+    return None if sharded else chunk_tokens

@@ -24,8 +24,10 @@ from polydraft.pipelines.schema.train import (
     FinetuneConfig,
     HeadsConfig,
     LoopConfig,
+    MemoryLoop,
     OptimConfig,
     PretrainConfig,
+    TargetLayerLoop,
 )
 
 
@@ -136,6 +138,8 @@ __all__ = [
     "HeadsConfig",
     "LaunchConfig",
     "LoopConfig",
+    "MemoryLoop",
+    "TargetLayerLoop",
     "MeasureConfig",
     "OptimConfig",
     "PretrainConfig",

@@ -91,14 +91,35 @@ class LoopConfig(StrictModel):
     keep_checkpoints: int = Field(default=2, ge=1)
 
 
-class PretrainLoop(LoopConfig):
+class MemoryLoop(LoopConfig):
+    """A loop whose loss goes through an output head over the whole vocabulary."""
+
+    loss_chunk_tokens: int | None = Field(default=256, ge=1)
+    """Compute the loss (cross-entropy, and the KL term where there is one) this many loss-carrying
+    positions at a time, each chunk recomputed in backward (`train.chunked_loss`), so that the
+    [tokens x vocabulary] logits never exist at once: same loss and gradients (to fp32 rounding), one
+    more head matmul per chunk. 256 rows of a 256k vocabulary are 0.25 GiB of fp32 logits: the loss
+    of 4,096 tokens peaks about 10x lower than with the full logits (bench/results/loss_memory.md;
+    1,024 rows: 3.5x). null: the full logits, as before. Under FSDP or DeepSpeed ZeRO-3 the full
+    logits are always used (the head's weight is sharded outside the forward)."""
+
+
+class TargetLayerLoop(MemoryLoop):
+    """A loop that trains layers of the target's class."""
+
+    gradient_checkpointing: bool = False
+    """Recompute the trained decoder layers' activations in backward instead of keeping them (less
+    memory, about one more forward of those layers per step); same loss and gradients."""
+
+
+class PretrainLoop(TargetLayerLoop):
     """One pass; `max_length` is the packed sequence length."""
 
     epochs: float = Field(default=1.0, gt=0)
     per_device_batch_size: int = Field(default=8, ge=1)
 
 
-class FinetuneLoop(LoopConfig):
+class FinetuneLoop(TargetLayerLoop):
     """Seed 003 App. F.3: batch 2 per device on 4 devices, max length 2048."""
 
     epochs: float | None = Field(default=None, gt=0)
@@ -106,7 +127,7 @@ class FinetuneLoop(LoopConfig):
     loaded."""
 
 
-class EarlyExitLoop(LoopConfig):
+class EarlyExitLoop(TargetLayerLoop):
     """Table 9: batch 64 (per device x processes x accumulation), sequence 2k (13B) / 4k (70B) / 16k
     (CodeLlama), 4 epochs (13B) or 6 (70B)."""
 
@@ -281,7 +302,7 @@ class HeadsOptim(OptimConfig):
     warmup_ratio: float = Field(default=0.1, ge=0, le=1)
 
 
-class HeadsLoop(LoopConfig):
+class HeadsLoop(MemoryLoop):
     """Medusa-1: 2 epochs, 8 rows per device with 4 accumulation steps (128 rows a step on 4 GPUs)."""
 
     epochs: float = Field(default=2.0, gt=0)

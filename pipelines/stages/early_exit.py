@@ -36,7 +36,7 @@ from polydraft.pipelines.tracking import Tracker
 from polydraft.train.data import pad_id_of
 from polydraft.train.early_exit import HEAD_DIR, eval_reference, eval_set, fit
 from polydraft.train.results import EarlyExitMetrics
-from polydraft.train.runtime import resolve_attn_implementation
+from polydraft.train.runtime import loss_chunking, resolve_attn_implementation
 
 
 def run(inputs: EarlyExitInputs, ctx: StageContext) -> StageResult:
@@ -99,6 +99,8 @@ def train_early_exit(
         attn,
     )
 
+    if loop.gradient_checkpointing:
+        drafter.exit.gradient_checkpointing_enable()
     prepared, optimizer, scheduler = prepare_trainable(drafter.exit, optim, loop, total_steps, accelerator)
     steps, train_loss, initial, final = fit(
         accelerator, drafter, prepared, optimizer, scheduler, batches, evals, references, tracker,
@@ -106,6 +108,7 @@ def train_early_exit(
         eval_every=loop.eval_every, checkpoint_every=loop.checkpoint_every,
         keep_checkpoints=loop.keep_checkpoints, work_dir=work_dir, quiet=spec.quiet, teacher=teacher,
         kl_top_k=block.kl_top_k, kl_weight=block.kl_weight,
+        chunk_tokens=loss_chunking(accelerator, loop.loss_chunk_tokens),
     )  # fmt: skip
     metrics = EarlyExitMetrics(
         steps=steps,

@@ -37,6 +37,7 @@ from polydraft.train.data import pad_id_of
 from polydraft.train.early_exit import eval_set
 from polydraft.train.heads import HEADS_DIR, fit
 from polydraft.train.results import HeadsMetrics
+from polydraft.train.runtime import loss_chunking
 
 
 def run(inputs: HeadsInputs, ctx: StageContext) -> StageResult:
@@ -89,6 +90,7 @@ def train_heads(
         max_grad_norm=optim.max_grad_norm, log_every=loop.log_every, eval_every=loop.eval_every,
         checkpoint_every=loop.checkpoint_every, keep_checkpoints=loop.keep_checkpoints,
         work_dir=work_dir, quiet=spec.quiet,
+        chunk_tokens=loss_chunking(accelerator, loop.loss_chunk_tokens),
     )  # fmt: skip
     metrics = HeadsMetrics(
         steps=steps,
