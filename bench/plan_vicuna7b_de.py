@@ -23,10 +23,13 @@ BEFORE = [
     "finetune.loop.per_device_batch_size=2",
     "measure.num_prompts=480",
     "measure.disjoint_prompts=false",
+    "pretrain.loop.loss_chunk_tokens=null",
+    "finetune.loop.loss_chunk_tokens=null",
 ]  # fmt: skip
-"""The recipe's values before issue 28, and distillation on one vLLM engine (the stage's behaviour then)."""
-AFTER = ["--distill-engines", "8"]
-"""One engine per GPU: what `distill.vllm.data_parallel` (None: every GPU) runs."""
+"""The recipe's values before issue 28, distillation on one vLLM engine and the loss from the whole
+logits (the stages' behaviour then)."""
+AFTER: list[str] = []
+"""The recipe as it is: one vLLM engine per GPU (`distill.vllm.data_parallel` None), chunked loss."""
 
 
 def plan_of(args: list[str]) -> tuple[str, str]:

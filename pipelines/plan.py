@@ -33,6 +33,7 @@ from polydraft.pipelines.plan_model import (
     train_memory,
 )
 from polydraft.pipelines.schema import Recipe, SourceConfig
+from polydraft.pipelines.schema.train import MemoryLoop, TargetLayerLoop
 from polydraft.pipelines.stage import StageFailed, resolve_accelerate_config
 from polydraft.train.metrics import train_flops_per_token
 
@@ -233,7 +234,7 @@ def _distill(
 
 
 def _train(
-    name: str, plan: Plan, trainable: Shape, frozen: int, tokens: float, row_tokens: float, loop,
+    name: str, plan: Plan, trainable: Shape, frozen: int, tokens: float, row_tokens: float, loop: MemoryLoop,
     gpus: int, kd_vocab: int, frozen_layers: int = 0, frozen_shape: Shape | None = None,
 ) -> StagePlan:  # fmt: skip
     """A data-parallel trainer: 6N FLOPs per token for the trainable part, 2N for frozen parameters,
@@ -255,8 +256,12 @@ def _train(
     layers_hidden = trainable.layers * trainable.hidden + (
         frozen_layers * frozen_shape.hidden if frozen_shape else 0
     )
-    memory = train_memory(trainable.params(), frozen, int(micro_tokens), layers_hidden,
-                          trainable.vocab + kd_vocab)  # fmt: skip
+    checkpointed = isinstance(loop, TargetLayerLoop) and loop.gradient_checkpointing
+    memory = train_memory(
+        trainable.params(), frozen, int(micro_tokens), layers_hidden, trainable.vocab + kd_vocab,
+        logit_tokens=int(min(micro_tokens, loop.loss_chunk_tokens or micro_tokens)),
+        checkpointed_hidden=trainable.hidden if checkpointed else None,
+    )  # fmt: skip
     hours = steps * (compute + STEP_OVERHEAD_S) / 3600
     return StagePlan(
         name, tokens, hours, gpus, memory / GIB, f"{steps:.0f} steps of {gpus} x {micro_tokens:.0f} tokens"

@@ -115,8 +115,8 @@ ACTIVATION_BYTES_PER_TOKEN_LAYER_HIDDEN = 34
 34·s·b·h bytes of 16-bit activations a transformer layer keeps for its backward pass (flash attention
 drops the 5·a·s²·b term)."""
 LOGITS_BYTES_PER_VALUE = 8
-"""Full-vocabulary logits upcast to fp32 (4 bytes) plus their gradient (4 bytes), per token x vocab,
-as the trainers' unchunked cross-entropy holds them."""
+"""Full-vocabulary logits upcast to fp32 (4 bytes) plus their gradient (4 bytes), per token x vocab, for
+the tokens whose logits exist at once (a chunk of `loop.loss_chunk_tokens`, or every token unchunked)."""
 TRAINABLE_BYTES_PER_PARAM = 16
 """Mixed-precision AdamW: fp32 weights (4) + fp32 gradients (4) + Adam's two fp32 moments (8)."""
 FROZEN_BYTES_PER_PARAM = 2
@@ -236,12 +236,29 @@ def decode_latency(shape: Shape, cluster: Cluster) -> float:
     return weights / (cluster.bandwidth * HF_DECODE_BANDWIDTH_SHARE) + shape.layers * HF_LAYER_OVERHEAD_S
 
 
-def train_memory(trainable: int, frozen: int, tokens: int, layers_hidden: int, vocab: int) -> float:
+def train_memory(
+    trainable: int,
+    frozen: int,
+    tokens: int,
+    layers_hidden: int,
+    vocab: int,
+    logit_tokens: int,
+    checkpointed_hidden: int | None = None,
+) -> float:
     """Peak bytes on one GPU of a trainer: AdamW state of the trainable parameters, frozen bf16 weights,
-    activations of `tokens` tokens per micro-batch through layers (sum of layers x hidden), logits."""
+    activations of `tokens` tokens per micro-batch through layers (sum of layers x hidden), and the logits
+    of `logit_tokens` at once (`loop.loss_chunk_tokens`). With gradient checkpointing
+    (`checkpointed_hidden`: the width of the recomputed layer) each layer keeps only its bf16 input, and
+    one layer's activations exist at a time."""
+    if checkpointed_hidden is None:
+        activations = tokens * layers_hidden * ACTIVATION_BYTES_PER_TOKEN_LAYER_HIDDEN
+    else:
+        activations = tokens * (
+            layers_hidden * 2 + checkpointed_hidden * ACTIVATION_BYTES_PER_TOKEN_LAYER_HIDDEN
+        )
     return (
         trainable * TRAINABLE_BYTES_PER_PARAM
         + frozen * FROZEN_BYTES_PER_PARAM
-        + tokens * layers_hidden * ACTIVATION_BYTES_PER_TOKEN_LAYER_HIDDEN
-        + tokens * vocab * LOGITS_BYTES_PER_VALUE
+        + activations
+        + logit_tokens * vocab * LOGITS_BYTES_PER_VALUE
     )

@@ -170,3 +170,22 @@ def test_cli(capsys):
     assert "| distill | 180.00M |" in out and "8 engine(s)" in out and "**total**" in out
     assert main(["plan", "recipes/vicuna-7b/de.yaml", "--gpus", "8xV100-32GB"]) == EXIT_BAD_INPUT
     assert "unknown GPU V100-32GB" in capsys.readouterr().err
+
+
+def test_chunked_loss_and_checkpointing_lower_the_planned_memory():
+    """Gemma's 256k vocabulary: the logits of a whole micro-batch against those of a 256-token chunk."""
+
+    def finetune(*overrides: str):
+        recipe = load_recipe("recipes/gemma-7b-it/de.yaml", list(overrides))
+        plan = estimate(recipe, parse_gpus("8xA100-80GB"))
+        return next(s for s in plan.stages if s.name.startswith("finetune"))
+
+    full = finetune("finetune.loop.loss_chunk_tokens=null")
+    chunked = finetune()
+    checkpointed = finetune("finetune.loop.gradient_checkpointing=true")
+    micro_tokens = int(chunked.note.split(" x ")[1].split()[0])  # "N steps of 8 x <micro-batch> tokens"
+    vocab = 256_000
+    assert full.peak_gib - chunked.peak_gib == pytest.approx(
+        (micro_tokens - 256) * vocab * 8 / 2**30, rel=1e-3
+    )
+    assert checkpointed.peak_gib < chunked.peak_gib
