@@ -109,7 +109,9 @@ def test_cali_ts_first_round_draws_wait_for_the_target_state():
         assert all(deferred.keep_drafting(i, h) for i, h in enumerate(hiddens, start=1))  # drafts on
         assert seen == []
         stop = deferred.settle(state, len(hiddens) + 1)
-        assert {tuple(s) for _, s in seen} == {(2.0,)} and [i for i, _ in seen] == list(range(1, len(seen) + 1))
+        assert {tuple(s) for _, s in seen} == {(2.0,)} and [i for i, _ in seen] == list(
+            range(1, len(seen) + 1)
+        )
         seen.clear()
         live = CaliTS(0.2, 0.3, 0.5, predict, 8, seed)
         live.begin_round(state)
