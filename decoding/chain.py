@@ -44,7 +44,8 @@ class Proposer(Protocol):
 
     def verify(self, out: Output, drafts: Tensor) -> tuple[Tensor, Tensor]:
         """One target call over the pending committed token(s) and `drafts`: logits [k+1, V] and final
-        hidden states [k+1, H] of the last k+1 positions."""
+        hidden states [k+1, H] of the last k+1 positions; of fewer rows when only the first k drafts are
+        to be verified (the rest are then rejected unseen)."""
         ...
 
     def keep(self, n: int, accepted: int, drafts: int, hidden: Tensor) -> None:
@@ -85,8 +86,11 @@ def chain_decode(
         n = out.length
         budget = min(proposer.max_drafts(), out.remaining - 1)
         drafts, draft_probs = proposer.draft(out, budget) if budget > 0 else (out.ids[:0], None)
-        k = drafts.shape[0]
+        drafted = drafts.shape[0]
         logits, hidden = proposer.verify(out, drafts)
+        k = logits.shape[0] - 1  # fewer than drafted: Cali-TS's first round (`ControlledDrafting`)
+        drafts = drafts[:k]
+        draft_probs = draft_probs[:k] if draft_probs is not None else None
         if sampling.greedy:
             predicted = logits.argmax(-1)
             accepted, new = accept_greedy(predicted, drafts)
@@ -96,29 +100,53 @@ def chain_decode(
             new = new_device.tolist()
         proposer.keep(n, accepted, k, hidden)
         kept = out.commit(new, new_device)
-        rounds.append(Round(k, k, min(accepted, kept)))
+        rounds.append(Round(k, drafted, min(accepted, kept)))
     return rounds
 
 
-def target_call(target: Any, out: Output, drafts: Tensor) -> tuple[Tensor, Tensor]:
+def target_call(target: Any, out: Output, drafts: Tensor, extra: int = 0) -> tuple[Tensor, Tensor]:
     """`Proposer.verify` for a target on its own cache (`CachedLM`): the committed tokens it has not
-    cached and the drafts, logits and hidden states of the last k+1 rows."""
+    cached and the drafts, logits and hidden states of the last k+1+extra rows."""
     verify_input = torch.cat([out.ids[target.length : out.length], drafts]).view(1, -1)
-    return target.forward(verify_input, num_logits=drafts.shape[0] + 1)
+    return target.forward(verify_input, num_logits=drafts.shape[0] + 1 + extra)
 
 
 class ControlledDrafting:
     """The draft-length controller's part of a drafter model's `Proposer` (`sd`, `eesd`): how many
-    drafts a round may make, the controller's view of each round, and the target state Cali-TS reads."""
+    drafts a round may make, the controller's view of each round, and the target state Cali-TS reads.
+
+    Cali-TS's first round has no target state yet (`decoding.control`): it drafts up to the cap, its one
+    target call also returns the state at the position before the last pending token (`state_rows`),
+    and `settled` keeps the rows of the drafts the controller then chooses."""
 
     def __init__(self, control: Any) -> None:
         self.control = control
         self.target_hidden: Tensor | None = None
 
     def max_drafts(self) -> int:
-        if self.control.needs_target_hidden and self.target_hidden is None:
-            return 0  # Cali-TS starts from a target state: the first call is a plain target step
         return self.control.max_length
+
+    def first_round(self) -> bool:
+        """Cali-TS before any target state (the prompt's first round)."""
+        return self.control.needs_target_hidden and self.target_hidden is None
+
+    def draft_budget(self, out: Output, budget: int) -> int:
+        """`budget`, or 0 in Cali-TS's first round after a one-token prompt: no state produced that token,
+        so the round is a plain target step."""
+        return 0 if self.first_round() and out.length < 2 else budget
+
+    def state_rows(self, drafts: Tensor) -> int:
+        """Extra hidden rows the round's target call returns before the k+1 it verifies: 1 in Cali-TS's
+        first round, the state that produced the context's newest token."""
+        return int(self.first_round() and drafts.shape[0] > 0)
+
+    def settled(self, logits: Tensor, hidden: Tensor, drafts: Tensor, extra: int) -> tuple[Tensor, Tensor]:
+        """The verification rows [k+1] of the drafts the round keeps, from a call that returned `extra`
+        state rows first (`state_rows`): the first k drafts, k chosen now by `control.settle`."""
+        if not extra:
+            return logits, hidden
+        k = self.control.settle(hidden[0], drafts.shape[0])
+        return logits[1 : k + 2], hidden[1 : k + 2]
 
     def controlled(self, drafts: int, accepted: int, hidden: Tensor) -> None:
         """Tell the controller how the round went; keep the newest token's target state."""

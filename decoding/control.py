@@ -8,20 +8,43 @@ Thompson sampling (seed 001 §3.3, App. A-B) treats "keep drafting" as a Bernoul
 an unknown probability theta: after draft token i, sample theta from the posterior, then chi ~ B(theta),
 and stop when chi = 0.
 
-Reading of the seed's symbols used here. Q_d is the round's draft tokens, |Q_d| = K. Q_v is what the
-round adds to the output, i.e. the accepted draft tokens plus the target's own token (the corrected or
-bonus token), |Q_v| = A + 1: Alg. 1 advances t by |Q_v|, the output length. Then
-- Beta-TS (Alg. 2, lines 18-21, exactly): r = |Q_v| - 1 = A, n = min(|Q_v| + 1, |Q_d|) = min(A + 2, K),
-  alpha += r, beta += n - r. (Reading Q_v as the accepted drafts alone would give r = -1 when nothing
-  is accepted, a negative pseudo-count.)
+How a round is counted (seed 001 §3.3, after eq. 4): "r represents the number of successful experiments
+in the observed samples, and n represents the total number of experiments. And in Algorithm 1, the value
+of r is set to |Q_v| - 1, indicating that the draft model should continue to generate on this set of
+tokens (i.e., chi = 1). And the value of n is set to min(|Q_v| + 1, |Q_d|), indicating the number of
+tokens that have been validated by the target model. Because we stop verifying when we encounter an
+inconsistent token, subsequent tokens are not considered." (Alg. 2 lines 18-19 repeat the two formulas.)
+
+Reading. The prose is taken as the definition: a trial is a draft token the target validated, a success
+one it accepted. With K drafted (|Q_d| = K) and A accepted, the target validates the A accepted tokens and,
+when A < K, the first rejected one, after which "subsequent tokens are not considered":
+    r = A,   n = min(A + 1, K),   so  alpha += A,  beta += 1 if A < K else 0.
+One failure per rejection; a round whose drafts were all accepted (stopped by chi = 0, by the cap or by
+the end of the output) adds no failure: the token after the last draft was never drafted, so the stop is
+no observation. The two symbolic formulas cannot both hold with one meaning of |Q_v|: with Q_v the
+accepted drafts (Alg. 1 line 15, "Q_v subset of Q_d") n = min(|Q_v| + 1, |Q_d|) is the validated count
+above but r = |Q_v| - 1 is A - 1 (-1 when nothing is accepted); with Q_v what the round adds to the
+output (A + 1 tokens, which t <- t + |Q_v| counts) r = A but n = min(A + 2, K) counts a token past the
+first rejection, which the sentence above excludes. Either literal form charges two failures per
+rejection, so theta settles below the acceptance rate (Beta-TS(1, 1), cap 10, each draft accepted with
+probability 0.8: 3.22 drafts a round and a posterior mean of 0.70, against 4.38 and 0.80 counted as here;
+bench/results/ts_sweep.md).
+
+- Beta-TS (Alg. 2): alpha += r, beta += n - r, with the prior (alpha_0, beta_0) restored for each prompt.
 - Cali-TS (Alg. 3): mu = (sigma_S^2 theta_M + n sigma_M^2 theta_hat) / (n sigma_M^2 + sigma_S^2),
   sigma^2 = sigma_M^2 sigma_S^2 / (sigma_S^2 + n sigma_M^2), theta ~ N(mu, sigma^2), with n the number
-  of verifications so far and theta_M the calibration model's prediction. theta_hat is "the observed
-  sample mean of chi" (eq. 10): theta_hat = (theta_hat * (m + 1) + r) / (m + n_round + 1), m += n_round,
-  where r and n_round are the successes and trials of chi observed in the round, counted as in
-  Beta-TS, and theta_hat_0 weighs as one prior observation. Eq. 10 taken with t = tokens generated
-  counts every token as a success, so theta_hat would tend to 1 whatever is accepted; counting chi
-  trials keeps it the mean of chi it is defined to be.
+  of verifications so far (line 21) and theta_M the calibration model's prediction. theta_hat is "the
+  observed sample mean of the random variable chi" (App. B before eq. 10): theta_hat = (theta_hat (m + 1)
+  + r) / (m + n_round + 1), m += n_round, with (r, n_round) the round's successes and trials counted as
+  above and theta_hat_0 weighing as one prior observation. Eq. 10 has this form with t (tokens generated)
+  as the count and |Q_v| as the successes; taken literally every generated token is a success and
+  theta_hat tends to 1 whatever is accepted, so the chi trials are counted instead.
+- Cali-TS's first round: theta_M needs H_t^(T), the target state that produced the context's newest
+  token, which for the prompt only the round's own target call computes. The round therefore drafts up
+  to the cap, the target call that verifies the drafts also returns the state at the prompt's
+  second-to-last position, and the chi draws of eq. 5-9 are then made in order (`settle`), exactly as
+  they would have been while drafting; only the drafts before the first chi = 0 are verified. No target
+  call is added; the drafts past the stop are drafted and sent in vain (`Round.drafted` counts them).
 
 The calibration model plugs in as `predict(step, target_hidden, draft_hidden) -> float` (seed 001 eq. 5):
 - `step`: i, the 1-based index of the draft token just produced in this round;
@@ -66,9 +89,11 @@ class FixedK:
 
 
 def chi_counts(drafted: int, accepted: int) -> tuple[int, int]:
-    """(r, n) of seed 001 Alg. 2 lines 18-19: successes and trials of chi observed in one round."""
-    q_v = accepted + 1
-    return q_v - 1, min(q_v + 1, drafted)
+    """(r, n): successes and trials of chi observed in a round of `drafted` drafts, `accepted` of them
+    accepted (seed 001 §3.3 as read in the module docstring: the validated tokens, one failure at most)."""
+    if not 0 <= accepted <= drafted:
+        raise ValueError(f"accepted must lie in 0..drafted, got {accepted} of {drafted}")
+    return accepted, min(accepted + 1, drafted)
 
 
 class BetaTS:
@@ -125,9 +150,12 @@ class CaliTS:
         self.theta_hat = self.theta0
         self.trials = 0
         self.target_hidden: Tensor | None = None
+        self.deferred: list[tuple[int, Tensor]] = []
 
     def begin_round(self, target_hidden: Tensor | None) -> None:
+        """`target_hidden` None: the prompt's first round, whose chi draws wait for `settle`."""
         self.target_hidden = target_hidden
+        self.deferred = []
 
     def posterior(self, theta_m: float) -> tuple[float, float]:
         """(mu, sigma^2) of Alg. 3 lines 9-10."""
@@ -137,12 +165,24 @@ class CaliTS:
         return mu, self.sigma_m2 * self.sigma_s2 / denominator
 
     def keep_drafting(self, step: int, draft_hidden: Tensor) -> bool:
-        if self.target_hidden is None:
-            raise RuntimeError("Cali-TS needs the target's hidden state: call begin_round first")
+        if self.target_hidden is None:  # first round: draft on, decide in `settle`
+            self.deferred.append((step, draft_hidden))
+            return True
         theta_m = float(self.predict(step, self.target_hidden, draft_hidden))
         mu, variance = self.posterior(theta_m)
         theta = self.rng.gauss(mu, variance**0.5)
         return self.rng.random() < theta
+
+    def settle(self, target_hidden: Tensor, drafted: int) -> int:
+        """The first round's drafts to verify: the chi draws after each of the `drafted` drafts but the
+        last, made in order now that the target state `target_hidden` is known, up to the first chi = 0."""
+        if len(self.deferred) != drafted - 1:
+            raise RuntimeError(f"settle: {len(self.deferred)} deferred draws for {drafted} drafts")
+        self.target_hidden = target_hidden
+        for step, draft_hidden in self.deferred:
+            if not self.keep_drafting(step, draft_hidden):
+                return step
+        return drafted
 
     def update(self, drafted: int, accepted: int) -> None:
         r, n = chi_counts(drafted, accepted)

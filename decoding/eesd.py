@@ -150,6 +150,9 @@ class SelfProposer(ControlledDrafting):
         self.model, self.sampling, self.generator = model, sampling, generator
 
     def draft(self, out: Output, budget: int) -> tuple[Tensor, Tensor | None]:
+        budget = self.draft_budget(out, budget)
+        if not budget:
+            return out.ids[:0], None
         self.control.begin_round(self.target_hidden)
         first = out.pending(self.model.length(self.model.shared_slots))
         return draft_tokens(self.model.draft_step, first, budget, self.control, self.sampling, self.generator)
@@ -157,7 +160,9 @@ class SelfProposer(ControlledDrafting):
     def verify(self, out: Output, drafts: Tensor) -> tuple[Tensor, Tensor]:
         k = drafts.shape[0]
         pending = drafts[-1].view(1, 1) if k else out.pending(self.model.length(self.model.shared_slots))
-        return self.model.verify(pending, k + 1)
+        extra = self.state_rows(drafts)
+        logits, hidden = self.model.verify(pending, k + 1 + extra)
+        return self.settled(logits, hidden, drafts, extra)
 
     def keep(self, n: int, accepted: int, drafts: int, hidden: Tensor) -> None:
         # the exit layers saw the pending tokens and all drafts but the last; without drafts, nothing new

@@ -46,6 +46,9 @@ class DrafterProposer(ControlledDrafting):
         return logits[-1], hidden[-1]
 
     def draft(self, out: Output, budget: int) -> tuple[Tensor, Tensor | None]:
+        budget = self.draft_budget(out, budget)
+        if not budget:
+            return out.ids[:0], None
         self.control.begin_round(self.target_hidden)
         first = out.pending(self.drafter.length)
         return draft_tokens(
@@ -53,7 +56,9 @@ class DrafterProposer(ControlledDrafting):
         )
 
     def verify(self, out: Output, drafts: Tensor) -> tuple[Tensor, Tensor]:
-        return target_call(self.target, out, drafts)
+        extra = self.state_rows(drafts)
+        logits, hidden = target_call(self.target, out, drafts, extra)
+        return self.settled(logits, hidden, drafts, extra)
 
     def keep(self, n: int, accepted: int, drafts: int, hidden: Tensor) -> None:
         # the target cached the pending tokens and all the drafts; the drafter all but its last draft

@@ -126,6 +126,20 @@ class CalibrationModel(nn.Module):
         return model.to(device).eval()
 
 
+def check_covers(folder: str | Path, max_length: int) -> None:
+    """ValueError unless the calibration model in `folder` was trained on every draft step 1..`max_length`
+    that Cali-TS may take (its labels' `draft_length`, recorded by the calibrate stage)."""
+    config = json.loads((Path(folder) / CONFIG_FILE).read_text(encoding="utf-8"))
+    trained = config.get("draft_length")
+    if not isinstance(trained, int) or trained < max_length:
+        raise ValueError(
+            f"{folder}: the calibration model was trained on draft steps 1..{trained}, but Cali-TS may "
+            f"draft {max_length} tokens a round (measure.max_draft_length): steps past {trained} would use "
+            f"untrained matrices. Raise calibrate.draft_length to {max_length} and rerun calibrate, or lower "
+            "measure.max_draft_length"
+        )
+
+
 def acceptance_labels(draft_tokens: list[int], target_tokens: list[int]) -> list[int]:
     """chi_i for each draft token: 1 while the drafts agree with the target's tokens, 0 from the first miss on."""
     if len(draft_tokens) != len(target_tokens):

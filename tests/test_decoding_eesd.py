@@ -100,7 +100,7 @@ def test_measure_runs_eesd_and_cali_ts_from_upstream_folders(tmp_path, tiny_targ
     early_exit = tmp_path / "early_exit"
     save_exit_head(from_target(tiny_target, 2, 1), early_exit / "head")
     calibrate = tmp_path / "calibrate"
-    CalibrationModel(hidden, hidden).save(calibrate / "early_exit")
+    CalibrationModel(hidden, hidden).save(calibrate / "early_exit", extra={"draft_length": 10})  # steps 1..10
     finetune = tmp_path / "finetune"
     tiny_target.save_pretrained(finetune / "de-en")  # a drafter without a calibration model
     upstream = {"early_exit": early_exit, "calibrate": calibrate, "finetune": finetune}

@@ -40,7 +40,7 @@ early_exit:
          eval_batches: 1}}
 calibrate: {{num_positions: 12, draft_length: 3, max_steps: 3, loop: {{max_length: 160, per_device_batch_size: 6}}}}
 measure: {{temperatures: [0.0], seeds: [0], num_prompts: 2, max_new_tokens: 6, controls: [fixed, cali_ts],
-          include_pretrained: false}}
+          max_draft_length: 3, include_pretrained: false}}
 export: {{smoke_prompts: 1, smoke_max_new_tokens: 6, vllm_check: "off"}}
 tracking: {{mode: disabled}}
 """

@@ -109,6 +109,17 @@ class Recipe(StrictModel):
                         f"data.{block}.{index}.pair",
                         "data.pairs",
                     )
+        measure, calibrate = self.measure, self.calibrate
+        cali_ts = measure.enabled and "cali_ts" in measure.controls and calibrate.enabled
+        if cali_ts and calibrate.draft_length < measure.max_draft_length:
+            raise FieldError(
+                f"calibrate.draft_length {calibrate.draft_length} labels draft steps 1..{calibrate.draft_length}, "
+                f"but Cali-TS may draft measure.max_draft_length = {measure.max_draft_length} tokens a round: "
+                "the calibration model must be trained on every step it is asked about. Raise "
+                "calibrate.draft_length or lower measure.max_draft_length",
+                "calibrate.draft_length",
+                "measure.max_draft_length",
+            )
         # a raw prompt is the text itself: a translation would lose its task prefix and a conversation
         # its turns, so such sources need a chat format
         for block in ("distill", "open", "eval") if self.distill.prompt_format == "raw" else ():

@@ -60,15 +60,23 @@ class MeasureConfig(StrictModel):
     k_sweep: UniqueList[PositiveInt] = Field(default_factory=list)
     """Extra fixed draft lengths for `sd` and `eesd`, for the speedup-vs-K plot (e.g. [1, 2, 6, 8])."""
     max_draft_length: int = Field(default=10, ge=1)
-    """Cap on the drafts per round under Beta-TS and Cali-TS."""
-    beta_prior: list[float] = Field(default_factory=lambda: [1.0, 1.0])
-    """Beta-TS prior (alpha_0, beta_0)."""
-    cali_sigma_m: float = Field(default=0.2, gt=0)
-    """Cali-TS sigma_M: the calibration model's assumed prediction error."""
-    cali_sigma_s: float = Field(default=0.3, gt=0)
-    """Cali-TS sigma_S: the standard deviation of a round's mean chi."""
+    """Cap on the drafts per round under Beta-TS and Cali-TS (the seed's Alg. 1-3 have none; its
+    calibration model has 10 step matrices, i = min(i, 10)). With Cali-TS, `calibrate.draft_length` must
+    be at least this: the calibration model is trained on every step it is asked about."""
+    beta_prior: list[float] = Field(default_factory=lambda: [1.0, 2.0])
+    """Beta-TS prior (alpha_0, beta_0). The seed gives no value; (1, 2) is the best of (1, 1), (2, 1),
+    (4, 1), (1, 2) in `bench/results/ts_sweep.md` (`bench/ts_sweep.py`: the demo's eesd, T=0, held-out
+    prompts 24-47 of each eval set, latency-model speedup 1.406 against 1.392-1.401: within noise)."""
+    cali_sigma_m: float = Field(default=0.1, gt=0)
+    """Cali-TS sigma_M: the calibration model's assumed prediction error. The seed gives no value; 0.1 (of
+    0.1, 0.3) with sigma_S 0.5 and theta_hat_0 0.5 is the best of 12 settings in `bench/results/ts_sweep.md`
+    (predicted speedup 1.425 against 1.370-1.422, the spread within noise)."""
+    cali_sigma_s: float = Field(default=0.5, gt=0)
+    """Cali-TS sigma_S: the standard deviation of a round's mean chi (seed: sigma_chi / sqrt(k), no value
+    given); 0.5 of 0.1, 0.3, 0.5 (`bench/results/ts_sweep.md`)."""
     cali_theta0: float = Field(default=0.5, ge=0, le=1)
-    """Cali-TS theta_hat_0: the prior observed acceptance."""
+    """Cali-TS theta_hat_0: the prior observed acceptance, weighing as one trial (no value in the seed);
+    0.5 of 0.5, 0.8 (`bench/results/ts_sweep.md`)."""
     branching: list[PositiveInt] = Field(default_factory=lambda: [2, 2, 1], min_length=1)
     """RSD-C branching factors b (depth = len(b))."""
     beam_width: int = Field(default=3, ge=1)

@@ -62,6 +62,7 @@ from polydraft.decoding.rsd import recursive_speculative
 from polydraft.decoding.sampling import Sampling
 from polydraft.decoding.sd import speculative
 from polydraft.decoding.tree import TreeShape
+from polydraft.models.calibration import check_covers
 from polydraft.models.drafters import DrafterMismatch
 from polydraft.pipelines.schema import MeasureConfig
 from polydraft.pipelines.schema.common import reader_args
@@ -102,6 +103,9 @@ def run(inputs: MeasureInputs, ctx: StageContext) -> StageResult:
     try:
         eval_sets = eval_sets_of(inputs.eval, per_set, cfg.max_prompt_tokens, tokenizer)
         sources = discover_drafters(ctx.upstream, cfg.extra_drafters, cfg.include_pretrained)
+        for source in sources if "cali_ts" in cfg.controls else ():
+            if source.calibration is not None:
+                check_covers(source.calibration, cfg.max_draft_length)
         drafters = load_drafters(sources, target, tokenizer, device, cfg.profile)
     except (ValueError, DrafterMismatch) as err:
         raise StageFailed(f"measure: {err}") from err

@@ -173,6 +173,7 @@ def quick_overrides(study_dir: Path) -> list[str]:
         f"heads={flow({'num_heads': 2, 'loop': loop_eval})}",
         f"calibrate={flow({'num_positions': 12, 'draft_length': 3, 'max_steps': 3, 'loop': {'max_length': 160, 'per_device_batch_size': 6}})}",
         "measure.num_prompts=2",
+        "measure.max_draft_length=3",  # Cali-TS within the calibration model's 3 labelled steps
         "measure.max_new_tokens=6",
         "measure.latency_repeats=2",
         "tracking.mode=disabled",
