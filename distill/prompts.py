@@ -8,6 +8,9 @@ from typing import Any
 PAIRS = ("de-en", "fr-en", "ru-en", "ja-en", "zh-en")
 """The supported translation directions, source language first: seed 003's drafters translate into English."""
 
+MULTILINGUAL = "multilingual"
+"""The name (folder, drafter) of the one drafter the finetune stage trains on every pair's mix."""
+
 LANGUAGE_NAMES = {
     "de": "German",
     "fr": "French",

@@ -13,7 +13,8 @@ rows without a response token within `max_length` dropped and counted.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+import random
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -177,3 +178,42 @@ def load_examples(
         where = files[0] if len(files) == 1 else Path(distill_dir) / "mix"
         raise ValueError(f"{where}: no distilled row at {kept} ({mix.rows} open rows only)")
     return mix
+
+
+class BalancedMix(Sequence):
+    """Several pairs' encoded rows as one sequence, balanced by pair (`balanced_union`): row `i` is
+    `parts[k][j]` for `(k, j) = index[i]`, read one at a time (a part may be a memory-mapped dataset)."""
+
+    def __init__(self, parts: list[Any], index: list[tuple[int, int]]):
+        self.parts, self.index = parts, index
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> Any:  # type: ignore[override]
+        part, row = self.index[i]
+        return self.parts[part][row]
+
+
+def balanced_union(mixes: dict[str, Any], seed: int) -> tuple[BalancedMix, dict[str, int]]:
+    """(the union of the pairs' encoded rows, rows per pair in it). Every pair gives as many rows as the
+    largest one has: all of its own rows once, then as many again as it lacks, drawn without replacement
+    in a seeded order (repeated passes while it still lacks rows). Pairs are taken in sorted order; the
+    training batches shuffle the union. ValueError for a pair without rows (it cannot be balanced)."""
+    empty = sorted(pair for pair, examples in mixes.items() if len(examples) == 0)
+    if not mixes or empty:
+        raise ValueError(f"no encoded rows for pairs {empty} to balance the multilingual mix with")
+    largest = max(len(examples) for examples in mixes.values())
+    parts, index, counts = [], [], {}
+    for part, pair in enumerate(sorted(mixes)):
+        examples = mixes[pair]
+        rows = list(range(len(examples)))
+        rng = random.Random(f"{seed}/balanced/{pair}")
+        while len(rows) < largest:
+            extra = list(range(len(examples)))
+            rng.shuffle(extra)
+            rows.extend(extra[: largest - len(rows)])
+        parts.append(examples)
+        index.extend((part, row) for row in rows)
+        counts[pair] = len(rows)
+    return BalancedMix(parts, index), counts

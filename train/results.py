@@ -42,8 +42,20 @@ class PretrainMetrics(Launched):
     drafter: DrafterMetrics
 
 
+class MultilingualMetrics(Metrics):
+    """The drafter trained on the union of every pair's mix (`finetune.multilingual`)."""
+
+    drafter: DrafterMetrics
+    examples_per_pair: dict[str, int]
+    """Distinct encoded training rows of each pair."""
+    rows_per_pair: dict[str, int]
+    """Rows of each pair in one epoch of the balanced union (each the largest pair's count)."""
+
+
 class FinetuneMetrics(Launched):
     pairs: dict[str, DrafterMetrics]
+    multilingual: MultilingualMetrics | None = None
+    """None unless `finetune.multilingual`."""
 
 
 class HeadEval(Metrics):

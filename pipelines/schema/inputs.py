@@ -94,6 +94,9 @@ class FinetuneInputs(StrictModel):
     data_seed: int
     target: ResolvedTarget
     launch: LaunchConfig
+    done: list[str] = []
+    """Drafters (pairs, `multilingual`) an earlier, interrupted run finished: the training process skips
+    them. Set by the stage when it launches that process, never by the recipe (empty in the manifest)."""
 
     @classmethod
     def of(cls, recipe: Recipe, target: ResolvedTarget) -> FinetuneInputs:

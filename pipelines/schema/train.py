@@ -228,6 +228,12 @@ class FinetuneConfig(StrictModel):
     """`kd` compares the two distributions on the target's k most likely tokens plus one bucket for all
     the others (a true KL of (k+1)-way distributions, far cheaper than the full vocabulary)."""
     kd_weight: float = Field(default=1.0, ge=0)
+    multilingual: bool = False
+    """Also train one drafter on the union of every pair's mix, from the same starting drafter, into
+    `finetune/multilingual/` beside the per-pair ones (the alternative to routing each request to its
+    language's drafter). The union is balanced by pair: every pair gives as many rows per epoch as the
+    largest pair has (a smaller pair's rows repeat, in a seeded order), so no pair outweighs another; the
+    counts are recorded in the stage's metrics. Same loop settings as the per-pair drafters."""
     optim: FinetuneOptim = Field(default_factory=FinetuneOptim)
     loop: FinetuneLoop = Field(default_factory=FinetuneLoop)
 

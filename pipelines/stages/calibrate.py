@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from polydraft.distill.prompts import MULTILINGUAL
 from polydraft.models.calibration import CalibrationModel, calibration_metrics
 from polydraft.models.drafters import DrafterMismatch, load_drafter
 from polydraft.models.loading import load_tokenizer
@@ -90,7 +91,9 @@ def drafters_of(
     if inputs.calibrate.drafters == "all":
         finetune = Path(spec.upstream["finetune"])
         for folder in sorted(p for p in finetune.iterdir() if (p / "config.json").is_file()):
-            out.append((folder.name, functools.partial(standalone, folder, target, inputs), [folder.name]))
+            # the multilingual drafter (`finetune.multilingual`) serves every pair: it is calibrated on all
+            pairs = None if folder.name == MULTILINGUAL else [folder.name]
+            out.append((folder.name, functools.partial(standalone, folder, target, inputs), pairs))
     return out
 
 

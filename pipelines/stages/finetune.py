@@ -7,7 +7,9 @@ to the target (`kd`, which loads the target beside the drafter).
 Runner side: `run` launches `main` through `accelerate launch` for the pairs not finished by an earlier,
 interrupted run. Subprocess side: `finetune`. Output per pair: `<pair>/` (a Hugging Face folder),
 `<pair>.metrics.json` (written once the pair's drafter is exported: the pair is done), and while it
-trains `<pair>.checkpoints/` and `<pair>.train_log.jsonl`.
+trains `<pair>.checkpoints/` and `<pair>.train_log.jsonl`. With `finetune.multilingual`, the same for
+one more drafter, `multilingual`, trained from the same starting drafter on the union of every pair's
+mix balanced by pair (`train.mix_cache.balanced_union`; its rows per pair go into its metrics).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from polydraft.distill.prompts import MULTILINGUAL
 from polydraft.models.drafters import target_vocab_size
 from polydraft.models.loading import load_causal_lm, load_tokenizer
 from polydraft.pipelines.schema.inputs import FinetuneInputs
@@ -35,24 +38,25 @@ from polydraft.pipelines.tracking import Tracker
 from polydraft.train.data import pad_id_of
 from polydraft.train.drafter import export, initial_drafter, train_drafter
 from polydraft.train.evaluation import read_eval_sets
-from polydraft.train.mix_cache import load_examples
-from polydraft.train.results import DrafterMetrics, FinetuneMetrics, Launched
+from polydraft.train.mix_cache import MixExamples, balanced_union, load_examples
+from polydraft.train.results import DrafterMetrics, FinetuneMetrics, Launched, MultilingualMetrics
 from polydraft.train.runtime import resolve_attn_implementation
 
 log = logging.getLogger(__name__)
 
 
 def run(inputs: FinetuneInputs, ctx: StageContext) -> StageResult:
-    """Launch one training subprocess for the pairs still to train; return the metrics of every pair."""
+    """Launch one training subprocess for the drafters still to train; return the metrics of every one."""
     if "distill" not in ctx.upstream:
         raise StageFailed("finetune trains on the distill stage's mix: enable the distill stage")
-    pending = [pair for pair in inputs.pairs if not pair_metrics_path(ctx.work_dir, pair).is_file()]
+    jobs = [*inputs.pairs, MULTILINGUAL] if inputs.finetune.multilingual else list(inputs.pairs)
+    done = [job for job in jobs if pair_metrics_path(ctx.work_dir, job).is_file()]
     launched = Launched()
-    if pending:
+    if len(done) < len(jobs):
         if "pretrain" not in ctx.upstream:
             drafter = inputs.finetune.drafter
             preflight(ctx.name, drafter.init, drafter.revision, inputs.target)
-        todo = inputs.model_copy(update={"pairs": pending})
+        todo = inputs.model_copy(update={"done": done})
         launched = Launched.model_validate(
             launch_training(todo, inputs.launch, ctx, "polydraft.pipelines.stages.finetune")
         )
@@ -62,12 +66,18 @@ def run(inputs: FinetuneInputs, ctx: StageContext) -> StageResult:
         )
         for pair in inputs.pairs
     }
-    metrics = FinetuneMetrics(pairs=pairs, **launched.model_dump())
+    multilingual = None
+    if inputs.finetune.multilingual:
+        multilingual = MultilingualMetrics.model_validate_json(
+            pair_metrics_path(ctx.work_dir, MULTILINGUAL).read_text(encoding="utf-8")
+        )
+    metrics = FinetuneMetrics(pairs=pairs, multilingual=multilingual, **launched.model_dump())
     return StageResult(metrics=metrics.model_dump())
 
 
 def pair_metrics_path(work_dir: Path, pair: str) -> Path:
-    """`<pair>.metrics.json`, written once the pair's drafter is exported: the pair is done."""
+    """`<pair>.metrics.json` (or `multilingual.metrics.json`), written once the drafter is exported: it
+    is done."""
     return Path(work_dir) / f"{pair}.metrics.json"
 
 
@@ -77,33 +87,71 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def finetune(spec: StageSpec, inputs: FinetuneInputs, accelerator: Any, tracker: Tracker) -> dict[str, Any]:
-    """One drafter per pair of `inputs.pairs`, each exported to `<pair>/` with its metrics file."""
-    from accelerate.utils import set_seed
-
-    block, target, work_dir = inputs.finetune, inputs.target, Path(spec.work_dir)
-    loop = block.loop
-    distill_dir = Path(spec.upstream["distill"])
-    # from the pretrained drafter (P-F), or from finetune.drafter when there is no pretraining (F)
-    if "pretrain" in spec.upstream:
-        init, revision = str(Path(spec.upstream["pretrain"]) / "model"), None
-    else:
-        init, revision = block.drafter.init, block.drafter.revision
-    tokenizer = load_tokenizer(target.path, target.revision, target.trust_remote_code)
-    vocab = target_vocab_size(target.path, target.revision, target.trust_remote_code)
-    cuda = accelerator.device.type == "cuda"
-    teacher = None
-    if block.loss == "kd":  # the frozen target beside the drafter (bf16 on a GPU, fp32 on a CPU)
-        teacher = load_causal_lm(
-            target.path, target.revision, target.dtype, target.trust_remote_code, accelerator.device
-        ).requires_grad_(False)
+    """One drafter per pair of `inputs.pairs`, each exported to `<pair>/` with its metrics file, and with
+    `finetune.multilingual` one on the balanced union of every pair's mix, `multilingual/`. Drafters in
+    `inputs.done` are skipped."""
+    block, work_dir = inputs.finetune, Path(spec.work_dir)
+    job = Job(spec, inputs, accelerator, tracker)
     step_offset = 0
     for pair in inputs.pairs:
-        out_dir = work_dir / pair
+        if pair in inputs.done:
+            continue
+        mix = job.mix(pair)
+        metrics, steps = job.train(pair, mix.examples, mix.dropped, [pair], step_offset)
+        if accelerator.is_main_process:
+            pair_metrics_path(work_dir, pair).write_text(metrics.model_dump_json(indent=2), encoding="utf-8")
+        step_offset += steps
+    if block.multilingual and MULTILINGUAL not in inputs.done:
+        # the same encoded rows as the per-pair drafters (the tokenized mix is cached per pair)
+        mixes = {pair: job.mix(pair) for pair in inputs.pairs}
         try:
-            mix = load_examples(
-                distill_dir, tokenizer, "train", temperatures=block.temperatures, loss_on="response",
-                max_length=loop.max_length, cache_dir=work_dir / MIX_CACHE,
-                main_process_first=accelerator.main_process_first, pairs=[pair], need_distilled=True,
+            union, rows = balanced_union(
+                {pair: mix.examples for pair, mix in mixes.items()}, inputs.data_seed
+            )
+        except ValueError as err:
+            raise StageFailed(f"finetune {MULTILINGUAL}: {err}") from err
+        dropped = sum(mix.dropped for mix in mixes.values())
+        log.info("[%s] balanced rows per pair: %s", MULTILINGUAL, rows)
+        metrics, _ = job.train(MULTILINGUAL, union, dropped, list(inputs.pairs), step_offset)
+        result = MultilingualMetrics(
+            drafter=metrics,
+            examples_per_pair={pair: len(mix.examples) for pair, mix in mixes.items()},
+            rows_per_pair=rows,
+        )
+        if accelerator.is_main_process:
+            path = pair_metrics_path(work_dir, MULTILINGUAL)
+            path.write_text(result.model_dump_json(indent=2), encoding="utf-8")
+    return {}
+
+
+class Job:
+    """What every drafter of the stage shares: the starting drafter, the tokenizer, the teacher."""
+
+    def __init__(self, spec: StageSpec, inputs: FinetuneInputs, accelerator: Any, tracker: Tracker):
+        block, target = inputs.finetune, inputs.target
+        self.spec, self.inputs, self.accelerator, self.tracker = spec, inputs, accelerator, tracker
+        self.work_dir, self.distill_dir = Path(spec.work_dir), Path(spec.upstream["distill"])
+        # from the pretrained drafter (P-F), or from finetune.drafter when there is no pretraining (F)
+        if "pretrain" in spec.upstream:
+            self.init, self.revision = str(Path(spec.upstream["pretrain"]) / "model"), None
+        else:
+            self.init, self.revision = block.drafter.init, block.drafter.revision
+        self.tokenizer = load_tokenizer(target.path, target.revision, target.trust_remote_code)
+        self.vocab = target_vocab_size(target.path, target.revision, target.trust_remote_code)
+        self.teacher = None
+        if block.loss == "kd":  # the frozen target beside the drafter (bf16 on a GPU, fp32 on a CPU)
+            self.teacher = load_causal_lm(
+                target.path, target.revision, target.dtype, target.trust_remote_code, accelerator.device
+            ).requires_grad_(False)
+
+    def mix(self, pair: str) -> MixExamples:
+        """The pair's encoded training rows (StageFailed naming the pair when there are none to train on)."""
+        block = self.inputs.finetune
+        try:
+            return load_examples(
+                self.distill_dir, self.tokenizer, "train", temperatures=block.temperatures,
+                loss_on="response", max_length=block.loop.max_length, cache_dir=self.work_dir / MIX_CACHE,
+                main_process_first=self.accelerator.main_process_first, pairs=[pair], need_distilled=True,
             )  # fmt: skip
         except FileNotFoundError as err:
             raise StageFailed(f"finetune: {err}") from err
@@ -111,39 +159,52 @@ def finetune(spec: StageSpec, inputs: FinetuneInputs, accelerator: Any, tracker:
             raise StageFailed(
                 f"finetune {pair}: {err}; check finetune.temperatures and that distill answered this pair"
             ) from err
-        examples, dropped = mix.examples, mix.dropped
+
+    def train(
+        self, name: str, examples: Any, dropped: int, eval_pairs: list[str], step_offset: int
+    ) -> tuple[DrafterMetrics, int]:
+        """Train the drafter `name` on `examples` from the starting drafter, export it to `<name>/`;
+        (its metrics, its optimizer steps)."""
+        from accelerate.utils import set_seed
+
+        block, target, accelerator, tokenizer = (
+            self.inputs.finetune,
+            self.inputs.target,
+            self.accelerator,
+            self.tokenizer,
+        )
+        loop, out_dir = block.loop, self.work_dir / name
         assert loop.epochs is not None, "the recipe loader fills finetune.loop.epochs"
         batches, total_steps = sized_batches(
-            f"finetune {pair}", examples, inputs.data_seed, loop, accelerator, pad_id_of(tokenizer)
+            f"finetune {name}", examples, self.inputs.data_seed, loop, accelerator, pad_id_of(tokenizer)
         )
-        log.info("[%s] %d examples (%d over max_length), %d steps", pair, len(examples), dropped, total_steps)
+        log.info("[%s] %d examples (%d over max_length), %d steps", name, len(examples), dropped, total_steps)
         set_seed(loop.seed)
         model = initial_drafter(
             block.drafter.arch,
             block.drafter.shape(),
-            init,
-            revision,
-            vocab_size=vocab,
+            self.init,
+            self.revision,
+            vocab_size=self.vocab,
             tokenizer=tokenizer,
             pad_id=pad_id_of(tokenizer),
             max_length=loop.max_length,
-            attn_implementation=resolve_attn_implementation(loop.attn_implementation, cuda),
+            attn_implementation=resolve_attn_implementation(
+                loop.attn_implementation, accelerator.device.type == "cuda"
+            ),
             seed=loop.seed,
             target_name=f"target {target.path}",
         )
-        evals = read_eval_sets(distill_dir, [pair], tokenizer, loop.max_length)
+        evals = read_eval_sets(self.distill_dir, eval_pairs, tokenizer, loop.max_length)
         model, metrics = train_drafter(
-            accelerator, model, batches, evals, tracker, name=f"finetune {pair}", optim=optim_settings(block.optim),
-            loop=loop_settings(loop, total_steps), job_dir=out_dir, quiet=spec.quiet,
-            pad_id=pad_id_of(tokenizer), log_prefix=f"{pair}/", step_offset=step_offset, teacher=teacher,
-            kd=(block.kd_top_k, block.kd_weight),
+            accelerator, model, batches, evals, self.tracker, name=f"finetune {name}",
+            optim=optim_settings(block.optim), loop=loop_settings(loop, total_steps), job_dir=out_dir,
+            quiet=self.spec.quiet, pad_id=pad_id_of(tokenizer), log_prefix=f"{name}/", step_offset=step_offset,
+            teacher=self.teacher, kd=(block.kd_top_k, block.kd_weight),
         )  # fmt: skip
         export(accelerator, model, tokenizer, out_dir)
-        if accelerator.is_main_process:
-            pair_metrics_path(work_dir, pair).write_text(metrics.model_dump_json(indent=2), encoding="utf-8")
-        step_offset += total_steps
         accelerator.free_memory()
-    return {}
+        return metrics, total_steps
 
 
 if __name__ == "__main__":
