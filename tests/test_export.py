@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 
+from polydraft.decoding.measurement.routing import load_router
 from tests.decoding_helpers import single_thread_fixture
 from tests.export_setup import TRAINING, build_templates, export_recipe, measure_rows, run_export
 
@@ -91,6 +92,10 @@ def test_export_writes_a_smoke_checked_folder_per_drafter_and_head(exported):
         checks = {c["name"]: c["status"] for c in results(run_dir, name)["smoke"]["checks"]}
         assert checks["reload"] == checks["assisted_generation"] == checks["vllm_vocabulary"] == "pass"
         assert checks["vllm_generation"] == "skipped"  # export.vllm_check is off in the tests
+    # the routing table beside the drafters: no multilingual drafter here, so the generic one is the fallback
+    assert metrics["routing"] == {"de": "de-en", "fr": "fr-en", "fallback": "pretrain"}
+    router = load_router(export_dir / "routing.json")
+    assert router.folder(router.route("Translate German to English: zweiundvierzig")) == export_dir / "de-en"
     drafter = export_dir / "de-en"  # its calibration model sits apart: vLLM loads every top-level safetensors
     assert [p.name for p in drafter.glob("*.safetensors")] == ["model.safetensors"]
     assert (drafter / "calibration" / "calibration.safetensors").is_file()

@@ -240,3 +240,6 @@ class ExportMetrics(Record):
     smoke_failed: list[str]
     unmeasured: list[str]
     items: dict[str, ExportedItemMetrics]
+    routing: dict[str, str] | None = None
+    """`routing.json`'s language -> drafter folder (`fallback`: its fallback, when it has one); None when
+    no pair drafter was exported (no table is written)."""

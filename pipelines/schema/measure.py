@@ -168,6 +168,10 @@ class ExportConfig(StrictModel):
     subprocess. `auto`: when vllm can run here (the CPU build, or a GPU build with a GPU), else recorded as
     skipped; `require`: a vLLM that cannot run fails that check; `off`: never run. The static checks of vLLM's draft-model rules
     (same vocabulary, supported architecture, context length) always run."""
+    routing_threshold: float = Field(default=0.5, ge=0, le=1)
+    """The language router's confidence threshold, written into `routing.json` beside the drafters
+    (`decoding.measurement.routing`): a request identified with less confidence goes to the fallback
+    drafter (the multilingual one, else the generic pretrained one, else none)."""
     strict: bool = False
     """Fail the stage when a smoke check fails. Otherwise the failure is recorded in the manifest and the
     card, and `polydraft publish` refuses that folder unless --force."""

@@ -17,7 +17,8 @@ as `pretrain`), for the early-exit head (`early_exit/head/`) and for the blockwi
 - `results.json` (every fact of the card, machine-readable: the measure rows of this drafter and of the
   `ar` baseline beside it, their summary, training facts, the smoke check), `README.md` (the card,
   `pipelines.export.cards`), and per-drafter `summary.md` and PNG plots from the measure stage's report code.
-`export.json` indexes the folders for `polydraft publish`.
+`export.json` indexes the folders for `polydraft publish`; `routing.json` routes requests by language to
+the pair drafters (`decoding.measurement.routing`: `load_router(folder).route(text)`).
 
 Each folder is written as `<name>.tmp/` and renamed when complete, so a rerun after a crash redoes only
 the unfinished ones. Smoke checks (`pipelines.export.smoke`) run on the staged folder, i.e. on exactly what
@@ -36,6 +37,7 @@ from typing import Any
 from polydraft.decoding.measurement.inputs import DrafterSource, discover_drafters
 from polydraft.decoding.measurement.results import RESULTS_FILE as MEASURE_RESULTS
 from polydraft.decoding.measurement.results import ResultsError, read_rows
+from polydraft.decoding.measurement.routing import RoutingTable
 from polydraft.pipelines.export.cards import render_card
 from polydraft.pipelines.export.info import (
     calibration_facts,
@@ -67,6 +69,7 @@ from polydraft.pipelines.export.records import (
     SmokeResult,
     TrainingCard,
 )
+from polydraft.pipelines.export.routing import export_routing_table
 from polydraft.pipelines.export.smoke import Check, drafter_checks, head_checks, passed, vllm_generation_check
 from polydraft.pipelines.export.smoke_heads import heads_checks
 from polydraft.pipelines.manifest import git_state, write_json_atomic
@@ -334,6 +337,10 @@ def run(inputs: ExportInputs, ctx: StageContext) -> StageResult:
     if items:
         finish_items(items, inputs, ctx, target, tokenizer)
     index = write_index(ctx.work_dir, [s.name for s in sources], target)
+    try:
+        table = export_routing_table(ctx.work_dir, index, cfg.routing_threshold)
+    except ValueError as err:
+        raise StageFailed(f"export: routing table: {err}") from err
     for entry in index.items:
         info = ExportResults.model_validate_json(
             (ctx.work_dir / entry.folder / RESULTS_FILE).read_text("utf-8")
@@ -347,7 +354,7 @@ def run(inputs: ExportInputs, ctx: StageContext) -> StageResult:
         }
         metadata["headline"] = entry.headline.model_dump() if entry.headline else None
         ctx.tracker.log_artifact(entry.repo_name, ctx.work_dir / entry.folder, metadata)
-    return StageResult(metrics=stage_metrics(index))
+    return StageResult(metrics=stage_metrics(index, table))
 
 
 def finish_items(
@@ -473,7 +480,7 @@ def write_index(work_dir: Path, names: list[str], target: PublicTarget) -> Expor
     return index
 
 
-def stage_metrics(index: ExportIndex) -> dict[str, Any]:
+def stage_metrics(index: ExportIndex, table: RoutingTable | None = None) -> dict[str, Any]:
     items = {
         item.name: ExportedItemMetrics(
             smoke_passed=item.smoke_passed,
@@ -488,6 +495,9 @@ def stage_metrics(index: ExportIndex) -> dict[str, Any]:
         smoke_failed=[i.name for i in index.items if not i.smoke_passed],
         unmeasured=[i.name for i in index.items if not i.measured],
         items=items,
+        routing=None
+        if table is None
+        else {**table.drafters, **({"fallback": table.fallback} if table.fallback else {})},
     ).model_dump()
 
 

@@ -1,0 +1,31 @@
+"""`routing.json`, the export stage's routing table: which exported drafter serves which language.
+
+A serving process reads it with `decoding.measurement.routing.load_router(folder)` and calls
+`router.route(text)` per request (the README shows a deployment behind an OpenAI-compatible router).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from polydraft.decoding.measurement.routing import (
+    ROUTING_FILE,
+    RoutingTable,
+    routing_table_for,
+    write_routing_table,
+)
+from polydraft.distill.prompts import MULTILINGUAL
+from polydraft.pipelines.export.records import ExportIndex
+
+
+def export_routing_table(work_dir: Path, index: ExportIndex, threshold: float) -> RoutingTable | None:
+    """`routing.json` beside the exported folders (`decoding.measurement.routing`): each pair drafter
+    serves its pair's source language; the fallback is the multilingual drafter, else the generic
+    pretrained one, else none (plain decoding). None, and no file, when no pair drafter was exported."""
+    drafters = {i.name: i.folder for i in index.items if i.kind == "drafter"}
+    pairs = {i.pair: i.folder for i in index.items if i.kind == "drafter" and i.pair is not None}
+    if not pairs:
+        return None
+    table = routing_table_for(pairs, drafters.get(MULTILINGUAL, drafters.get("pretrain")), threshold)
+    write_routing_table(work_dir / ROUTING_FILE, table)
+    return table
