@@ -107,11 +107,10 @@ class NodeLeader:
 
     def _beat(self) -> None:
         while not self._stop.wait(1.0 if self.state["events"] else POLL_SECONDS):
-            for path in self.dir.glob("node-*.json"):
-                node = _read_json(path)
-                if node is not None:
-                    self.state["joined"][str(node["rank"])] = node["nonce"]
-            self.state["heartbeat"] += 1
+            cards = [card for path in self.dir.glob("node-*.json") if (card := _read_json(path)) is not None]
+            with self._lock:  # the main thread publishes the same state when it announces
+                self.state["joined"].update({str(card["rank"]): card["nonce"] for card in cards})
+                self.state["heartbeat"] += 1
             self._publish()
 
     def announce(self, event: dict[str, Any]) -> None:

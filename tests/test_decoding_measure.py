@@ -104,6 +104,20 @@ def test_measure_writes_rows_summary_and_plots_and_resumes(tmp_path, tiny_target
     assert {r["dataset"] for r in again[7 * 13 :]} == {rows[-1]["dataset"]}
 
 
+def test_extra_trees_are_measured_each_as_a_row_of_its_own(tmp_path, tiny_target_dir, finetune_dir):
+    """seed 002 Exp2: several trees of one target budget B (node count) side by side, at one budget."""
+    ctx = measure_context(tmp_path, {"finetune": finetune_dir})
+    recipe = measure_recipe(
+        tiny_target_dir, temperatures=[0.3], seeds=[0], decoders=["ar", "sd", "rsd_c", "rsd_s"],
+        controls=["fixed"], k_sweep=[], draft_length=4, cross_pairs=False, branching=[2, 1],
+        rsd_c_trees=[[2, 2], [3, 1], [2, 1]], beam_width=2, beam_depth=2, rsd_s_trees=[[3, 2], [2, 2]],
+    )  # fmt: skip
+    run_measure(recipe, ctx, tiny_target_dir)
+    trees = {(r.decoder, r.tree) for r in read_rows(ctx.work_dir / RESULTS_FILE) if r.tree is not None}
+    # each label once: the repeated [2, 1] and [2, 2] are not measured twice
+    assert trees == {("rsd_c", "2-1"), ("rsd_c", "2-2"), ("rsd_c", "3-1"), ("rsd_s", "2x2"), ("rsd_s", "3x2")}
+
+
 def test_measure_without_drafters_runs_ar_only(tmp_path, tiny_target_dir):
     ctx = measure_context(tmp_path, {})
     run_measure(measure_recipe(tiny_target_dir, temperatures=[0.0], seeds=[0]), ctx, tiny_target_dir)
@@ -133,6 +147,8 @@ def test_measure_config_errors():
         MeasureConfig(k_sweep=[0])
     with pytest.raises(ValueError, match="beta_prior"):
         MeasureConfig(beta_prior=[1.0])
+    with pytest.raises(ValueError, match=r"rsd_s_trees: each tree is \[W, L\]"):
+        MeasureConfig(rsd_s_trees=[[2, 3, 1]])
 
 
 def test_eval_prompts_are_built_like_distill_prompts(tmp_path, tiny_tokenizer):

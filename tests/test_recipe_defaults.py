@@ -36,6 +36,8 @@ EXPLICIT: dict[tuple[str, ...], list[Any]] = {
     ("distill", "prompt_format"): ["chat_template"],
     ("launch", "accelerate_config"): ["recipes/accelerate/ddp.yaml"],
     ("measure", "medusa_tree"): [[[0], [0, 0]]],
+    ("measure", "rsd_c_trees"): [[[2, 2]]],
+    ("measure", "rsd_s_trees"): [[[2, 3]]],
 }
 
 

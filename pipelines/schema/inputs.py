@@ -9,6 +9,8 @@ uses them (the offline corpus options only for offline sources, data.open only w
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
 from typing import Literal
 
 from polydraft.pipelines.schema import Recipe
@@ -167,10 +169,27 @@ class MeasureInputs(StrictModel):
     measure: MeasureConfig
     eval: EvalPrompts
     target: ResolvedTarget
+    extra_drafter_manifests: dict[str, str] = {}
+    """Name -> sha256 of the manifest of the stage folder holding a local `measure.extra_drafters` entry
+    (another run's `finetune/<pair>` or `pretrain/model`), so that this stage's key changes when that
+    drafter is trained again; entries that are no stage output (a hub id, a plain folder) have none."""
 
     @classmethod
     def of(cls, recipe: Recipe, target: ResolvedTarget) -> MeasureInputs:
-        return cls(measure=recipe.measure, eval=EvalPrompts.of(recipe), target=target)
+        return cls(
+            measure=recipe.measure, eval=EvalPrompts.of(recipe), target=target,
+            extra_drafter_manifests=stage_manifests(recipe.measure.extra_drafters),
+        )  # fmt: skip
+
+
+def stage_manifests(drafters: dict[str, str]) -> dict[str, str]:
+    """The sha256 of `manifest.json` in the folder above each local drafter folder, where there is one."""
+    found = {}
+    for name, path in drafters.items():
+        manifest = Path(path).parent / "manifest.json"
+        if Path(path).is_dir() and manifest.is_file():
+            found[name] = hashlib.sha256(manifest.read_bytes()).hexdigest()
+    return found
 
 
 class PretrainFacts(StrictModel):

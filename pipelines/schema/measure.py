@@ -82,6 +82,14 @@ class MeasureConfig(StrictModel):
     beam_width: int = Field(default=3, ge=1)
     beam_depth: int = Field(default=3, ge=1)
     """RSD-S beamwidth W and depth L."""
+    rsd_c_trees: UniqueList[list[PositiveInt]] = Field(default_factory=list)
+    """More RSD-C trees (branching vectors) measured beside `branching`, each a row of its own (its `tree`
+    label): seed 002's Exp2 compares the decoders at a fixed target budget B (the draft tokens the target
+    verifies per call, a tree's node count) over several trees per B, e.g. [[2, 1, 1], [2, 2], [3, 1]]
+    for B=6 (its App. C.3.2)."""
+    rsd_s_trees: UniqueList[list[PositiveInt]] = Field(default_factory=list)
+    """More RSD-S trees as [W, L] (beamwidth, depth; W x L nodes) measured beside `beam_width` x
+    `beam_depth`, e.g. [[2, 3], [3, 2]] for seed 002's B=6."""
     medusa_tree: list[list[int]] = Field(
         default_factory=lambda: [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
     )
@@ -132,6 +140,9 @@ class MeasureConfig(StrictModel):
             raise FieldError(
                 "measure.decoders must include `ar`: every speedup is measured against it", "decoders"
             )
+        for tree in self.rsd_s_trees:
+            if len(tree) != 2:
+                raise FieldError(f"measure.rsd_s_trees: each tree is [W, L], got {tree}", "rsd_s_trees")
         if len(self.beta_prior) != 2 or min(self.beta_prior) <= 0:
             raise FieldError(
                 f"measure.beta_prior: two positive numbers (alpha_0, beta_0), got {self.beta_prior}",

@@ -381,21 +381,16 @@ def build_methods(
                         chain_cost(latencies.rounds[d.source.name]),
                     )
                 )
-        shapes = {
-            "rsd_c": (TreeShape.constant(cfg.branching), "-".join(map(str, cfg.branching))),
-            "rsd_s": (TreeShape.beam(cfg.beam_width, cfg.beam_depth), f"{cfg.beam_width}x{cfg.beam_depth}"),
-        }
-        for decoder, (shape, label) in shapes.items():
-            if decoder in cfg.decoders:
-                methods.append(
-                    Method(
-                        {**base, "decoder": decoder, "tree": label},
-                        lambda p, i, s=shape, d=d: recursive_speculative(
-                            target_lm, d.lm, p, new, sampling, s, generator(i), eos_ids
-                        ),
-                        tree_cost(latencies.target, latencies.drafters[d.source.name], shape),
-                    )
+        for decoder, shape, label in tree_shapes(cfg):
+            methods.append(
+                Method(
+                    {**base, "decoder": decoder, "tree": label},
+                    lambda p, i, s=shape, d=d: recursive_speculative(
+                        target_lm, d.lm, p, new, sampling, s, generator(i), eos_ids
+                    ),
+                    tree_cost(latencies.target, latencies.drafters[d.source.name], shape),
                 )
+            )
         if "assisted" in cfg.decoders:
             methods.append(
                 Method(
@@ -417,6 +412,19 @@ def build_methods(
     return methods
 
 
+def tree_shapes(cfg: MeasureConfig) -> list[tuple[str, TreeShape, str]]:
+    """(decoder, shape, label) of every tree measured: `branching` and `rsd_c_trees` for `rsd_c`,
+    `beam_width` x `beam_depth` and `rsd_s_trees` for `rsd_s`, each label once."""
+    out: list[tuple[str, TreeShape, str]] = []
+    if "rsd_c" in cfg.decoders:
+        for b in dict.fromkeys(tuple(b) for b in [cfg.branching, *cfg.rsd_c_trees]):
+            out.append(("rsd_c", TreeShape.constant(list(b)), "-".join(map(str, b))))
+    if "rsd_s" in cfg.decoders:
+        for w, depth in dict.fromkeys(tuple(t) for t in [[cfg.beam_width, cfg.beam_depth], *cfg.rsd_s_trees]):
+            out.append(("rsd_s", TreeShape.beam(w, depth), f"{w}x{depth}"))
+    return out
+
+
 def measure_latencies(
     cfg: MeasureConfig, target_lm: CachedLM, drafters: list[Drafter], prompt: torch.Tensor
 ) -> RunLatencies:
@@ -425,11 +433,7 @@ def measure_latencies(
     lengths = [cfg.draft_length, cfg.eesd_k, *cfg.k_sweep]
     if "beta_ts" in cfg.controls or "cali_ts" in cfg.controls:
         lengths.append(cfg.max_draft_length)
-    shapes = []
-    if "rsd_c" in cfg.decoders:
-        shapes.append(TreeShape.constant(cfg.branching))
-    if "rsd_s" in cfg.decoders:
-        shapes.append(TreeShape.beam(cfg.beam_width, cfg.beam_depth))
+    shapes = [shape for _, shape, _ in tree_shapes(cfg)]
     size = max([max(lengths) + 1, *(shape.max_nodes + 1 for shape in shapes)])
     length = max(prompt.numel() + cfg.max_new_tokens // 2, size + 1)
     context = prompt.repeat(-(-length // prompt.numel()))[:length].view(1, -1)

@@ -12,26 +12,94 @@ from pydantic import BaseModel, ConfigDict
 from polydraft.decoding.measurement.results import ResultRow
 from polydraft.pipelines.study.verdicts import Check, SanityVerdict, Verdict, sanity_verdict, verdict_of
 
-# variant names (the variants themselves are built in `pipelines.study.variants`)
-PF = "pf"
-F_ONLY = "f_only"
-DISTILL_T0 = "distill_t0"
+# variant names and settings (the variants themselves are built in `pipelines.study.variants`)
+TRAIN_SEEDS = (0, 1)
+"""Training seeds of every compared trained drafter, added to the recipe's `loop.seed` of each stage that
+trains it: a finding's n counts training seed x prompt subset, so training variance enters the noise."""
+PF_BUDGETS = (0.0625, 0.25, 0.5, 1.0)
+"""P-F finetune lengths as fractions of the recipe's (seed 003 Fig. 4: a token axis over decades)."""
+F_BUDGETS = (0.0625, 0.25, 1.0)
+"""F (finetune only) at the same token budgets as P-F, the smallest where Fig. 4's gap is largest."""
+COMPARE = "compare"
+"""One interleaved measure run of the full-budget P-F, F and P drafters of every training seed."""
+TS_SD = "ts_sd"
 TREES = "trees"
+RSD_BUDGET = "rsd_budget"
 HEADS = "heads"
-EESD = "eesd"
-EESD_NO_LAYER = "eesd_no_layer"
-BUDGETS = (0.125, 0.25, 0.5)
-"""Finetune lengths as fractions of the recipe's; the recipe's own (the `pf` variant) is the fourth."""
-
-
-def budget_variant(fraction: float) -> str:
-    return f"finetune_x{fraction:g}"
-
-
+TEMPS_COMPARE = "temps_compare"
+K_SWEEP = (1, 2, 3, 4, 6, 8, 10)
+"""Fixed draft lengths measured for `sd` and `eesd` (seed 001 Fig. 3 plots speedup against K; K=10 is its
+preset, Tables 4 and 5)."""
+PRESET_K = 10
+"""Seed 001 Tables 4 and 5: Thompson sampling against a pre-defined K=10."""
 TREE_DEPTH = 3
 """Seed 002 App. C.3.1 at draft length 3: SD K=3, RSD-C 2-2-2, RSD-S 3x3 (its Table 2 rows)."""
-K_SWEEP = (1, 2, 3, 4, 6)
-"""Fixed draft lengths of seed 001 Fig. 3 (speedup against K) measured for `eesd`."""
+BUDGET_TREES: dict[int, tuple[list[list[int]], list[list[int]]]] = {
+    6: ([[2, 1, 1], [2, 2], [3, 1]], [[2, 3], [3, 2]]),
+    10: ([[2, 1, 1, 1, 1], [2, 2, 1], [5, 1]], [[2, 5], [5, 2]]),
+    14: ([[2, 1, 1, 1, 1, 1], [2, 2, 2], [7, 1]], [[2, 7], [7, 2]]),
+    21: ([[3, 1, 1, 1, 1, 1], [3, 2, 2], [7, 1, 1]], [[3, 7], [7, 3]]),
+    30: ([[2, 2, 2, 2], [5, 1, 1, 1, 1], [6, 1, 1, 1, 1]], [[5, 6], [6, 5]]),
+}
+"""Seed 002 App. C.3.2: target budget B -> (RSD-C branching vectors, RSD-S [W, L]); SD drafts K = B."""
+SEED_TEMPERATURES = (0.0, 0.3, 0.7, 1.0)
+"""Seed 003 §2.3 distils at these four temperatures."""
+
+
+def pf_variant(seed: int, fraction: float) -> str:
+    return f"pf_s{seed}_x{fraction:g}"
+
+
+def f_variant(seed: int, fraction: float) -> str:
+    return f"f_s{seed}_x{fraction:g}"
+
+
+def budgets_variant(pair: str) -> str:
+    return f"compare_budgets_{pair}"
+
+
+def ts_variant(pair: str) -> str:
+    return f"ts_sd_{pair}"
+
+
+def eesd_variant(seed: int, exit_layers: int = 1, shared: int | None = None) -> str:
+    """EESD variant names: `eesd_s0` (the recipe's N, one exit layer), `eesd_no_layer_s0`, `eesd_n2_s0`."""
+    if shared is not None:
+        return f"eesd_n{shared}_s{seed}"
+    return f"eesd_s{seed}" if exit_layers else f"eesd_no_layer_s{seed}"
+
+
+def temps_variant(seed: int, four: bool) -> str:
+    return f"temps{4 if four else 0}_s{seed}"
+
+
+def drafter_name(kind: str, seed: int, fraction: float | None = None, pair: str | None = None) -> str:
+    """The `measure.extra_drafters` name of a trained drafter in a comparison's measure run, e.g.
+    `pf_s1_x0.25_de-en` (P-F, training seed 1, a quarter of the finetune) or `p_s0` (pretrained only)."""
+    parts = [
+        kind,
+        f"s{seed}",
+        *([f"x{fraction:g}"] if fraction is not None else []),
+        *([pair] if pair else []),
+    ]
+    return "_".join(parts)
+
+
+def tree_budget(decoder: str, tree: str | None, draft_length: int | None) -> int | None:
+    """Seed 002's target budget B of a row: the draft tokens the target verifies per call (a chain's K,
+    a tree's node count from its label: `2-2-1` branching or `3x2` beamwidth x depth)."""
+    if decoder == "sd":
+        return draft_length
+    if tree is None:
+        return None
+    if decoder == "rsd_s":
+        width, depth = tree.split("x")
+        return int(width) * int(depth)
+    total, level = 0, 1
+    for b in tree.split("-"):
+        level *= int(b)
+        total += level
+    return total
 
 
 @dataclass
@@ -76,6 +144,10 @@ class Finding(BaseModel):
     title: str
     source: str
     """The seed's table or figure."""
+    claim: str
+    """The seed's claim in its own words and setting (or, for a study item, what is tested and why)."""
+    seed_claim: bool = True
+    """False for a study item that is no seed claim (labelled so in the report, counted apart)."""
     seed_numbers: str
     """The seed's numbers, as its table gives them (markdown)."""
     metric: str
@@ -132,6 +204,7 @@ def finish(
     key: str,
     title: str,
     source: str,
+    claim: str,
     seed_numbers: str,
     metric: str,
     variants: list[str],
@@ -139,6 +212,7 @@ def finish(
     build: Callable[[], tuple[list[Check], str, list[Panel]]],
     quantity: str = "speedup",
     sanity: bool = False,
+    seed_claim: bool = True,
 ) -> Finding:
     """The finding with its checks and verdict, or `not run` with the reason when a variant is missing;
     `sanity` judges it as a sanity check (passed/failed) instead of a seed's finding."""
@@ -150,7 +224,7 @@ def finish(
     judge = sanity_verdict if sanity else verdict_of
     verdict, why = ("not run", reason) if reason is not None else judge(checks)
     return Finding(
-        key=key, title=title, source=source, seed_numbers=seed_numbers, metric=metric, quantity=quantity,
+        key=key, title=title, source=source, claim=claim, seed_claim=seed_claim, seed_numbers=seed_numbers, metric=metric, quantity=quantity,
         variants=variants, checks=checks, details=details, panels=panels, sanity=sanity, verdict=verdict,
         reason=why,
     )  # fmt: skip
@@ -161,3 +235,13 @@ def chain(rows: list[ResultRow], k: int, drafter: str, dataset: str, t: float, m
         rows, metric, decoder="sd", control="fixed", draft_length=k, drafter=drafter, dataset=dataset,
         temperature=t,
     )  # fmt: skip
+
+
+def pooled(rows: list[ResultRow], names: list[str], metric: str, **fields: object) -> list[float | None]:
+    """`metric` of the rows of every drafter in `names` (one per training seed): n = seeds x prompt subsets."""
+    return [v for name in names for v in where(rows, metric, drafter=name, **fields)]
+
+
+def pair_of(rows: list[ResultRow], dataset_pair: str) -> list[str]:
+    """The eval set names of a language pair in these rows."""
+    return sorted({r.dataset for r in rows if r.dataset_pair == dataset_pair})

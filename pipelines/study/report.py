@@ -132,6 +132,9 @@ def section(number: int, finding: Finding, plot: str | None) -> str:
         "",
         f"**Verdict: {finding.verdict}** — {finding.reason}",
         "",
+        f"- Seed claim: {finding.claim}"
+        if finding.seed_claim
+        else f"- **Not a seed claim**: {finding.claim}",
         f"- Seed: {finding.source}. {finding.seed_numbers}",
         f"- Measured: {finding.metric}; variants {', '.join(f'`{v}`' for v in finding.variants) or '-'}.",
         "",
@@ -164,16 +167,33 @@ def _summary(findings: list[Finding], first: int) -> list[str]:
     ]
     for number, f in enumerate(findings, first):
         lines.append(
-            f"| {number} | `{f.key}`: {cell(f.title)} | {cell(f.source)} | {cell(measured_cell(f.checks))} "
+            f"| {number} | `{f.key}`: {cell(f.title)}{'' if f.seed_claim else ' (**not a seed claim**)'} | {cell(f.source)} | {cell(measured_cell(f.checks))} "
             f"| **{f.verdict}** | {cell(f.reason)} |"
         )
     return lines
 
 
 def tally(findings: list[Finding]) -> str:
-    """How many findings got each verdict, e.g. `2 reproduced, 0 consistent, ...` (of the findings only)."""
-    counts = ", ".join(f"{sum(f.verdict == v for f in findings)} {v}" for v in verdicts.VERDICTS)
-    return f"Of the seeds' {len(findings)} findings: {counts}."
+    """How many of the seeds' claims got each verdict, e.g. `2 reproduced, 0 consistent, ...` (the study
+    items that are no seed claim are counted apart)."""
+    claims = [f for f in findings if f.seed_claim]
+    counts = ", ".join(f"{sum(f.verdict == v for f in claims)} {v}" for v in verdicts.VERDICTS)
+    others = len(findings) - len(claims)
+    return f"Of the seeds' {len(claims)} findings: {counts}" + (
+        f"; and {others} study item(s) that are no seed claim (labelled so)." if others else "."
+    )
+
+
+def claims_table(findings: list[Finding]) -> str:
+    """Finding -> the seed claim it tests, in the seed's words and setting, and what the study measures."""
+    lines = [
+        "| finding | seed | the seed's claim (its setting) | measured here |",
+        "| --- | --- | --- | --- |",
+    ]
+    for f in findings:
+        claim = f.claim if f.seed_claim else f"**not a seed claim**: {f.claim}"
+        lines.append(f"| `{f.key}` | {cell(f.source)} | {cell(claim)} | {cell(f.metric)} |")
+    return "\n".join(lines)
 
 
 def write_report(
@@ -211,6 +231,10 @@ def write_report(
         "Sanity checks (they cannot come out otherwise when the code is right, so they are no finding):",
         "",
         *_summary(sanity, len(findings) + 1),
+        "",
+        "## Finding → seed claim",
+        "",
+        claims_table(findings),
         "",
         "## The rule",
         "",

@@ -52,7 +52,7 @@ def run_study(options: StudyOptions) -> Path:
             f"measure.seeds {recipe.measure.seeds}: the study needs at least {MIN_SEEDS} seeds (repetitions) "
             "for its error bars"
         )
-    plan = variants(recipe)
+    plan = variants(recipe, options.study_dir)
     unknown = sorted(set(options.only) - {v.name for v in plan})
     if unknown:
         raise InputError(
@@ -75,7 +75,9 @@ def run_study(options: StudyOptions) -> Path:
             log.info("study: variant `%s` %s in %.1f s", variant.name, record.status, record.seconds)
     _account(options.study_dir, records)
     return write_report(
-        options.study_dir, all_findings(data, recipe.measure.draft_length), sanity_checks(data), records,
+        options.study_dir,
+        all_findings(data, recipe.measure.draft_length, list(recipe.data.pairs), recipe.early_exit.num_shared_layers),
+        sanity_checks(data), records,
         command=options.command, quick=options.quick, total_seconds=time.perf_counter() - clock,
     )  # fmt: skip
 

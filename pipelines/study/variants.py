@@ -1,14 +1,20 @@
 """The study's variants: each the recipe plus command-line overrides, run in its own run directory.
 
 Every variant turns off what it does not measure (export always; the early-exit, heads and calibration
-stages where no finding reads them) so that only the stages its findings need run, and sets the measure
-block its findings compare. Variants whose stages have the same inputs share them: the runner's keys
-decide (`pipelines.runner.reuse_outputs`), so the distillation runs once, the pretrained drafter once,
-and the recipe's own finetune once for the variants that measure it differently.
+stages where no finding reads them) so that only the stages its findings need run. Variants whose
+stages have the same inputs share them: the runner's keys decide (`pipelines.runner.reuse_outputs`), so
+the distillation runs once and the pretrained drafter once per training seed.
 
-Settings come from the seeds, not from the results: the tree shapes of seed 002's draft length 3, the
-fixed K sweep of seed 001 Fig. 3, seed 003's two measurement temperatures (0 and 1), seed 002's WMT
-temperature 0.3 for the trees, and finetune budgets that halve the recipe's three times.
+Trained drafters that a finding compares are trained with every seed of `TRAIN_SEEDS` (their stage's
+`loop.seed`), with their measure stage off; one measure-only variant then loads them all as
+`measure.extra_drafters`, so that the compared drafters are measured interleaved in one run (the same
+prompts, group by group) and a finding's n counts training seed x prompt subset. The early-exit heads
+cannot be loaded that way (the measure stage reads one head, its upstream's), so each EESD variant
+measures its own.
+
+Settings come from the seeds, not from the results: seed 003's measurement temperatures (0 and 1) and
+four distillation temperatures, seed 001's K sweep and preset K=10 (greedy), seed 002's draft length 3
+(Exp1, T=0.3) and target budgets with their trees (Exp2, WMT De-En), seed 000's temperatures 0, 0.7, 1.
 """
 
 from __future__ import annotations
@@ -21,23 +27,35 @@ import yaml
 
 from polydraft.pipelines.schema import Recipe
 from polydraft.pipelines.study.model import (
-    BUDGETS,
-    DISTILL_T0,
-    EESD,
-    EESD_NO_LAYER,
-    F_ONLY,
+    BUDGET_TREES,
+    COMPARE,
+    F_BUDGETS,
     HEADS,
     K_SWEEP,
-    PF,
+    PF_BUDGETS,
+    RSD_BUDGET,
+    SEED_TEMPERATURES,
+    TEMPS_COMPARE,
+    TRAIN_SEEDS,
     TREE_DEPTH,
     TREES,
-    budget_variant,
+    budgets_variant,
+    drafter_name,
+    eesd_variant,
+    f_variant,
+    pf_variant,
+    temps_variant,
+    ts_variant,
 )
 
 COMPARE_TEMPERATURES = [0.0, 1.0]
 """Seed 003 Table 1 measures at T=0 and T=1."""
 TREE_TEMPERATURES = [0.0, 0.3]
 """Seed 002 measures WMT at T=0.3; T=0 adds the trees to the lossless check."""
+RESCORE_TEMPERATURES = [0.0, 0.7, 1.0]
+"""Seed 000 Tables A-D: T = 0, 0.7 and 1."""
+TEMPS_FRACTION = 0.25
+"""The distillation-temperature item finetunes for a quarter of the recipe's length (time)."""
 MIN_SEEDS = 3
 
 
@@ -60,96 +78,235 @@ def _measure(**fields: Any) -> str:
     return "measure=" + flow(defaults | fields)
 
 
-def _finetune_fraction(recipe: Recipe, fraction: float) -> str:
+def _finetune_fraction(recipe: Recipe, fraction: float) -> tuple[str, ...]:
     """The recipe's finetune length times `fraction` (its steps when it sets max_steps, else its epochs)."""
+    if fraction == 1:
+        return ()
     loop = recipe.finetune.loop
     if loop.max_steps is not None:
-        return f"finetune.loop.max_steps={max(1, round(loop.max_steps * fraction))}"
+        return (f"finetune.loop.max_steps={max(1, round(loop.max_steps * fraction))}",)
     assert loop.epochs is not None, "the recipe loader fills finetune.loop.epochs"
-    return f"finetune.loop.epochs={loop.epochs * fraction:g}"
+    return (f"finetune.loop.epochs={loop.epochs * fraction:g}",)
 
 
-def variants(recipe: Recipe) -> list[Variant]:
-    """The variants of `recipe`, in the order they run (each reuses what the earlier ones made)."""
-    no_export = "export.enabled=false"
-    drafters_only = ("early_exit.enabled=false", "heads.enabled=false", "calibrate.enabled=false", no_export)
-    chain = {"decoders": ["ar", "sd"]}
-    compare = _measure(**chain, temperatures=COMPARE_TEMPERATURES)
-    pf = Variant(
-        PF,
-        "the recipe's pretrain-then-finetune drafters (P-F) and the pretrained generic drafter (P), fixed K "
-        "and Beta-TS, on every pair's eval set",
-        (
-            *drafters_only,
-            _measure(
-                **chain, controls=["fixed", "beta_ts"], temperatures=COMPARE_TEMPERATURES,
-                include_pretrained=True, cross_pairs=True,
-            ),
-        ),
-    )  # fmt: skip
+OFF = ("early_exit.enabled=false", "heads.enabled=false", "calibrate.enabled=false", "export.enabled=false")
+MEASURE_ONLY = ("distill.enabled=false", "pretrain.enabled=false", "finetune.enabled=false", *OFF)
+
+
+def _eval_on(recipe: Recipe, pair: str) -> str:
+    """`data.eval` cut to the sources of one language pair."""
+    return "data.eval=" + flow([s.model_dump(mode="json") for s in recipe.data.eval if s.pair == pair])
+
+
+def trained(recipe: Recipe, study_dir: Path) -> list[Variant]:
+    """The compared standalone drafters, each training seed and budget its own variant (measure off)."""
+    out = []
     drafter = flow(recipe.pretrain.drafter.model_dump(mode="json"))
-    f_only = Variant(
-        F_ONLY,
-        "finetune only (F): the same drafter shape trained from random weights on the same mix",
-        (*drafters_only, "pretrain.enabled=false", f"finetune.drafter={drafter}", pf.overrides[-1]),
-    )
-    budgets = [
-        Variant(
-            budget_variant(fraction),
-            f"the P-F drafters finetuned for {fraction:g} of the recipe's finetune length",
-            (*drafters_only, _finetune_fraction(recipe, fraction), _measure(**chain, temperatures=[0.0])),
+    for seed in TRAIN_SEEDS:
+        seeds = (
+            f"pretrain.loop.seed={recipe.pretrain.loop.seed + seed}",
+            f"finetune.loop.seed={recipe.finetune.loop.seed + seed}",
         )
-        for fraction in BUDGETS
-    ]
-    skip_t0 = None
-    if 0.0 not in recipe.distill.temperatures or len(recipe.distill.temperatures) < 2:
-        skip_t0 = f"distill.temperatures is {recipe.distill.temperatures}: no T=0-only subset to compare"
-    distill_t0 = Variant(
-        DISTILL_T0,
-        "P-F drafters finetuned on the T=0 distillation only (`finetune.temperatures=[0.0]`)",
-        (*drafters_only, "finetune.temperatures=[0.0]", compare),
-        skip_t0,
-    )
-    tree = Variant(
+        for fraction in PF_BUDGETS:
+            out.append(Variant(
+                pf_variant(seed, fraction),
+                f"P-F drafters (pretrain then finetune), training seed {seed}, {fraction:g} of the finetune",
+                (*OFF, *seeds, *_finetune_fraction(recipe, fraction), "measure.enabled=false"),
+            ))  # fmt: skip
+        for fraction in F_BUDGETS:
+            out.append(Variant(
+                f_variant(seed, fraction),
+                f"F drafters (finetune only, the P drafter's shape from random weights), training seed {seed}, "
+                f"{fraction:g} of the finetune",
+                (*OFF, "pretrain.enabled=false", f"finetune.drafter={drafter}", seeds[1],
+                 *_finetune_fraction(recipe, fraction), "measure.enabled=false"),
+            ))  # fmt: skip
+    return out
+
+
+def _extras(study_dir: Path, pairs: list[str], budgets: dict[str, tuple[float, ...]], p: bool) -> dict:
+    """measure.extra_drafters: the P-F (`pf`) and F (`f`) drafters of `pairs` at their budgets, and the
+    pretrained drafters (`p`), of every training seed."""
+    found = {}
+    for seed in TRAIN_SEEDS:
+        for kind, fractions in budgets.items():
+            variant = pf_variant if kind == "pf" else f_variant
+            for fraction in fractions:
+                for pair in pairs:
+                    folder = study_dir.absolute() / variant(seed, fraction) / "finetune" / pair
+                    found[drafter_name(kind, seed, fraction, pair)] = str(folder)
+        if p:
+            found[drafter_name("p", seed)] = str(
+                study_dir.absolute() / pf_variant(seed, 1.0) / "pretrain" / "model"
+            )
+    return found
+
+
+def comparisons(recipe: Recipe, study_dir: Path) -> list[Variant]:
+    """Measure-only variants: the trained drafters of `trained` loaded side by side."""
+    pairs = list(recipe.data.pairs)
+    chain = {"decoders": ["ar", "sd"]}
+    full = _extras(study_dir, pairs, {"pf": (1.0,), "f": (1.0,)}, p=True)
+    out = [Variant(
+        COMPARE,
+        "the full-budget P-F, F and P drafters of every training seed, one measure run, every eval set "
+        "(in and out of domain), T=0 and T=1, fixed K",
+        (*MEASURE_ONLY, _measure(**chain, temperatures=COMPARE_TEMPERATURES, extra_drafters=full)),
+    )]  # fmt: skip
+    for pair in pairs:
+        extras = _extras(study_dir, [pair], {"pf": PF_BUDGETS, "f": F_BUDGETS}, p=True)
+        out.append(Variant(
+            budgets_variant(pair),
+            f"the {pair} P-F drafters at every finetune budget, F at its budgets and P, every training seed, "
+            f"one measure run on {pair}, T=0, fixed K",
+            (*MEASURE_ONLY, _eval_on(recipe, pair), _measure(**chain, temperatures=[0.0], extra_drafters=extras)),
+        ))  # fmt: skip
+    for pair in pairs:
+        extras = _extras(study_dir, [pair], {"pf": (1.0,)}, p=False)
+        k = recipe.measure.draft_length
+        out.append(Variant(
+            ts_variant(pair),
+            f"the {pair} full-budget P-F drafters of every training seed on {pair}, greedy: fixed K in "
+            f"{list(K_SWEEP)} and Beta-TS",
+            (*MEASURE_ONLY, _eval_on(recipe, pair),
+             _measure(**chain, temperatures=[0.0], controls=["fixed", "beta_ts"],
+                      k_sweep=[s for s in K_SWEEP if s != k], extra_drafters=extras)),
+        ))  # fmt: skip
+    return out
+
+
+def decoders(recipe: Recipe) -> list[Variant]:
+    """Variants that compare decoders on the recipe's own drafters (training seed 0)."""
+    own = (*OFF, "measure.enabled=true")
+    first = recipe.data.pairs[0]
+    shapes_c = [b for c, _ in BUDGET_TREES.values() for b in c]
+    shapes_s = [t for _, s in BUDGET_TREES.values() for t in s]
+    trees = Variant(
         TREES,
-        f"SD K={TREE_DEPTH}, RSD-C 2-2-2 and RSD-S 3x3 (seed 002's draft length {TREE_DEPTH})",
-        (
-            *drafters_only,
-            _measure(
-                decoders=["ar", "sd", "rsd_c", "rsd_s"], draft_length=TREE_DEPTH,
-                branching=[2] * TREE_DEPTH, beam_width=3, beam_depth=TREE_DEPTH,
-                temperatures=TREE_TEMPERATURES,
-            ),
-        ),
+        f"Exp1: SD K={TREE_DEPTH}, RSD-C 2-2-2 and RSD-S 3x3 (seed 002's draft length {TREE_DEPTH})",
+        (*own, _measure(
+            decoders=["ar", "sd", "rsd_c", "rsd_s"], draft_length=TREE_DEPTH, branching=[2] * TREE_DEPTH,
+            beam_width=3, beam_depth=TREE_DEPTH, temperatures=TREE_TEMPERATURES,
+        )),
+    )  # fmt: skip
+    budget = Variant(
+        RSD_BUDGET,
+        f"Exp2: fixed target budgets B in {list(BUDGET_TREES)} (SD K=B and seed 002's trees per B) on "
+        f"{first}, T=0.3",
+        (*own, _eval_on(recipe, first), _measure(
+            decoders=["ar", "sd", "rsd_c", "rsd_s"], draft_length=min(BUDGET_TREES),
+            k_sweep=list(BUDGET_TREES)[1:], branching=shapes_c[0], rsd_c_trees=shapes_c[1:],
+            beam_width=shapes_s[0][0], beam_depth=shapes_s[0][1], rsd_s_trees=shapes_s[1:],
+            temperatures=[0.3],
+        )),
     )  # fmt: skip
     heads = Variant(
         HEADS,
-        "the recipe's heads block (Medusa or BPD heads), alone and rescored by each pair's P-F drafter",
+        "the recipe's heads (Medusa or BPD), alone and rescored by each pair's P-F drafter, T = 0, 0.7, 1",
         (
-            "early_exit.enabled=false", "calibrate.enabled=false", "heads.enabled=true", no_export,
-            _measure(decoders=["ar", "bpd", "medusa", "bpd+rescore", "medusa+rescore"], temperatures=[0.0]),
+            "early_exit.enabled=false", "calibrate.enabled=false", "heads.enabled=true", "export.enabled=false",
+            _measure(decoders=["ar", "bpd", "medusa", "bpd+rescore", "medusa+rescore"],
+                     temperatures=RESCORE_TEMPERATURES),
         ),
     )  # fmt: skip
-    k = recipe.measure.draft_length
-    self_speculative = (
+    return [trees, budget, heads]
+
+
+def self_speculative(recipe: Recipe) -> list[Variant]:
+    """EESD heads: with and without the exit layer, and at more shared layers N, every training seed."""
+    k = recipe.measure.eesd_k
+    base = (
         "pretrain.enabled=false", "finetune.enabled=false", "heads.enabled=false", "early_exit.enabled=true",
-        "calibrate.enabled=true", "calibrate.drafters=early_exit", no_export,
-        _measure(
-            decoders=["ar", "eesd"], controls=["fixed", "beta_ts", "cali_ts"],
-            k_sweep=[s for s in K_SWEEP if s != k], temperatures=[0.0],
-        ),
+        "export.enabled=false",
     )  # fmt: skip
-    eesd = Variant(
-        EESD,
-        f"EESD with one exit layer: fixed K in {list(K_SWEEP)}, Beta-TS, Cali-TS",
-        (*self_speculative, "early_exit.num_exit_layers=1"),
-    )
-    no_layer = Variant(
-        EESD_NO_LAYER,
-        "EESD without the exit layer (norm and head only), measured as `eesd`",
-        (*self_speculative, "early_exit.num_exit_layers=0"),
-    )
-    return [pf, tree, heads, *budgets, distill_t0, f_only, eesd, no_layer]
+    sweep = [s for s in K_SWEEP if s != k]
+    n0 = recipe.early_exit.num_shared_layers
+    layers = recipe.target.bootstrap.num_layers if recipe.target.bootstrap is not None else None
+    out = []
+    for seed in TRAIN_SEEDS:
+        seeded = (*base, f"early_exit.loop.seed={recipe.early_exit.loop.seed + seed}")
+        out.append(Variant(
+            eesd_variant(seed),
+            f"EESD, N={n0}, one exit layer, training seed {seed}: fixed K in {list(K_SWEEP)}, Beta-TS, Cali-TS",
+            (*seeded, "early_exit.num_exit_layers=1", "calibrate.enabled=true", "calibrate.drafters=early_exit",
+             _measure(decoders=["ar", "eesd"], controls=["fixed", "beta_ts", "cali_ts"], k_sweep=sweep,
+                      temperatures=[0.0])),
+        ))  # fmt: skip
+        out.append(Variant(
+            eesd_variant(seed, exit_layers=0),
+            f"EESD without the exit layer (norm and head only), training seed {seed}: fixed K, Beta-TS",
+            (*seeded, "early_exit.num_exit_layers=0", "calibrate.enabled=false",
+             _measure(decoders=["ar", "eesd"], controls=["fixed", "beta_ts"], k_sweep=sweep, temperatures=[0.0])),
+        ))  # fmt: skip
+        for n in (n0 + 1, n0 + 2):
+            skip = None
+            if layers is not None and n + 1 > layers:
+                skip = f"N={n} shared layers and an exit layer need more than the target's {layers} layers"
+            out.append(Variant(
+                eesd_variant(seed, shared=n),
+                f"EESD with N={n} shared layers, one exit layer, training seed {seed}: Beta-TS",
+                (*seeded, f"early_exit.num_shared_layers={n}", "early_exit.num_exit_layers=1",
+                 "calibrate.enabled=false",
+                 _measure(decoders=["ar", "eesd"], controls=["beta_ts"], temperatures=[0.0])),
+                skip,
+            ))  # fmt: skip
+    return out
+
+
+def temperatures_item(recipe: Recipe, study_dir: Path) -> list[Variant]:
+    """Not a seed claim: P-F drafters finetuned on seed 003's four distillation temperatures against T=0
+    only, with as many distilled rows each (a quarter of the prompts at four temperatures)."""
+    sources = [s.model_dump(mode="json") for s in recipe.data.distill]
+    skip = None
+    if any(s["limit"] is None or s["limit"] < len(SEED_TEMPERATURES) for s in sources):
+        skip = "data.distill sources need a `limit` (of at least 4) to distil equal row counts"
+    quarter = [s | {"limit": max(1, (s["limit"] or 0) // len(SEED_TEMPERATURES))} for s in sources]
+    out = []
+    for seed in TRAIN_SEEDS:
+        seeds = (
+            f"pretrain.loop.seed={recipe.pretrain.loop.seed + seed}",
+            f"finetune.loop.seed={recipe.finetune.loop.seed + seed}",
+        )
+        common = (*OFF, *seeds, *_finetune_fraction(recipe, TEMPS_FRACTION), "measure.enabled=false")
+        out.append(Variant(
+            temps_variant(seed, four=True),
+            f"P-F drafters on distillations at {list(SEED_TEMPERATURES)} of a quarter of the prompts, "
+            f"training seed {seed}",
+            (*common, f"distill.temperatures={flow(list(SEED_TEMPERATURES))}", "finetune.temperatures=null",
+             f"data.distill={flow(quarter)}"),
+            skip,
+        ))  # fmt: skip
+        out.append(Variant(
+            temps_variant(seed, four=False),
+            f"P-F drafters on the T=0 distillation of all the prompts (as many rows), training seed {seed}",
+            (*common, "distill.temperatures=[0.0]", "finetune.temperatures=null"),
+            skip,
+        ))  # fmt: skip
+    extras = {}
+    for seed in TRAIN_SEEDS:
+        for four in (True, False):
+            for pair in recipe.data.pairs:
+                folder = study_dir.absolute() / temps_variant(seed, four) / "finetune" / pair
+                extras[drafter_name(f"t{4 if four else 0}", seed, None, pair)] = str(folder)
+    out.append(Variant(
+        TEMPS_COMPARE,
+        "the four-temperature and T=0 drafters of every training seed in one measure run, T=0 and T=1",
+        (*MEASURE_ONLY, _measure(decoders=["ar", "sd"], temperatures=COMPARE_TEMPERATURES, extra_drafters=extras)),
+        skip,
+    ))  # fmt: skip
+    return out
+
+
+def variants(recipe: Recipe, study_dir: Path) -> list[Variant]:
+    """The variants of `recipe`, in the order they run (each reuses what the earlier ones made; the
+    measure-only comparisons come after the drafters they load)."""
+    return [
+        *trained(recipe, study_dir),
+        *comparisons(recipe, study_dir),
+        *decoders(recipe),
+        *self_speculative(recipe),
+        *temperatures_item(recipe, study_dir),
+    ]
 
 
 def quick_overrides(study_dir: Path) -> list[str]:
@@ -159,7 +316,7 @@ def quick_overrides(study_dir: Path) -> list[str]:
     loop = {"max_steps": 2, "per_device_batch_size": 2, "grad_accum_steps": 1, "max_length": 160}
     loop_eval = loop | {"eval_every": 0, "eval_batches": 1}
     bootstrap = {
-        "vocab_size": 400, "hidden_size": 32, "num_layers": 3, "num_heads": 2, "intermediate_size": 64,
+        "vocab_size": 400, "hidden_size": 32, "num_layers": 4, "num_heads": 2, "intermediate_size": 64,
         "steps": 20, "batch_size": 8, "seq_len": 160, "cache_dir": str(Path(study_dir).absolute() / "target"),
     }  # fmt: skip
     return [
