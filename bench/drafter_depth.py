@@ -17,8 +17,6 @@ Training takes a few minutes per depth on 2 CPU cores; `--skip-train` measures d
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import shutil
 import statistics
 import subprocess
@@ -31,11 +29,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.held_out import load_held_out, mean_std, record  # noqa: E402
 from polydraft.decoding.control import FixedK  # noqa: E402
 from polydraft.decoding.engine import autoregressive  # noqa: E402
 from polydraft.decoding.lm import CachedLM  # noqa: E402
 from polydraft.decoding.measurement.latency import chain_cost, predicted_speedup, run_latencies  # noqa: E402
-from polydraft.decoding.measurement.measure import eos_ids_of, hardware  # noqa: E402
 from polydraft.decoding.measurement.metrics import summarize  # noqa: E402
 from polydraft.decoding.sampling import Sampling  # noqa: E402
 from polydraft.decoding.sd import speculative  # noqa: E402
@@ -77,19 +75,9 @@ def measure(args: argparse.Namespace) -> list[str]:
     """Decode and return the result table's lines."""
     from transformers import AutoModelForCausalLM
 
-    from polydraft.models.loading import load_tokenizer
-    from polydraft.pipelines.recipe import load_recipe
-    from polydraft.pipelines.schema.inputs import EvalPrompts
-    from polydraft.pipelines.stages.measure import eval_sets_of
-    from polydraft.pipelines.target import resolve_target
-
-    recipe = load_recipe(Path(args.recipe), args.overrides)
-    spec = resolve_target(recipe.target, recipe.data, show_progress=False)
-    target = AutoModelForCausalLM.from_pretrained(spec.path).eval()
-    tokenizer = load_tokenizer(spec.path, None, False)
-    eos_ids = eos_ids_of(target, tokenizer)
     count = args.prompts * args.repetitions
-    eval_sets = eval_sets_of(EvalPrompts.of(recipe), count, recipe.measure.max_prompt_tokens, tokenizer)
+    held = load_held_out(args.recipe, args.overrides, count)
+    target, eos_ids, eval_sets = held.target, held.eos_ids, held.eval_sets
     target_lm = CachedLM(target)
     drafters = {
         (depth, s.pair): CachedLM(
@@ -161,16 +149,10 @@ def measure(args: argparse.Namespace) -> list[str]:
         for (depth, k), values in sorted(results.items()):
             be, speed, predicted = ([v[i] for v in values] for i in range(3))
             lines.append(
-                f"| {eval_set.pair} | {depth} | {k} | {_mean_std(be)} | {_mean_std(speed)} | "
+                f"| {eval_set.pair} | {depth} | {k} | {mean_std(be)} | {mean_std(speed)} | "
                 f"{statistics.mean(predicted):.2f} | {statistics.mean(speed) / statistics.mean(predicted) - 1:+.0%} |"
             )
     return lines
-
-
-def _mean_std(values: list[float]) -> str:
-    if len(values) < 2:
-        return f"{values[0]:.2f} (n=1)"
-    return f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
 
 
 def main() -> int:
@@ -195,24 +177,12 @@ def main() -> int:
     if not args.skip_train:
         train(args.recipe, args.out_dir, args.depths, args.overrides)
     lines = measure(args)
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
-    header = [
-        f"## {date} — {hardware(torch.device('cpu'))}, {platform.machine()}, torch {torch.__version__}",
-        "",
-        "```",
-        "$ python -m bench.drafter_depth " + " ".join(sys.argv[1:]),
-        "```",
-        "",
+    setting = (
         f"T=0, {args.prompts} held-out prompts x {args.repetitions} disjoint repetitions per pair, up to "
         f"{args.max_new_tokens} new tokens, in-domain drafters; cells mean ± std over repetitions "
-        f"({time.perf_counter() - started:.0f} s in all).",
-        "",
-    ]
-    text = "\n".join(header + lines) + "\n"
-    print(text)
-    if args.record:
-        with open(args.record, "a", encoding="utf-8") as handle:
-            handle.write("\n" + text)
+        f"({time.perf_counter() - started:.0f} s in all)."
+    )
+    record("drafter_depth", setting, lines, args.record)
     return 0
 
 

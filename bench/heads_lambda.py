@@ -20,8 +20,6 @@ set. Every output is checked against `ar`'s.
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import statistics
 import sys
 import time
@@ -32,11 +30,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.held_out import load_held_out, mean_std, record  # noqa: E402
 from polydraft.decoding.blockwise import HeadsDraft, Rescoring, blockwise_chain, blockwise_tree  # noqa: E402
 from polydraft.decoding.engine import autoregressive  # noqa: E402
 from polydraft.decoding.lattice import CandidateTree  # noqa: E402
 from polydraft.decoding.lm import CachedLM  # noqa: E402
-from polydraft.decoding.measurement.measure import eos_ids_of, hardware  # noqa: E402
 from polydraft.decoding.measurement.metrics import summarize  # noqa: E402
 from polydraft.decoding.sampling import Sampling  # noqa: E402
 
@@ -82,19 +80,10 @@ def measure(args: argparse.Namespace) -> list[str]:
     from transformers import AutoModelForCausalLM
 
     from polydraft.models.heads import attach_heads
-    from polydraft.models.loading import load_tokenizer
-    from polydraft.pipelines.recipe import load_recipe
-    from polydraft.pipelines.schema.inputs import EvalPrompts
-    from polydraft.pipelines.stages.measure import eval_sets_of
-    from polydraft.pipelines.target import resolve_target
 
-    recipe = load_recipe(Path(args.recipe), args.overrides)
-    spec = resolve_target(recipe.target, recipe.data, show_progress=False)
-    target = AutoModelForCausalLM.from_pretrained(spec.path).eval()
-    tokenizer = load_tokenizer(spec.path, None, False)
-    eos_ids = eos_ids_of(target, tokenizer)
     count = args.offset + args.prompts * args.repetitions
-    eval_sets = eval_sets_of(EvalPrompts.of(recipe), count, recipe.measure.max_prompt_tokens, tokenizer)
+    held = load_held_out(args.recipe, args.overrides, count)
+    recipe, target, eos_ids, eval_sets = held.recipe, held.target, held.eos_ids, held.eval_sets
     target_lm = CachedLM(target)
     heads = HeadsDraft(attach_heads(target, args.run_dir / "heads" / "heads"), target_lm)
     cfg = recipe.measure
@@ -137,10 +126,10 @@ def measure(args: argparse.Namespace) -> list[str]:
             label, gain = "-", "-"
             if weight is not None:  # the same prompts' heads-alone decoder, repetition by repetition
                 alone = [v[0] for v in results[(name.removesuffix("+rescore"), None)]]
-                gain = _mean_std([b - a for a, b in zip(alone, be)], sign=True)
+                gain = mean_std([b - a for a, b in zip(alone, be)], 3, sign=True)
                 label = f"{weight:g}"
             lines.append(
-                f"| {eval_set.name} | {name} | {label} | {_mean_std(be)} | {gain} | {_mean_std(speed)} |"
+                f"| {eval_set.name} | {name} | {label} | {mean_std(be, 3)} | {gain} | {mean_std(speed, 3)} |"
             )
             if weight is not None:
                 by_lambda.setdefault(weight, []).append(statistics.mean(be))
@@ -152,13 +141,6 @@ def measure(args: argparse.Namespace) -> list[str]:
         + f". Best: lambda = {best:g}. Every output equals ar's.",
     ]
     return lines
-
-
-def _mean_std(values: list[float], sign: bool = False) -> str:
-    form = "+.3f" if sign else ".3f"
-    if len(values) < 2:
-        return f"{values[0]:{form}} (n=1)"
-    return f"{statistics.mean(values):{form}} ± {statistics.stdev(values):.3f}"
 
 
 def main() -> int:
@@ -178,25 +160,13 @@ def main() -> int:
     started = time.perf_counter()
     torch.manual_seed(0)
     lines = measure(args)
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
-    header = [
-        f"## {date} — {hardware(torch.device('cpu'))}, {platform.machine()}, torch {torch.__version__}",
-        "",
-        "```",
-        "$ python -m bench.heads_lambda " + " ".join(sys.argv[1:]),
-        "```",
-        "",
+    setting = (
         f"T=0, {args.prompts} held-out prompts x {args.repetitions} disjoint repetitions per eval set "
         f"(prompts {args.offset} to {args.offset + args.prompts * args.repetitions - 1} of each shuffled set), "
         f"up to {args.max_new_tokens} new tokens, each set rescored by its own pair's drafter; cells mean "
-        f"± std over repetitions ({time.perf_counter() - started:.0f} s in all).",
-        "",
-    ]
-    text = "\n".join(header + lines) + "\n"
-    print(text)
-    if args.record:
-        with open(args.record, "a", encoding="utf-8") as handle:
-            handle.write("\n" + text)
+        f"± std over repetitions ({time.perf_counter() - started:.0f} s in all)."
+    )
+    record("heads_lambda", setting, lines, args.record)
     return 0
 
 

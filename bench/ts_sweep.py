@@ -21,9 +21,7 @@ rounds whose tokens are each accepted with probability 0.8, counted as `decoding
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
-import platform
 import random
 import statistics
 import sys
@@ -35,6 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.held_out import load_held_out, mean_std, record  # noqa: E402
 from polydraft.decoding.control import BetaTS, CaliTS, FixedK  # noqa: E402
 from polydraft.decoding.eesd import SelfSpeculative, self_speculative  # noqa: E402
 from polydraft.decoding.engine import autoregressive  # noqa: E402
@@ -44,7 +43,6 @@ from polydraft.decoding.measurement.latency import (  # noqa: E402
     predicted_speedup,
     self_speculative_latencies,
 )
-from polydraft.decoding.measurement.measure import eos_ids_of, hardware  # noqa: E402
 from polydraft.decoding.measurement.metrics import summarize  # noqa: E402
 from polydraft.decoding.sampling import Sampling  # noqa: E402
 
@@ -90,24 +88,13 @@ def controls(cap: int, fixed: list[int], predict, seed: int) -> list[tuple[str, 
 
 def measure(args: argparse.Namespace) -> list[str]:
     """Decode and return the result table's lines."""
-    from transformers import AutoModelForCausalLM
-
     from polydraft.models.calibration import CalibrationModel, check_covers
     from polydraft.models.early_exit import attach_exit_head
-    from polydraft.models.loading import load_tokenizer
-    from polydraft.pipelines.recipe import load_recipe
-    from polydraft.pipelines.schema.inputs import EvalPrompts
-    from polydraft.pipelines.stages.measure import eval_sets_of
-    from polydraft.pipelines.target import resolve_target
 
-    recipe = load_recipe(Path(args.recipe), args.overrides)
-    cap = recipe.measure.max_draft_length
-    spec = resolve_target(recipe.target, recipe.data, show_progress=False)
-    target = AutoModelForCausalLM.from_pretrained(spec.path).eval()
-    tokenizer = load_tokenizer(spec.path, None, False)
-    eos_ids = eos_ids_of(target, tokenizer)
     count = args.offset + args.prompts * args.repetitions
-    eval_sets = eval_sets_of(EvalPrompts.of(recipe), count, recipe.measure.max_prompt_tokens, tokenizer)
+    held = load_held_out(args.recipe, args.overrides, count)
+    target, eos_ids, eval_sets = held.target, held.eos_ids, held.eval_sets
+    cap = held.recipe.measure.max_draft_length
     calibration = args.run_dir / "calibrate" / "early_exit"
     check_covers(calibration, cap)
     predict = CalibrationModel.load(calibration).predict
@@ -150,7 +137,7 @@ def measure(args: argparse.Namespace) -> list[str]:
         "| --- | --- | --- | --- | --- |",
     ]
     for (family, setting), values in scores.items():
-        cells = [_mean_std([v[i] for v in values]) for i in range(3)]
+        cells = [mean_std([v[i] for v in values], 3) for i in range(3)]
         lines.append(f"| {family} | {setting} | {' | '.join(cells)} |")
     lines.append("")
     for family in ("beta_ts", "cali_ts"):
@@ -163,12 +150,6 @@ def measure(args: argparse.Namespace) -> list[str]:
         f"Cells mean ± std over {len(eval_sets)} eval sets x {args.repetitions} repetitions. Every output equals ar's."
     )
     return lines
-
-
-def _mean_std(values: list[float]) -> str:
-    if len(values) < 2:
-        return f"{values[0]:.3f} (n=1)"
-    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
 
 
 def main() -> int:
@@ -200,25 +181,13 @@ def main() -> int:
         "",
         *measure(args),
     ]
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
-    header = [
-        f"## {date} — {hardware(torch.device('cpu'))}, {platform.machine()}, torch {torch.__version__}",
-        "",
-        "```",
-        "$ python -m bench.ts_sweep " + " ".join(sys.argv[1:]),
-        "```",
-        "",
+    setting = (
         f"T=0, {args.prompts} held-out prompts x {args.repetitions} disjoint repetitions per eval set "
         f"(prompts {args.offset} to {args.offset + args.prompts * args.repetitions - 1} of each shuffled set, "
         f"none of the demo's measured ones), up to {args.max_new_tokens} new tokens "
-        f"({time.perf_counter() - started:.0f} s in all).",
-        "",
-    ]
-    text = "\n".join(header + lines) + "\n"
-    print(text)
-    if args.record:
-        with open(args.record, "a", encoding="utf-8") as handle:
-            handle.write("\n" + text)
+        f"({time.perf_counter() - started:.0f} s in all)."
+    )
+    record("ts_sweep", setting, lines, args.record)
     return 0
 
 

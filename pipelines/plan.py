@@ -139,6 +139,11 @@ def estimate(recipe: Recipe, cluster: Cluster, distill_engines: int | None = Non
             stage = _train(f"finetune {pair}", plan, drafter, frozen, mix_tokens / pairs * loop.epochs,
                            mix_tokens / max(mix_rows, 1), loop, train_gpus, target.vocab if frozen else 0)  # fmt: skip
             plan.stages.append(stage)
+        if recipe.finetune.multilingual:  # the union balanced by pair: about every pair's tokens per epoch
+            loop = recipe.finetune.loop
+            stage = _train("finetune multilingual", plan, drafter, frozen, mix_tokens * loop.epochs,
+                           mix_tokens / max(mix_rows, 1), loop, train_gpus, target.vocab if frozen else 0)  # fmt: skip
+            plan.stages.append(stage)
     if recipe.early_exit.enabled:
         e = recipe.early_exit
         exit_shape = Shape(target.hidden, e.num_exit_layers, target.vocab, target.intermediate, target.heads,
@@ -285,7 +290,8 @@ def _measure(recipe: Recipe, plan: Plan, target: Shape, drafter: Shape) -> Stage
     m = recipe.measure
     cluster = plan.cluster
     languages = len(recipe.data.pairs) if recipe.finetune.enabled else 0
-    generic = int(m.include_pretrained and recipe.pretrain.enabled) + len(m.extra_drafters)
+    multilingual = int(recipe.finetune.enabled and recipe.finetune.multilingual)
+    generic = int(m.include_pretrained and recipe.pretrain.enabled) + len(m.extra_drafters) + multilingual
     drafters = languages + generic
     per_set = m.num_prompts * (len(m.seeds) if m.disjoint_prompts else 1)
     spec = sum(d in SPEC_DECODERS for d in m.decoders) + ("sd" in m.decoders) * (
@@ -308,6 +314,10 @@ def _measure(recipe: Recipe, plan: Plan, target: Shape, drafter: Shape) -> Stage
         tokens = per_seed * len(m.seeds) * len(m.temperatures) * answer_tokens(source, m.max_new_tokens)
         generated += tokens * methods
         seconds += tokens * (ar_seconds + (methods - 1) * ar_seconds / SPEC_SPEEDUP)
+        if m.mixed and source.pair is not None:  # again in the mixed traffic: ar, `sd` with each finetuned
+            mixed = languages + multilingual + 2  # drafter, routed and oracle
+            generated += tokens * (1 + mixed)
+            seconds += tokens * (ar_seconds + mixed * ar_seconds / SPEC_SPEEDUP)
     weights = (target.params() + drafters * drafter.params()) * 2
     seconds += weights / LOAD_BYTES_PER_S
     gpus, peak = spread(weights * 1.1, cluster)
@@ -319,6 +329,7 @@ def _export(recipe: Recipe, cluster: Cluster, target: Shape) -> StagePlan:
     """The smoke checks: target alone and with each drafter, greedy, on a few prompts, after a load."""
     e = recipe.export
     folders = len(recipe.data.pairs) + int(e.include_pretrained and recipe.pretrain.enabled)
+    folders += int(recipe.finetune.enabled and recipe.finetune.multilingual)
     tokens = folders * e.smoke_prompts * e.smoke_max_new_tokens * 2
     seconds = tokens * decode_latency(target, cluster) + target.params() * 2 / LOAD_BYTES_PER_S
     gpus, peak = spread(target.params() * 2.2, cluster)

@@ -313,3 +313,36 @@ def test_a_card_shows_both_engines_and_where_they_differ(exported):
     # polydraft's best K and headline stay polydraft's own
     assert measured.best_draft_length == info.measurement.best_draft_length
     assert measured.headline == info.measurement.headline.model_copy(update={"engine": "polydraft"})
+
+
+def test_finetuned_drafters_cards_say_which_mixed_traffic_choice_won(
+    tmp_path, tiny_tokenizer, tiny_target_dir
+):
+    from polydraft.decoding.measurement.mixed import write_group
+    from polydraft.pipelines.stage import StageFailed
+    from tests.test_mixed_traffic import _groups
+
+    templates = build_templates(tmp_path / "templates", tiny_tokenizer, tiny_target_dir)
+    for group in _groups([1.6, 1.7, 1.8], [1.2, 1.3, 1.4]):
+        write_group(templates / "measure", group)
+    run_export(export_recipe(tiny_target_dir), tmp_path / "run", templates, tiny_target_dir)
+    decision = (
+        "The routed per-language drafters won (routed 1.70 ± 0.10x vs multilingual 1.30 ± 0.10x over 3 "
+        "repetitions at T=0: difference +0.40, beyond the noise 0.20)."
+    )
+    for name in ("de-en", "fr-en"):
+        card = (tmp_path / "run" / "export" / name / "README.md").read_text(encoding="utf-8")
+        assert "## Mixed-language traffic" in card and f"- {decision}" in card
+        assert "Decision rule: the overall speedup of one choice must exceed" in card
+        assert "| routed | 2.00 ± 0.00 | 1.70 ± 0.10 |" in card
+        assert results(tmp_path / "run", name)["mixed_traffic"]["decisions"] == [
+            decision[0].lower() + decision[1:-1]
+        ]
+    for name in ("pretrain", "early_exit"):
+        assert "Mixed-language traffic" not in (tmp_path / "run" / "export" / name / "README.md").read_text()
+
+    # a group file that is not one fails the export before any folder is written, naming the file
+    (templates / "measure" / "mixed" / "T0-seed1.json").write_text("{")
+    with pytest.raises(StageFailed, match=r"T0-seed1.json: not a mixed-traffic group"):
+        run_export(export_recipe(tiny_target_dir), tmp_path / "again", templates, tiny_target_dir)
+    assert not list((tmp_path / "again").glob("export*/de-en*"))

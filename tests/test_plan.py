@@ -189,3 +189,31 @@ def test_chunked_loss_and_checkpointing_lower_the_planned_memory():
         (micro_tokens - 256) * vocab * 8 / 2**30, rel=1e-3
     )
     assert checkpointed.peak_gib < chunked.peak_gib
+
+
+def test_the_multilingual_drafter_and_the_mixed_traffic_are_planned(tmp_path):
+    pairs = ["de-en", "fr-en"]
+    sources = [{"kind": "local", "path": "rows.jsonl", "pair": p, "limit": 100} for p in pairs]
+    data = {"pairs": pairs, "distill": sources, "eval": [{**s, "limit": 30} for s in sources]}
+    measure = {"enabled": True, "decoders": ["ar", "sd"], "controls": ["fixed"], "k_sweep": [], "cross_pairs": False,
+               "include_pretrained": False, "seeds": [0], "num_prompts": 10}  # fmt: skip
+    gpus = parse_gpus("2xA100-80GB")
+    plans = {}
+    for name, finetune, mixed in [
+        ("base", False, False),
+        ("multilingual", True, False),
+        ("mixed", True, True),
+    ]:
+        recipe = small_recipe(tmp_path / name, data=data, finetune={"multilingual": finetune},
+                              measure={**measure, "mixed": mixed})  # fmt: skip
+        plans[name] = {s.name: s for s in estimate(recipe, gpus, distill_engines=1).stages}
+    base, multilingual, mixed = plans["base"], plans["multilingual"], plans["mixed"]
+    assert "finetune multilingual" not in base
+    # the union balanced by pair has every pair's tokens per epoch
+    union = multilingual["finetune multilingual"].tokens
+    assert union == pytest.approx(base["finetune de-en"].tokens + base["finetune fr-en"].tokens)
+    # per eval set, one method more (sd with the multilingual drafter), on 10 prompts x T=0 and T=1
+    per_method = base["measure"].tokens / (2 * 2)  # 2 sets x (ar + sd with the set's own drafter)
+    assert multilingual["measure"].tokens == pytest.approx(base["measure"].tokens + 2 * per_method)
+    # mixed traffic: each set's prompts again with ar, 3 drafters, routed and oracle
+    assert mixed["measure"].tokens == pytest.approx(multilingual["measure"].tokens + 2 * 6 * per_method)

@@ -20,9 +20,9 @@ measured on the prompt format they were trained on. Problems are ValueErrors nam
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -37,6 +37,8 @@ from polydraft.distill.prompts import (
 from polydraft.distill.sources import read_source
 
 log = logging.getLogger(__name__)
+
+P = TypeVar("P")
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,8 @@ class EvalSet:
     name: str
     pair: str | None
     prompts: list[torch.Tensor]
+    texts: list[str] = field(default_factory=list)
+    """Each prompt's last user turn as the user wrote it (what a language router sees)."""
     skipped_long: int = 0
 
 
@@ -173,6 +177,7 @@ def load_eval_sets(
                 eval_set.skipped_long += 1
                 continue
             eval_set.prompts.append(torch.tensor(ids, dtype=torch.long))
+            eval_set.texts.append(messages[-1]["content"])
             if len(eval_set.prompts) == num_prompts:
                 break
         if not eval_set.prompts:
@@ -189,8 +194,8 @@ def load_eval_sets(
 
 
 def repetition_prompts(
-    prompts: list[torch.Tensor], seeds: list[int], seed: int, num_prompts: int, disjoint: bool
-) -> list[torch.Tensor]:
+    prompts: list[P], seeds: list[int], seed: int, num_prompts: int, disjoint: bool
+) -> list[P]:
     """The prompts one seed decodes: all of them, or (`disjoint`) the seed's own slice of `num_prompts`
     (the i-th seed of `seeds` gets prompts i * num_prompts onwards), so seeds repeat over other prompts."""
     if not disjoint:

@@ -404,6 +404,24 @@ def heads_usage(info: ExportResults, repo_id: str, target: str) -> list[str]:
     ]
 
 
+def mixed_traffic_section(info: ExportResults) -> list[str]:
+    """Routed per-language drafters against one multilingual drafter on this run's mixed traffic."""
+    mixed = info.mixed_traffic
+    if mixed is None:
+        return []
+    summary = mixed.summary.replace("\n### ", "\n#### ").replace("## Mixed-language traffic", "", 1).strip()
+    return [
+        "## Mixed-language traffic: one drafter per language behind a router, or one multilingual drafter?",
+        "",
+        *(f"- {decision[0].upper()}{decision[1:]}." for decision in mixed.decisions),
+        "",
+        f"Decision rule: {mixed.rule}.",
+        "",
+        summary.split("Decision rule:")[0].strip(),
+        "",
+    ]
+
+
 def provenance(info: ExportResults) -> list[str]:
     git = info.polydraft
     commit = git.commit or "unknown"
@@ -426,6 +444,7 @@ def render_card(info: ExportResults, repo_id: str) -> str:
         intro(info),
         "",
         *measured_section(info),
+        *mixed_traffic_section(info),
         *training_section(info),
         *smoke_section(info),
         *usage_section(info, repo_id),

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from polydraft.decoding.measurement.metrics import mean_std
+from polydraft.decoding.measurement.mixed import RULE, decisions, markdown, read_groups
 from polydraft.decoding.measurement.results import ResultRow
 from polydraft.pipelines.export.records import (
     CalibrationCard,
@@ -24,6 +25,7 @@ from polydraft.pipelines.export.records import (
     MeanStd,
     Measurement,
     MeasurementContext,
+    MixedTrafficCard,
     PretrainCard,
     PublicTarget,
     SummaryEntry,
@@ -308,6 +310,17 @@ def heads_facts(config: dict[str, Any], upstream: dict[str, Path]) -> HeadsCard:
         train_loss=_finite(training.train_loss),
         initial_top1_target=top1(training.initial),
         top1_target=top1(training.final),
+    )
+
+
+def mixed_traffic_facts(upstream: dict[str, Path]) -> MixedTrafficCard | None:
+    """The measure stage's mixed-traffic groups as a card section; None when it measured none.
+    ValueError naming a group file that is not one."""
+    groups = read_groups(upstream["measure"]) if "measure" in upstream else []
+    if not groups:
+        return None
+    return MixedTrafficCard(
+        decisions=[d.text() for d in decisions(groups)], rule=RULE, summary=markdown(groups)
     )
 
 

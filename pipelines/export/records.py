@@ -179,6 +179,17 @@ class GitState(Record):
     dirty: bool | None
 
 
+class MixedTrafficCard(Record):
+    """The run's mixed-language traffic (`measure.mixed`): routed per-language drafters against the
+    multilingual drafter on every pair's prompts interleaved (`decoding.measurement.mixed`)."""
+
+    decisions: list[str]
+    """Which choice won, per temperature, with the numbers and the noise."""
+    rule: str
+    summary: str
+    """The measure summary's section: every method per pair and overall, the router's accuracy and cost."""
+
+
 class ExportResults(Record):
     """`results.json`: everything the model card says, machine-readable."""
 
@@ -203,6 +214,8 @@ class ExportResults(Record):
     head: HeadCard | None = None
     heads: HeadsCard | None = None
     architecture: ArchitectureCard | None = None
+    mixed_traffic: MixedTrafficCard | None = None
+    """Finetuned drafters of a run that measured mixed traffic."""
     files: list[str] = []
 
 

@@ -120,6 +120,15 @@ class Recipe(StrictModel):
                 "calibrate.draft_length",
                 "measure.max_draft_length",
             )
+        eval_pairs = {source.pair for source in self.data.eval if source.pair is not None}
+        if measure.enabled and measure.mixed and len(eval_pairs) < 2:
+            raise FieldError(
+                f"measure.mixed interleaves the eval sets of several language pairs, but data.eval has "
+                f"{len(eval_pairs)} pair(s) {sorted(eval_pairs)}: add another pair's eval set or set "
+                "measure.mixed: false",
+                "measure.mixed",
+                "data.eval",
+            )
         # a raw prompt is the text itself: a translation would lose its task prefix and a conversation
         # its turns, so such sources need a chat format
         for block in ("distill", "open", "eval") if self.distill.prompt_format == "raw" else ():

@@ -110,6 +110,12 @@ class MeasureConfig(StrictModel):
     """Confidence threshold of `assisted` (0: K tokens every round, like `sd`; transformers' default 0.4)."""
     cross_pairs: bool = True
     """Measure each language-specific drafter on the other pairs' eval sets too (out of domain)."""
+    mixed: bool = False
+    """Also decode mixed-language traffic (`decoding.measurement.mixed`): every pair's held-out prompts of
+    a repetition interleaved, with `sd` at `draft_length` and each drafter alone, the per-language drafters
+    behind the language router (its time included) and the oracle (each prompt with its own pair's
+    drafter); rows per pair and overall in `mixed/`, a section of `summary.md`, and which of routed and
+    multilingual (`finetune.multilingual`) won. Needs the eval sets of two pairs or more."""
     include_pretrained: bool = True
     """Also measure the pretrain stage's generic drafter, when that stage ran."""
     extra_drafters: dict[str, str] = Field(default_factory=dict)

@@ -47,6 +47,7 @@ from polydraft.pipelines.export.info import (
     hub_datasets,
     languages_of,
     measurements,
+    mixed_traffic_facts,
     pair_sources,
     pretrain_facts,
     public_target,
@@ -292,6 +293,7 @@ def build_info(
             checks=[SmokeCheck(name=c.name, status=c.status, detail=c.detail) for c in checks],
         ),
         plots=sorted(p.name for p in item.staged.glob("*.png")),
+        mixed_traffic=mixed_traffic_facts(ctx.upstream) if source.kind == "finetune" else None,
         polydraft=GitState(**git_state(PROJECT_ROOT)),
         **extra,
     )
@@ -316,6 +318,7 @@ def run(inputs: ExportInputs, ctx: StageContext) -> StageResult:
     try:
         sources = discover_drafters(ctx.upstream, {}, cfg.include_pretrained)
         rows = read_rows(ctx.upstream["measure"] / MEASURE_RESULTS) if "measure" in ctx.upstream else []
+        mixed_traffic_facts(ctx.upstream)  # a broken group file fails here, before any folder is written
     except (ValueError, ResultsError) as err:
         raise StageFailed(f"export: {err}") from err
     if not sources:

@@ -68,6 +68,7 @@ from polydraft.pipelines.schema import MeasureConfig
 from polydraft.pipelines.schema.common import reader_args
 from polydraft.pipelines.schema.inputs import EvalPrompts, MeasureInputs
 from polydraft.pipelines.stage import StageContext, StageFailed, StageResult
+from polydraft.pipelines.stages.measure_mixed import measure_mixed, mixed_summary
 
 log = logging.getLogger(__name__)
 
@@ -169,10 +170,17 @@ def run(inputs: MeasureInputs, ctx: StageContext) -> StageResult:
         ctx.tracker.log(
             {f"{eval_set.name}/T{temperature}/{r.method}/speedup": r.speedup for r in new_rows if r.speedup}
         )
+    mixed = []
+    if cfg.mixed:
+        try:
+            mixed = measure_mixed(cfg, eval_sets, target_lm, drafters, eos_ids, warmed, ctx)
+        except ValueError as err:
+            raise StageFailed(f"measure: {err}") from err
     if cfg.vllm != "off":
         context["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         rows = add_vllm_rows(cfg, spec.path, eval_sets, drafters, rows, context, path)
     write_report(rows, ctx.work_dir)
+    mixed_summary(ctx.work_dir, mixed)
     ctx.tracker.log_table("measure/results", [row.model_dump() for row in rows])
     return StageResult(metrics=headline(rows).model_dump())
 

@@ -89,7 +89,10 @@ def _finetune_fraction(recipe: Recipe, fraction: float) -> tuple[str, ...]:
     return (f"finetune.loop.epochs={loop.epochs * fraction:g}",)
 
 
-OFF = ("early_exit.enabled=false", "heads.enabled=false", "calibrate.enabled=false", "export.enabled=false")
+OFF = (
+    "early_exit.enabled=false", "heads.enabled=false", "calibrate.enabled=false", "export.enabled=false",
+    "finetune.multilingual=false", "measure.mixed=false",
+)  # fmt: skip
 MEASURE_ONLY = ("distill.enabled=false", "pretrain.enabled=false", "finetune.enabled=false", *OFF)
 
 

@@ -1,0 +1,195 @@
+"""`measure.mixed`: every pair's held-out prompts interleaved and decoded by each drafter alone, the
+multilingual drafter, the routed per-language drafters (router time included) and the oracle; rows per pair
+and overall, resumable group files, and the decision between routed and multilingual."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import pytest
+import torch
+
+from polydraft.decoding.engine import Generation
+from polydraft.decoding.measurement.inputs import EvalSet
+from polydraft.decoding.measurement.measure import Method
+from polydraft.decoding.measurement.mixed import (
+    MixedGroup,
+    MixedRow,
+    decisions,
+    group_of,
+    markdown,
+    mixed_traffic,
+    read_groups,
+)
+from polydraft.decoding.measurement.routing import LanguageRouter
+from polydraft.pipelines.schema import DataConfig, MeasureConfig, Recipe, SourceConfig, TargetConfig
+from polydraft.pipelines.stage import StageFailed
+from tests.decoding_helpers import single_thread_fixture
+from tests.measure_setup import PAIRS, measure_context, measure_recipe, run_measure
+from tests.test_decoding_measure import finetune_dir  # noqa: F401 (the module's drafters fixture)
+
+single_thread = single_thread_fixture()
+
+
+def _set(pair: str, count: int) -> EvalSet:
+    return EvalSet(
+        pair, pair, [torch.tensor([i]) for i in range(count)], [f"{pair} text {i}" for i in range(count)]
+    )
+
+
+def test_the_mixed_traffic_interleaves_each_pairs_prompts_of_the_repetition():
+    sets = [_set("de-en", 6), _set("fr-en", 6), EvalSet("chat", None, [torch.tensor([9])], ["x"])]
+    traffic = mixed_traffic(sets, [0, 1, 2], 1, 2, disjoint=True)
+    # seed 1 of 3 with 2 prompts each: prompts 2 and 3 of each pair, alternating pairs; pair-less sets left out
+    assert [(p.pair, p.index, p.text) for p in traffic] == [
+        ("de-en", 2, "de-en text 2"),
+        ("fr-en", 2, "fr-en text 2"),
+        ("de-en", 3, "de-en text 3"),
+        ("fr-en", 3, "fr-en text 3"),
+    ]
+    assert [int(p.prompt) for p in traffic] == [2, 2, 3, 3]
+    assert len(mixed_traffic(sets, [0, 1, 2], 1, 2, disjoint=False)) == 12
+    with pytest.raises(ValueError, match=r"at least two language pairs.*\['de-en'\]"):
+        mixed_traffic(sets[:1], [0], 0, 2, disjoint=False)
+
+
+def _generation(tokens: list[int], calls: int, seconds: float) -> Generation:
+    return Generation(tokens=tokens, stop="length", target_calls=calls, wall_seconds=seconds)
+
+
+def test_rows_per_pair_use_that_pairs_share_of_the_same_generations(tmp_path):
+    sets = [_set("de-en", 2), _set("fr-en", 2)]
+    traffic = mixed_traffic(sets, [0], 0, 2, disjoint=False)  # de, fr, de, fr
+    ar = Method({"decoder": "ar"}, lambda p, i: None)
+    ar.generations = [_generation([1, 2, 3, 4], 4, 1.0) for _ in traffic]
+    sd = Method({"decoder": "sd", "drafter": "de-en", "draft_length": 4}, lambda p, i: None)
+    # fast on German (4 tokens in 0.25 s, 1 call), slow on French (4 tokens in 2 s, 4 calls)
+    sd.generations = [
+        _generation([1, 2, 3, 4], 1, 0.25),
+        _generation([1, 2, 3, 5], 4, 2.0),
+        _generation([1, 2, 3, 4], 1, 0.25),
+        _generation([1, 2, 3, 4], 4, 2.0),
+    ]
+    group = group_of([ar, sd], traffic, [], 0.0, 3)
+    rows = {(r.method, r.traffic): r for r in group.rows}
+    assert set(rows) == {(m, t) for m in ("ar", "de-en") for t in ("all", "de-en", "fr-en")}
+    assert rows["de-en", "de-en"].speedup == pytest.approx(4.0)
+    assert rows["de-en", "fr-en"].speedup == pytest.approx(0.5)
+    assert rows["de-en", "all"].speedup == pytest.approx(4 / 4.5)  # 16 tokens in 4.5 s vs in 4 s
+    assert rows["de-en", "de-en"].block_efficiency == 4.0 and rows["de-en", "fr-en"].block_efficiency == 1.0
+    assert rows["de-en", "de-en"].matches_ar and not rows["de-en", "fr-en"].matches_ar
+    assert not rows["de-en", "all"].matches_ar and rows["ar", "all"].matches_ar
+    assert rows["de-en", "fr-en"].prompts == 2 and rows["de-en", "all"].draft_length == 4
+
+
+def _groups(routed: list[float], multilingual: list[float]) -> list[MixedGroup]:
+    def row(method: str, speedup: float) -> MixedRow:
+        return MixedRow(
+            method=method, traffic="all", temperature=0.0, seed=0, draft_length=4, prompts=4, new_tokens=4,
+            block_efficiency=2.0, token_rate=1.0, speedup=speedup, matches_ar=True,
+        )  # fmt: skip
+
+    return [
+        MixedGroup(temperature=0.0, seed=seed, requests=[], router_accuracy=1.0, rows=[row("routed", r), row("multilingual", m)])
+        for seed, (r, m) in enumerate(zip(routed, multilingual, strict=True))
+    ]  # fmt: skip
+
+
+def test_the_decision_needs_a_difference_beyond_twice_the_pooled_std():
+    (won,) = decisions(_groups([1.6, 1.7, 1.8], [1.2, 1.3, 1.4]))
+    # pooled std of two groups of std 0.1 is 0.1: noise 0.2 < difference 0.4
+    assert won.winner == "routed" and won.noise == pytest.approx(0.2) and won.difference == pytest.approx(0.4)
+    assert "routed per-language drafters won" in won.text() and "beyond the noise 0.20" in won.text()
+    (tie,) = decisions(_groups([1.45, 1.6, 1.75], [1.3, 1.45, 1.6]))
+    assert tie.winner is None and tie.noise == pytest.approx(0.3) and "within the noise" in tie.text()
+    (lost,) = decisions(_groups([1.0, 1.1, 1.2], [1.5, 1.55, 1.6]))
+    assert lost.winner == "multilingual" and "the multilingual drafter won" in lost.text()
+    (single,) = decisions(_groups([2.0], [1.0]))
+    assert single.winner is None and single.noise is None and "too few repetitions" in single.text()
+    assert decisions(_groups([1.0], [1.0])[:0]) == []
+
+
+def test_a_recipe_with_mixed_traffic_needs_two_eval_pairs(tmp_path):
+    with pytest.raises(ValueError, match=r"measure.mixed interleaves.*1 pair\(s\) \['de-en'\]"):
+        Recipe(
+            target=TargetConfig(path=str(tmp_path)),
+            data=DataConfig(pairs=PAIRS, eval=[SourceConfig(kind="offline", split="test", pair="de-en")]),
+            measure=MeasureConfig(mixed=True),
+        )
+
+
+@pytest.fixture(scope="module")
+def with_multilingual(tmp_path_factory, finetune_dir):  # noqa: F811
+    folder = tmp_path_factory.mktemp("finetune-multilingual")
+    for name in PAIRS:
+        shutil.copytree(finetune_dir / name, folder / name)
+    shutil.copytree(finetune_dir / "fr-en", folder / "multilingual")
+    return folder
+
+
+def _recipe(target_dir):
+    return measure_recipe(
+        target_dir, decoders=["ar", "sd"], controls=["fixed"], k_sweep=[], mixed=True, cross_pairs=False
+    )
+
+
+def test_mixed_traffic_rows_router_cost_summary_and_resume(
+    tmp_path, tiny_target_dir, with_multilingual, monkeypatch
+):
+    route = LanguageRouter.route
+
+    def slow(self, text):  # at least 50 ms per request: the routed wall time must hold it
+        time.sleep(0.05)
+        return route(self, text)
+
+    monkeypatch.setattr(LanguageRouter, "route", slow)
+    ctx = measure_context(tmp_path, {"finetune": with_multilingual})
+    run_measure(_recipe(tiny_target_dir), ctx, tiny_target_dir)
+    groups = read_groups(ctx.work_dir)
+    assert sorted((g.temperature, g.seed) for g in groups) == [(0.0, 0), (0.0, 1), (1.0, 0), (1.0, 1)]
+    methods = ["ar", "de-en", "fr-en", "multilingual", "routed", "oracle"]
+    for group in groups:
+        assert [(r.pair, r.index) for r in group.requests] == [
+            ("de-en", 2 * group.seed), ("fr-en", 2 * group.seed), ("de-en", 2 * group.seed + 1),
+            ("fr-en", 2 * group.seed + 1),
+        ]  # fmt: skip
+        assert [r.drafter for r in group.requests] == [r.pair for r in group.requests]
+        assert group.router_accuracy == 1.0 and all(r.router_ms >= 50 for r in group.requests)
+        rows = {(r.method, r.traffic): r for r in group.rows}
+        assert set(rows) == {(m, t) for m in methods for t in ("all", *PAIRS)}
+        assert rows["ar", "all"].speedup == 1.0 and rows["routed", "de-en"].prompts == 2
+        routed = rows["routed", "all"]
+        assert routed.token_rate is not None and routed.token_rate <= routed.new_tokens / (4 * 0.05)
+        if group.temperature == 0:
+            assert all(r.matches_ar for r in group.rows)
+        else:
+            assert all(r.matches_ar is None for r in group.rows)
+        assert rows["routed", "all"].new_tokens == sum(rows["routed", p].new_tokens for p in PAIRS)
+    summary = (ctx.work_dir / "summary.md").read_text()
+    assert "## Mixed-language traffic" in summary and "| routed |" in summary and "Decision rule:" in summary
+    assert "100.0% ± 0.0% of the requests to their own pair's drafter, 0 of 16 to the fallback" in summary
+
+    # a killed run: one group missing, one half-written; the rerun measures those two only
+    files = sorted((ctx.work_dir / "mixed").glob("*.json"))
+    kept = {p.name: p.read_bytes() for p in files[1:-1]}
+    files[0].unlink()
+    files[-1].write_text(files[-1].read_text()[:50])
+    with pytest.raises(ValueError, match="not a mixed-traffic group"):
+        read_groups(ctx.work_dir)
+    files[-1].unlink()
+    run_measure(_recipe(tiny_target_dir), ctx, tiny_target_dir)
+    assert {p.name: p.read_bytes() for p in files[1:-1]} == kept
+    assert all(p.is_file() for p in files)
+
+
+def test_mixed_traffic_without_pair_drafters_fails_the_stage(tmp_path, tiny_target_dir):
+    ctx = measure_context(tmp_path, {})
+    with pytest.raises(StageFailed, match="per-pair drafters, but the finetune stage made none"):
+        run_measure(_recipe(tiny_target_dir), ctx, tiny_target_dir)
+
+
+def test_the_summary_reports_each_pair_and_the_overall_cells():
+    text = markdown(_groups([1.6, 1.7, 1.8], [1.2, 1.3, 1.4]))
+    assert "| routed | 2.00 ± 0.00 | 1.70 ± 0.10 |" in text
+    assert "- the routed per-language drafters won" in text
