@@ -229,7 +229,7 @@ def distill_temperatures(runs: Runs, k: int, pairs: list[str]) -> Finding:
         "distill_temperatures",
         "drafters finetuned on distillations at four temperatures beat those finetuned on T=0 only",
         "no seed claim (seed 003 §2.3 uses four temperatures as a design choice)",
-        "not a seed claim: seed 003 generates responses at {0.0, 0.3, 0.7, 1.0} 'to capture the full range "
+        "seed 003 generates responses at {0.0, 0.3, 0.7, 1.0} 'to capture the full range "
         "of the target's output variability' and reports no comparison",
         "§2.3: responses are generated at temperatures {0.0, 0.3, 0.7, 1.0}; no table compares them.",
         f"wall-clock speedup of `sd` (fixed K={k}) on the drafter's own pair at T=0 and T=1: P-F drafters "

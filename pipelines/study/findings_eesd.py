@@ -201,7 +201,7 @@ def thompson_standalone(runs: Runs, pairs: list[str], best: bool) -> Finding:
         return finish(
             "thompson_standalone_best", "Beta-TS > the best fixed K for a standalone drafter (sd)",
             "no seed claim (seed 001 Fig. 3's claim carried over to a standalone drafter)",
-            "not a seed claim: seed 001 compares a standalone drafter with its preset K=10 only (Table 5); "
+            "seed 001 compares a standalone drafter with its preset K=10 only (Table 5); "
             "the best fixed K is Fig. 3's comparison for EESD",
             "Fig. 3 (EESD): Beta-TS slightly above the best fixed K; Table 5 has no best-K column.",
             f"wall-clock speedup of `sd` at T=0: Beta-TS against the fixed K of the highest mean, full-budget "
