@@ -130,7 +130,13 @@ def with_multilingual(tmp_path_factory, finetune_dir):  # noqa: F811
 
 def _recipe(target_dir):
     return measure_recipe(
-        target_dir, decoders=["ar", "sd"], controls=["fixed"], k_sweep=[], mixed=True, cross_pairs=False
+        target_dir,
+        decoders=["ar", "sd"],
+        controls=["fixed"],
+        k_sweep=[],
+        mixed=True,
+        cross_pairs=False,
+        disjoint_prompts=True,
     )
 
 
@@ -168,7 +174,7 @@ def test_mixed_traffic_rows_router_cost_summary_and_resume(
         assert rows["routed", "all"].new_tokens == sum(rows["routed", p].new_tokens for p in PAIRS)
     summary = (ctx.work_dir / "summary.md").read_text()
     assert "## Mixed-language traffic" in summary and "| routed |" in summary and "Decision rule:" in summary
-    assert "100.0% ± 0.0% of the requests to their own pair's drafter, 0 of 16 to the fallback" in summary
+    assert "100.0% ± 0.0% of the requests to their own pair's drafter, 0 of 8 to the fallback" in summary
 
     # a killed run: one group missing, one half-written; the rerun measures those two only
     files = sorted((ctx.work_dir / "mixed").glob("*.json"))

@@ -204,6 +204,7 @@ def test_the_multilingual_drafter_and_the_mixed_traffic_are_planned(tmp_path):
         ("multilingual", True, False),
         ("mixed", True, True),
     ]:
+        (tmp_path / name).mkdir()
         recipe = small_recipe(tmp_path / name, data=data, finetune={"multilingual": finetune},
                               measure={**measure, "mixed": mixed})  # fmt: skip
         plans[name] = {s.name: s for s in estimate(recipe, gpus, distill_engines=1).stages}

@@ -157,6 +157,10 @@ def test_setting_one_field_keeps_every_other_default(path, annotation, default):
     values = EXPLICIT.get(path) if path in EXPLICIT else candidates(annotation, default)
     if path == ("distill", "shard_index"):
         values = [1, 3]
+    if path == ("measure", "mixed"):  # interleaves the eval sets of two pairs or more
+        pairs = ["de-en", "fr-en"]
+        eval_sets = [{"kind": "offline", "split": "test", "pair": p} for p in pairs]
+        base = merge(base, {"data": {"pairs": pairs, "eval": eval_sets}})
     if path == ("distill", "openai", "endpoint"):
         base = merge(base, {"distill": {"prompt_format": "chat_template"}})
         values = ["chat"]
