@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from polydraft.decoding.measurement.mixed import markdown as mixed_markdown
+from polydraft.decoding.measurement.mixed import read_groups
 from polydraft.decoding.measurement.report import (
     BLOCKWISE,
     domain_table,
@@ -19,8 +21,9 @@ from polydraft.pipelines.export.records import INDEX_FILE, ExportIndex
 
 def results_summary(run_dir: Path) -> str | None:
     """Block efficiency and speedup per method and eval set (from measure/results.jsonl), in-domain vs
-    out-of-domain, local rescoring's gain over the heads alone, where vLLM's rows differ from polydraft's, and the exported folders with their smoke
-    checks (from export/export.json)."""
+    out-of-domain, local rescoring's gain over the heads alone, the mixed-language traffic (measure/mixed/),
+    where vLLM's rows differ from polydraft's, and the exported folders with their smoke checks (from
+    export/export.json)."""
     rows = read_rows(run_dir / "measure" / RESULTS_FILE)
     if not rows:
         return None
@@ -29,7 +32,7 @@ def results_summary(run_dir: Path) -> str | None:
         table(rows, "block_efficiency"),
         "",
         "Wall-clock speedup over ar (same process, same prompts), with the speedup a latency model predicts from the measured "
-        "forward latencies allow and the share of it reached:",
+        "forward latencies and the measured speedup's error against it (measured / predicted - 1):",
         speedup_table(rows),
         "",
         "In-domain vs out-of-domain (each language-specific drafter on its own pair and on the others; "
@@ -43,6 +46,9 @@ def results_summary(run_dir: Path) -> str | None:
             "pooled std of the two methods' repetitions, or of the per-seed gains when paired by seed):",
             rescoring_table(rows),
         ]
+    groups = read_groups(run_dir / "measure")
+    if groups:
+        parts += ["", mixed_markdown(groups).strip()]
     if any(r.engine == "vllm" for r in rows):
         differences = engine_differences(rows)
         parts += ["", "vLLM beside polydraft's engine (measure/summary.md has the table):"]

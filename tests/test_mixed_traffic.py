@@ -199,3 +199,20 @@ def test_the_summary_reports_each_pair_and_the_overall_cells():
     text = markdown(_groups([1.6, 1.7, 1.8], [1.2, 1.3, 1.4]))
     assert "| routed | 2.00 ± 0.00 | 1.70 ± 0.10 |" in text
     assert "- the routed per-language drafters won" in text
+
+
+def test_the_run_summary_prints_the_mixed_traffic_section(tmp_path):
+    from polydraft.decoding.measurement.mixed import write_group
+    from polydraft.pipelines.summary import results_summary
+    from tests.export_setup import measure_rows
+
+    (tmp_path / "measure").mkdir()
+    (tmp_path / "measure" / "results.jsonl").write_text(
+        "".join(r.model_dump_json() + "\n" for r in measure_rows())
+    )
+    assert "Mixed-language traffic" not in results_summary(tmp_path)
+    for group in _groups([1.6, 1.7, 1.8], [1.2, 1.3, 1.4]):
+        write_group(tmp_path / "measure", group)
+    text = results_summary(tmp_path)
+    assert "## Mixed-language traffic" in text and "| routed | 2.00 ± 0.00 | 1.70 ± 0.10 |" in text
+    assert "- the routed per-language drafters won (routed 1.70 ± 0.10x vs multilingual 1.30 ± 0.10x" in text
