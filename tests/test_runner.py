@@ -60,7 +60,8 @@ def test_first_run_produces_exactly_the_expected_files(setup):
     assert manifest["status"] == "completed"
     assert set(manifest["upstream"]) == {"distill", "pretrain"}
     # the finetune stage's inputs: exactly what it reads
-    assert set(manifest["config"]) == {"finetune", "pairs", "data_seed", "target", "launch"}
+    assert set(manifest["config"]) == {"finetune", "pairs", "data_seed", "target", "launch", "done"}
+    assert manifest["config"]["done"] == []  # set only for the training process of a resumed stage
     assert manifest["config"]["finetune"]["optim"]["lr"] == 3e-5  # resolved when the recipe loaded
     for key in (
         "config_hash",
