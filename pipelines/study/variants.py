@@ -74,7 +74,14 @@ def flow(value: Any) -> str:
 
 
 def _measure(**fields: Any) -> str:
-    defaults = {"controls": ["fixed"], "k_sweep": [], "include_pretrained": False, "cross_pairs": False}
+    # no mixed traffic: no finding reads it, and variants without finetuned pair drafters cannot route
+    defaults = {
+        "controls": ["fixed"],
+        "k_sweep": [],
+        "include_pretrained": False,
+        "cross_pairs": False,
+        "mixed": False,
+    }
     return "measure=" + flow(defaults | fields)
 
 
@@ -91,7 +98,7 @@ def _finetune_fraction(recipe: Recipe, fraction: float) -> tuple[str, ...]:
 
 OFF = (
     "early_exit.enabled=false", "heads.enabled=false", "calibrate.enabled=false", "export.enabled=false",
-    "finetune.multilingual=false", "measure.mixed=false",
+    "finetune.multilingual=false",
 )  # fmt: skip
 MEASURE_ONLY = ("distill.enabled=false", "pretrain.enabled=false", "finetune.enabled=false", *OFF)
 
