@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from polydraft.decoding.measurement.inputs import extra_pair
 from polydraft.pipelines.plan_model import (
     ANSWER_TOKENS,
     GIB,
@@ -291,8 +292,9 @@ def _measure(recipe: Recipe, plan: Plan, target: Shape, drafter: Shape) -> Stage
     cluster = plan.cluster
     languages = len(recipe.data.pairs) if recipe.finetune.enabled else 0
     multilingual = int(recipe.finetune.enabled and recipe.finetune.multilingual)
-    generic = int(m.include_pretrained and recipe.pretrain.enabled) + len(m.extra_drafters) + multilingual
-    drafters = languages + generic
+    paired = [extra_pair(path) for path in m.extra_drafters.values()]
+    generic = int(m.include_pretrained and recipe.pretrain.enabled) + paired.count(None) + multilingual
+    drafters = languages + generic + len(paired) - paired.count(None)
     per_set = m.num_prompts * (len(m.seeds) if m.disjoint_prompts else 1)
     spec = sum(d in SPEC_DECODERS for d in m.decoders) + ("sd" in m.decoders) * (
         len(m.controls) - 1 + len(m.k_sweep)
@@ -308,7 +310,9 @@ def _measure(recipe: Recipe, plan: Plan, target: Shape, drafter: Shape) -> Stage
                 f"{per_set} that num_prompts x seeds asks for (disjoint_prompts: the stage will stop)"
             )
         # without cross_pairs a language drafter is measured on its own pair's eval set only
-        own = drafters if m.cross_pairs or source.pair is None else generic + min(languages, 1)
+        own = drafters
+        if not m.cross_pairs and source.pair is not None:
+            own = generic + min(languages, 1) + paired.count(source.pair)
         methods = 1 + spec * own
         per_seed = prompts / (len(m.seeds) if m.disjoint_prompts else 1)
         tokens = per_seed * len(m.seeds) * len(m.temperatures) * answer_tokens(source, m.max_new_tokens)

@@ -118,6 +118,23 @@ def test_extra_trees_are_measured_each_as_a_row_of_its_own(tmp_path, tiny_target
     assert trees == {("rsd_c", "2-1"), ("rsd_c", "2-2"), ("rsd_c", "3-1"), ("rsd_s", "2x2"), ("rsd_s", "3x2")}
 
 
+def test_extra_drafters_in_a_pair_folder_follow_cross_pairs(tmp_path, tiny_target_dir, finetune_dir):
+    """An extra drafter at `.../de-en` is the de-en drafter: without cross_pairs it is measured on de-en
+    only, and its rows carry the pair; one in a folder of another name is measured on every set."""
+    generic = tmp_path / "generic"
+    generic.symlink_to(finetune_dir / "fr-en", target_is_directory=True)
+    ctx = measure_context(tmp_path, {})
+    extras = {"mine_de": str(finetune_dir / "de-en"), "other": str(generic)}
+    recipe = measure_recipe(
+        tiny_target_dir, temperatures=[0.0], seeds=[0], decoders=["ar", "sd"], controls=["fixed"], k_sweep=[],
+        cross_pairs=False, extra_drafters=extras,
+    )  # fmt: skip
+    run_measure(recipe, ctx, tiny_target_dir)
+    rows = [r for r in read_rows(ctx.work_dir / RESULTS_FILE) if r.decoder == "sd"]
+    measured = sorted((r.drafter, r.dataset, r.drafter_pair) for r in rows)
+    assert measured == [("mine_de", "de-en", "de-en"), ("other", "de-en", None), ("other", "fr-en", None)]
+
+
 def test_measure_without_drafters_runs_ar_only(tmp_path, tiny_target_dir):
     ctx = measure_context(tmp_path, {})
     run_measure(measure_recipe(tiny_target_dir, temperatures=[0.0], seeds=[0]), ctx, tiny_target_dir)

@@ -218,3 +218,22 @@ def test_the_multilingual_drafter_and_the_mixed_traffic_are_planned(tmp_path):
     assert multilingual["measure"].tokens == pytest.approx(base["measure"].tokens + 2 * per_method)
     # mixed traffic: each set's prompts again with ar, 3 drafters, routed and oracle
     assert mixed["measure"].tokens == pytest.approx(multilingual["measure"].tokens + 2 * 6 * per_method)
+
+
+def test_extra_drafters_in_a_pair_folder_are_planned_on_their_pair_only(tmp_path):
+    """Without cross_pairs, an extra drafter at `.../de-en` decodes the de-en set only; one elsewhere, both."""
+    pairs = ["de-en", "fr-en"]
+    sources = [{"kind": "local", "path": "rows.jsonl", "pair": p, "limit": 100} for p in pairs]
+    data = {"pairs": pairs, "distill": sources, "eval": [{**s, "limit": 30} for s in sources]}
+    measure = {"enabled": True, "decoders": ["ar", "sd"], "controls": ["fixed"], "k_sweep": [], "cross_pairs": False,
+               "include_pretrained": False, "seeds": [0], "num_prompts": 10}  # fmt: skip
+    gpus = parse_gpus("2xA100-80GB")
+    tokens = {}
+    for name, extras in [("none", {}), ("paired", {"a": "x/de-en"}), ("generic", {"a": "x/mine"})]:
+        (tmp_path / name).mkdir()
+        recipe = small_recipe(tmp_path / name, data=data, finetune={"enabled": False},
+                              measure={**measure, "extra_drafters": extras})  # fmt: skip
+        tokens[name] = {s.name: s for s in estimate(recipe, gpus, distill_engines=1).stages}["measure"].tokens
+    per_method = tokens["none"] / 2  # 2 sets x ar
+    assert tokens["paired"] == pytest.approx(tokens["none"] + per_method)
+    assert tokens["generic"] == pytest.approx(tokens["none"] + 2 * per_method)

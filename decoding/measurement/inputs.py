@@ -4,7 +4,9 @@ Drafters are discovered in the upstream stage folders that exist, so a run witho
 measures what it has:
 - `finetune/<pair>/`: one language-specific drafter per pair (a Hugging Face folder);
 - `pretrain/model/`: the generic pretrained drafter (seed 003's P-only baseline), when asked for;
-- `measure.extra_drafters`: any other Hugging Face folder or hub id (a published drafter, say);
+- `measure.extra_drafters`: any other Hugging Face folder or hub id (a published drafter, say); one whose
+  last path part names a language pair (`.../finetune/de-en`) is that pair's drafter, so that
+  `measure.cross_pairs` applies to it;
 - `early_exit/head/`: the early-exit head for `eesd`;
 - `heads/heads/`: the blockwise proposal heads for `bpd`, `medusa` and their `+rescore` variants (which
   rescore with each standalone drafter above);
@@ -70,7 +72,7 @@ def discover_drafters(
     if include_pretrained and pretrained is not None and (pretrained / "config.json").is_file():
         found.append(DrafterSource("pretrain", "pretrain", str(pretrained), None))
     for name, path in extra.items():
-        found.append(DrafterSource(name, "extra", path, None))
+        found.append(DrafterSource(name, "extra", path, extra_pair(path)))
     head = Path(upstream["early_exit"]) / "head" if "early_exit" in upstream else None
     if head is not None and (head / "early_exit.json").is_file():
         found.append(DrafterSource("early_exit", "early_exit", str(head), None))
@@ -90,6 +92,12 @@ def discover_drafters(
             for d in found
         ]
     return found
+
+
+def extra_pair(path: str) -> str | None:
+    """The language pair of an extra drafter: the last part of its path when that names a pair."""
+    last = Path(path).name
+    return last if last in PAIRS else None
 
 
 @dataclass

@@ -119,7 +119,9 @@ class MeasureConfig(StrictModel):
     include_pretrained: bool = True
     """Also measure the pretrain stage's generic drafter, when that stage ran."""
     extra_drafters: dict[str, str] = Field(default_factory=dict)
-    """Name -> Hugging Face folder or hub id of other drafters to measure (e.g. a published one)."""
+    """Name -> Hugging Face folder or hub id of other drafters to measure (e.g. a published one). A path
+    whose last part names a language pair (`runs/x/finetune/de-en`) is that pair's drafter: its rows carry
+    the pair, and `cross_pairs: false` measures it on that pair's eval set only."""
     profile: bool = True
     """Attribute time to forward passes (the overhead share); on a GPU this synchronises after each."""
     vllm: Literal["off", "auto", "require"] = "off"
