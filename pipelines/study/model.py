@@ -16,8 +16,9 @@ from polydraft.pipelines.study.verdicts import Check, SanityVerdict, Verdict, sa
 TRAIN_SEEDS = (0, 1)
 """Training seeds of every compared trained drafter, added to the recipe's `loop.seed` of each stage that
 trains it: a finding's n counts training seed x prompt subset, so training variance enters the noise."""
-PF_BUDGETS = (0.0625, 0.25, 0.5, 1.0)
-"""P-F finetune lengths as fractions of the recipe's (seed 003 Fig. 4: a token axis over decades)."""
+PF_BUDGETS = (0.015625, 0.0625, 0.25, 1.0)
+"""P-F finetune lengths as fractions of the recipe's, a factor 4 apart (seed 003 Fig. 4: a token axis
+over decades; evenly spaced in log tokens, where a log curve is a line)."""
 F_BUDGETS = (0.0625, 0.25, 1.0)
 """F (finetune only) at the same token budgets as P-F, the smallest where Fig. 4's gap is largest."""
 COMPARE = "compare"
@@ -27,9 +28,11 @@ TREES = "trees"
 RSD_BUDGET = "rsd_budget"
 HEADS = "heads"
 TEMPS_COMPARE = "temps_compare"
-K_SWEEP = (1, 2, 3, 4, 6, 8, 10)
+K_SWEEP = (1, 2, 3, 4, 6, 10)
 """Fixed draft lengths measured for `sd` and `eesd` (seed 001 Fig. 3 plots speedup against K; K=10 is its
-preset, Tables 4 and 5)."""
+preset, Tables 4 and 5), dense at the short drafts where this CPU's best K lies (K=2 and 4 for the demo)."""
+MORE_SHARED_LAYERS = 2
+"""Seed 001 Fig. 4: EESD heads on N and N + 2 shared layers (N the recipe's)."""
 PRESET_K = 10
 """Seed 001 Tables 4 and 5: Thompson sampling against a pre-defined K=10."""
 TREE_DEPTH = 3

@@ -32,6 +32,7 @@ from polydraft.pipelines.study.model import (
     F_BUDGETS,
     HEADS,
     K_SWEEP,
+    MORE_SHARED_LAYERS,
     PF_BUDGETS,
     RSD_BUDGET,
     SEED_TEMPERATURES,
@@ -50,8 +51,8 @@ from polydraft.pipelines.study.model import (
 
 COMPARE_TEMPERATURES = [0.0, 1.0]
 """Seed 003 Table 1 measures at T=0 and T=1."""
-TREE_TEMPERATURES = [0.0, 0.3]
-"""Seed 002 measures WMT at T=0.3; T=0 adds the trees to the lossless check."""
+TREE_TEMPERATURES = [0.3]
+"""Seed 002 measures WMT at T=0.3 (the trees' exactness at T=0 is the decoders' tests' job)."""
 RESCORE_TEMPERATURES = [0.0, 0.7, 1.0]
 """Seed 000 Tables A-D: T = 0, 0.7 and 1."""
 TEMPS_FRACTION = 0.25
@@ -161,7 +162,8 @@ def comparisons(recipe: Recipe, study_dir: Path) -> list[Variant]:
         COMPARE,
         "the full-budget P-F, F and P drafters of every training seed, one measure run, every eval set "
         "(in and out of domain), T=0 and T=1, fixed K",
-        (*MEASURE_ONLY, _measure(**chain, temperatures=COMPARE_TEMPERATURES, extra_drafters=full)),
+        (*MEASURE_ONLY,
+         _measure(**chain, temperatures=COMPARE_TEMPERATURES, cross_pairs=True, extra_drafters=full)),
     )]  # fmt: skip
     for pair in pairs:
         extras = _extras(study_dir, [pair], {"pf": PF_BUDGETS, "f": F_BUDGETS}, p=True)
@@ -248,18 +250,17 @@ def self_speculative(recipe: Recipe) -> list[Variant]:
             (*seeded, "early_exit.num_exit_layers=0", "calibrate.enabled=false",
              _measure(decoders=["ar", "eesd"], controls=["fixed", "beta_ts"], k_sweep=sweep, temperatures=[0.0])),
         ))  # fmt: skip
-        for n in (n0 + 1, n0 + 2):
-            skip = None
-            if layers is not None and n + 1 > layers:
-                skip = f"N={n} shared layers and an exit layer need more than the target's {layers} layers"
-            out.append(Variant(
-                eesd_variant(seed, shared=n),
-                f"EESD with N={n} shared layers, one exit layer, training seed {seed}: Beta-TS",
-                (*seeded, f"early_exit.num_shared_layers={n}", "early_exit.num_exit_layers=1",
-                 "calibrate.enabled=false",
-                 _measure(decoders=["ar", "eesd"], controls=["beta_ts"], temperatures=[0.0])),
-                skip,
-            ))  # fmt: skip
+        n = n0 + MORE_SHARED_LAYERS
+        skip = None
+        if layers is not None and n + 1 > layers:
+            skip = f"N={n} shared layers and an exit layer need more than the target's {layers} layers"
+        out.append(Variant(
+            eesd_variant(seed, shared=n),
+            f"EESD with N={n} shared layers, one exit layer, training seed {seed}: Beta-TS",
+            (*seeded, f"early_exit.num_shared_layers={n}", "early_exit.num_exit_layers=1", "calibrate.enabled=false",
+             _measure(decoders=["ar", "eesd"], controls=["beta_ts"], temperatures=[0.0])),
+            skip,
+        ))  # fmt: skip
     return out
 
 
