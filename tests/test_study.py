@@ -98,6 +98,9 @@ def test_variants_share_identical_stages_and_a_rerun_runs_nothing(quick):
     assert made.count("distill") == 3 and made.count("pretrain") == 2
     assert sum(v["shared"].get("distill") == pf_variant(0, PF_BUDGETS[0]) for v in variants) >= 20
     assert all(v["ran"] == list(v["made"]) for v in variants)
+    # only the trained variants train drafters: the others reuse theirs (the heads' rescorers included)
+    trained = [v["name"] for v in variants if "finetune" in v["made"]]
+    assert trained and all(name.startswith(("pf_", "f_", "temps")) for name in trained), trained
     assert main(["study", str(DEMO), "--quick", "--study-dir", str(quick), "--quiet"]) == 0
     again = json.loads((quick / "study.json").read_text())["variants"]
     assert [v["ran"] for v in again] == [[]] * len(variants)

@@ -217,6 +217,7 @@ def decoders(recipe: Recipe) -> list[Variant]:
         "the recipe's heads (Medusa or BPD), alone and rescored by each pair's P-F drafter, T = 0, 0.7, 1",
         (
             "early_exit.enabled=false", "calibrate.enabled=false", "heads.enabled=true", "export.enabled=false",
+            "finetune.multilingual=false",  # the rescorers are the pair drafters of `pf_s0_x1`, reused
             _measure(decoders=["ar", "bpd", "medusa", "bpd+rescore", "medusa+rescore"],
                      temperatures=RESCORE_TEMPERATURES),
         ),
