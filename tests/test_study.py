@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from polydraft.decoding.measurement.claims import outcome_of
 from polydraft.pipelines.cli import main
 from polydraft.pipelines.schema.inputs import stage_manifests
 from polydraft.pipelines.study.findings import all_findings, sanity_checks
@@ -18,7 +19,6 @@ from polydraft.pipelines.study.verdicts import (
     VERDICTS,
     compare,
     log_fit,
-    outcome_of,
     sanity_verdict,
     slope_check,
     verdict_of,

@@ -14,9 +14,9 @@ prompt index, the router's language, confidence, choice and time) and a row per 
 (`all`, then each pair's share of the same generations), with block efficiency and the speedup over
 `ar` on the same prompts.
 
-Which choice won is decided by the study's rule for a strict claim (`pipelines.study.verdicts`): the
-difference of the overall speedups' means over the repetitions must exceed twice their pooled sample
-std; otherwise neither won on this traffic.
+Which choice won is decided by the rule for a strict claim (`decoding.measurement.claims`, which the
+study's verdicts use too): the difference of the overall speedups' means over the repetitions must
+exceed twice their pooled sample std; otherwise neither won on this traffic.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from polydraft.decoding.measurement.claims import noise_of, outcome_of
 from polydraft.decoding.measurement.inputs import EvalSet, repetition_prompts
 from polydraft.decoding.measurement.measure import Method
 from polydraft.decoding.measurement.metrics import format_cell, mean_std, summarize
-from polydraft.decoding.measurement.report import pooled_std
 
 MIXED_DIR = "mixed"
 ROUTED = "routed"
@@ -243,12 +243,12 @@ def decisions(groups: list[MixedGroup], multilingual: str = "multilingual") -> l
             continue
         (rm, rs), (mm, ms) = mean_std(routed), mean_std(single)
         assert rm is not None and rs is not None and mm is not None and ms is not None
-        pooled = pooled_std(routed, single)
-        noise = 2 * pooled if pooled is not None else None
-        difference = rm - mm
+        noise, difference = noise_of(routed, single), rm - mm
         winner = None
-        if noise is not None and abs(difference) > noise:
-            winner = ROUTED if difference > 0 else multilingual
+        if noise is not None and outcome_of(">", difference, noise) == "holds":
+            winner = ROUTED
+        elif noise is not None and outcome_of(">", -difference, noise) == "holds":
+            winner = multilingual
         out.append(
             Decision(temperature, (rm, rs, len(routed)), (mm, ms, len(single)), difference, noise, winner)
         )

@@ -1,17 +1,16 @@
-"""The study's one rule for turning measurements into verdicts, written once.
+"""The study's verdicts, from one rule written once.
 
 A *check* compares two measured quantities, each a mean ± sample std over n repetitions (seeds over
-disjoint prompts), or tests a fitted slope. Its noise is twice the pooled std of the two groups (for a
-slope: twice its standard error). A strict claim `A > B` *holds* only when A - B exceeds the noise, is
-*contradicted* when B - A does, and is *within noise* otherwise. A claim `A >= B` can never hold: it is
-*consistent* unless A is below B by more than the noise (then contradicted). A claim `A == B` (a sanity
-check, such as outputs identical to `ar`) holds when |A - B| is within the noise and is contradicted
-otherwise; a sanity check *passed* when every one of its checks holds and *failed* otherwise. A finding is *reproduced* only when every one of its checks is a strict claim that holds;
-*consistent* when none is contradicted or open and at least one is merely consistent; *not reproduced*
-when one is contradicted; *inconclusive* otherwise (the reason names the checks within noise or with
-fewer than 2 repetitions); *not run* when the pipeline produced no rows for it. The seeds' findings are
-strict claims; sanity checks (every decoder lossless) are judged by the same rule and reported apart,
-never counted among the findings. Nothing in the rule is chosen per finding.
+disjoint prompts), or tests a fitted slope. Its outcome follows `decoding.measurement.claims`: the noise
+is twice the pooled std of the two groups (for a slope: twice its standard error); a strict claim `A > B`
+*holds* only beyond the noise, `A >= B` is at best *consistent*, `A == B` (a sanity check, such as
+outputs identical to `ar`) holds within the noise. A sanity check *passed* when every one of its checks
+holds and *failed* otherwise. A finding is *reproduced* only when every one of its checks is a strict
+claim that holds; *consistent* when none is contradicted or open and at least one is merely consistent;
+*not reproduced* when one is contradicted; *inconclusive* otherwise (the reason names the checks within
+noise or with fewer than 2 repetitions); *not run* when the pipeline produced no rows for it. The seeds'
+findings are strict claims; sanity checks (every decoder lossless) are judged by the same rule and
+reported apart, never counted among the findings. Nothing in the rule is chosen per finding.
 """
 
 from __future__ import annotations
@@ -21,11 +20,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from polydraft.decoding.measurement.claims import Claim, Outcome, noise_of, outcome_of
 from polydraft.decoding.measurement.metrics import mean_std
-from polydraft.decoding.measurement.report import pooled_std
 
-Claim = Literal[">", ">=", "=="]
-Outcome = Literal["holds", "consistent", "contradicted", "within noise", "too few repetitions"]
 Verdict = Literal["reproduced", "consistent", "not reproduced", "inconclusive", "not run"]
 VERDICTS: tuple[Verdict, ...] = ("reproduced", "consistent", "not reproduced", "inconclusive", "not run")
 SanityVerdict = Literal["passed", "failed", "not run"]
@@ -72,17 +69,6 @@ class Check(BaseModel):
     outcome: Outcome
 
 
-def outcome_of(claim: Claim, difference: float, noise: float) -> Outcome:
-    """The outcome of `A claim B` given difference = A - B and the noise (see the module docstring)."""
-    if claim == "==":
-        return "holds" if abs(difference) <= noise else "contradicted"
-    if difference < -noise:
-        return "contradicted"
-    if claim == ">=":
-        return "consistent"  # not contradicted is all a non-strict claim can show
-    return "holds" if difference > noise else "within noise"
-
-
 def compare(label: str, claim: Claim, first: str, a: list[float], second: str, b: list[float]) -> Check:
     """Check `first claim second` from the per-repetition values of each."""
     sa, sb = stat(a), stat(b)
@@ -92,8 +78,7 @@ def compare(label: str, claim: Claim, first: str, a: list[float], second: str, b
             label=label, claim=claim, first=first, second=second, a=sa, b=sb, difference=None,
             noise=None, outcome="too few repetitions",
         )  # fmt: skip
-    spread = pooled_std([v for v in a if v is not None], [v for v in b if v is not None])
-    noise = 2 * (spread or 0.0)
+    noise = noise_of([v for v in a if v is not None], [v for v in b if v is not None]) or 0.0
     difference = sa.mean - sb.mean
     return Check(
         label=label, claim=claim, first=first, second=second, a=sa, b=sb, difference=difference,
