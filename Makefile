@@ -6,7 +6,7 @@
 #   make demo-vllm  the demo with vLLM's CPU build: distillation through vLLM, vLLM measure rows beside
 #                   polydraft's (measure.vllm) and the export's real vLLM check
 #   make study  variants of the demo recipe reproducing the seeds' findings, report in runs/study/report.md
-#               (about 20 minutes on 2 cores)
+#               (recipes/demo/study.yaml: 44 minutes of stages on 2 cores, bench/results/study.md)
 # torch is installed first and pinned, so nothing later pulls another build. Here pip finds torch 2.13.0
 # as a local CPU wheel; elsewhere on a CPU: make demo TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 # (with TORCH=torch==<a version that index has>). On a GPU machine: make demo TORCH=torch.
