@@ -138,7 +138,8 @@ def test_every_shipped_recipe_loads_and_starts_with_its_launch_command(path, tmp
     recipe = load_recipe(path)
     assert recipe.data.pairs or not recipe.finetune.enabled
     launch, description = header(path)
-    assert launch == f"polydraft run {path.relative_to(ROOT)}", "the first line is its own launch command"
+    commands = [f"polydraft {command} {path.relative_to(ROOT)}" for command in ("run", "study")]
+    assert launch in commands, "the first line is its own launch command"
     assert description.endswith(".") and len(description) > 20, "then a sentence that says what it is"
     copy = tmp_path / "copy" / "standalone.yaml"
     copy_recipe(path, copy)  # standalone: `extends` merged, local paths absolute, loading to the same recipe
