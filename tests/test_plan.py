@@ -191,13 +191,16 @@ def test_chunked_loss_and_checkpointing_lower_the_planned_memory():
     assert checkpointed.peak_gib < chunked.peak_gib
 
 
-def test_the_multilingual_drafter_and_the_mixed_traffic_are_planned(tmp_path):
-    pairs = ["de-en", "fr-en"]
-    sources = [{"kind": "local", "path": "rows.jsonl", "pair": p, "limit": 100} for p in pairs]
-    data = {"pairs": pairs, "distill": sources, "eval": [{**s, "limit": 30} for s in sources]}
-    measure = {"enabled": True, "decoders": ["ar", "sd"], "controls": ["fixed"], "k_sweep": [], "cross_pairs": False,
+_SOURCES = [{"kind": "local", "path": "rows.jsonl", "pair": p, "limit": 100} for p in ("de-en", "fr-en")]
+TWO_PAIRS = {"pairs": ["de-en", "fr-en"], "distill": _SOURCES, "eval": [{**s, "limit": 30} for s in _SOURCES]}
+"""data: two pairs of 100 local rows, 30 held out each."""
+SD_OWN_PAIR = {"enabled": True, "decoders": ["ar", "sd"], "controls": ["fixed"], "k_sweep": [], "cross_pairs": False,
                "include_pretrained": False, "seeds": [0], "num_prompts": 10}  # fmt: skip
-    gpus = parse_gpus("2xA100-80GB")
+"""measure: ar and sd at one K, each language drafter on its own pair, 10 prompts."""
+
+
+def test_the_multilingual_drafter_and_the_mixed_traffic_are_planned(tmp_path):
+    data, measure, gpus = TWO_PAIRS, SD_OWN_PAIR, parse_gpus("2xA100-80GB")
     plans = {}
     for name, finetune, mixed in [
         ("base", False, False),
@@ -222,12 +225,7 @@ def test_the_multilingual_drafter_and_the_mixed_traffic_are_planned(tmp_path):
 
 def test_extra_drafters_in_a_pair_folder_are_planned_on_their_pair_only(tmp_path):
     """Without cross_pairs, an extra drafter at `.../de-en` decodes the de-en set only; one elsewhere, both."""
-    pairs = ["de-en", "fr-en"]
-    sources = [{"kind": "local", "path": "rows.jsonl", "pair": p, "limit": 100} for p in pairs]
-    data = {"pairs": pairs, "distill": sources, "eval": [{**s, "limit": 30} for s in sources]}
-    measure = {"enabled": True, "decoders": ["ar", "sd"], "controls": ["fixed"], "k_sweep": [], "cross_pairs": False,
-               "include_pretrained": False, "seeds": [0], "num_prompts": 10}  # fmt: skip
-    gpus = parse_gpus("2xA100-80GB")
+    data, measure, gpus = TWO_PAIRS, SD_OWN_PAIR, parse_gpus("2xA100-80GB")
     tokens = {}
     for name, extras in [("none", {}), ("paired", {"a": "x/de-en"}), ("generic", {"a": "x/mine"})]:
         (tmp_path / name).mkdir()

@@ -244,11 +244,9 @@ def decisions(groups: list[MixedGroup], multilingual: str = "multilingual") -> l
         (rm, rs), (mm, ms) = mean_std(routed), mean_std(single)
         assert rm is not None and rs is not None and mm is not None and ms is not None
         noise, difference = noise_of(routed, single), rm - mm
-        winner = None
-        if noise is not None and outcome_of(">", difference, noise) == "holds":
-            winner = ROUTED
-        elif noise is not None and outcome_of(">", -difference, noise) == "holds":
-            winner = multilingual
+        winner = None  # the one ahead wins when its lead is a strict claim that holds
+        if noise is not None and outcome_of(">", abs(difference), noise) == "holds":
+            winner = ROUTED if difference > 0 else multilingual
         out.append(
             Decision(temperature, (rm, rs, len(routed)), (mm, ms, len(single)), difference, noise, winner)
         )

@@ -30,7 +30,8 @@ HEADS = "heads"
 TEMPS_COMPARE = "temps_compare"
 K_SWEEP = (1, 2, 3, 4, 6, 10)
 """Fixed draft lengths measured for `sd` and `eesd` (seed 001 Fig. 3 plots speedup against K; K=10 is its
-preset, Tables 4 and 5), dense at the short drafts where this CPU's best K lies (K=2 and 4 for the demo)."""
+preset, Tables 4 and 5), dense at the short drafts where this CPU's best K lies (2 to 4 on the demo,
+bench/results/study.md)."""
 MORE_SHARED_LAYERS = 2
 """Seed 001 Fig. 4: EESD heads on N and N + 2 shared layers (N the recipe's)."""
 PRESET_K = 10
