@@ -11,6 +11,9 @@ plus explicit position ids (`decoding.tree`), so no modeling file is copied. Aft
 `crop` drops rejected positions at the end of the cache and `keep` keeps a prefix plus chosen positions
 (the accepted path of a tree).
 
+With `aux_layers` (an EAGLE-3 head's feature layers) each forward also keeps the concatenated states of
+those layers for every new position in `features` [n, len(aux_layers) * H], from the same pass.
+
 Forward time is accumulated (`seconds`, `calls`) so that the engine's own overhead, everything outside
 the models' forward passes, can be reported. On a GPU `profile=True` synchronises after each forward
 so that the time is attributed to it; on a CPU the ops are synchronous and timing costs nothing.
@@ -25,14 +28,21 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from polydraft.models.eagle3 import feature_capture
 from polydraft.models.placement import input_device
 
 
 class CachedLM:
     """A causal LM plus its KV cache for one sequence (batch size 1)."""
 
-    def __init__(self, model: PreTrainedModel, profile: bool = True) -> None:
+    def __init__(
+        self, model: PreTrainedModel, profile: bool = True, aux_layers: list[int] | None = None
+    ) -> None:
         self.model = model
+        self.aux_layers = aux_layers
+        self.features: Tensor | None = None
+        """With `aux_layers`: the feature-layer states [n, len(aux_layers) * H] of the last forward's n
+        new positions (`models.eagle3.target_features`)."""
         self.decoder = model.base_model
         self.head = model.get_output_embeddings()
         if self.head is None:
@@ -82,13 +92,16 @@ class CachedLM:
         for tree inputs; chained inputs need neither.
         """
         start = time.perf_counter()
-        out = self.decoder(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=self.cache,
-            use_cache=True,
-        )
+        with feature_capture(self.model, self.aux_layers or []) as states:
+            out = self.decoder(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=self.cache,
+                use_cache=True,
+            )
+        if self.aux_layers:
+            self.features = torch.cat(states, dim=-1)[0].to(self.device)
         hidden = out.last_hidden_state[0, -num_logits:]
         logits = self.head(hidden)
         if self.softcap is not None:

@@ -40,7 +40,9 @@ EXIT_CRASH = 3
 """An unexpected error (a bug or an unhandled fault): the traceback is written to a file named in the message."""
 EXIT_INTERRUPTED = 130
 
-STAGE_NAMES = ("distill", "pretrain", "finetune", "early_exit", "heads", "calibrate", "measure", "export")
+STAGE_NAMES = (
+    "distill", "pretrain", "finetune", "early_exit", "heads", "eagle3", "calibrate", "measure", "export",
+)  # fmt: skip
 
 
 def _common(parser: argparse.ArgumentParser) -> None:

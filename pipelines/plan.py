@@ -163,6 +163,8 @@ def estimate(recipe: Recipe, cluster: Cluster, distill_engines: int | None = Non
                    mix_tokens / max(mix_rows, 1), h.loop, train_gpus, 0,
                    frozen_layers=target.layers, frozen_shape=target)
         )  # fmt: skip
+    if recipe.eagle3.enabled:
+        plan.stages.extend(_eagle3(recipe, plan, target, mix_tokens, mix_rows, train_gpus))
     if recipe.calibrate.enabled:
         plan.stages.append(_calibrate(recipe, cluster, target, mix_tokens / max(mix_rows, 1)))
     if recipe.measure.enabled:
@@ -272,6 +274,27 @@ def _train(
     return StagePlan(
         name, tokens, hours, gpus, memory / GIB, f"{steps:.0f} steps of {gpus} x {micro_tokens:.0f} tokens"
     )
+
+
+def _eagle3(
+    recipe: Recipe, plan: Plan, target: Shape, mix_tokens: float, mix_rows: float, gpus: int
+) -> list[StagePlan]:
+    """One trainer per head: the whole frozen target forward over each row (its features), the head's
+    layer and draft-vocabulary lm head forward and backward once per unrolled step (counted as
+    `ttt_steps` layers and lm heads)."""
+    e = recipe.eagle3
+    steps, vocab = e.ttt_steps, min(e.draft_vocab_size, target.vocab)
+    unrolled = Shape(target.hidden, steps, vocab * steps, e.intermediate_size or target.intermediate,
+                     target.heads, target.kv_heads, target.head_dim, False)  # fmt: skip
+    pairs = recipe.data.pairs or ["all"]
+    heads = [(pair, mix_tokens / len(pairs)) for pair in pairs]
+    if e.multilingual:  # the union balanced by pair: about every pair's tokens per epoch
+        heads.append(("multilingual", mix_tokens))
+    return [
+        _train(f"eagle3 {name}", plan, unrolled, target.params(), tokens * e.loop.epochs,
+               mix_tokens / max(mix_rows, 1), e.loop, gpus, 0, frozen_layers=target.layers, frozen_shape=target)
+        for name, tokens in heads
+    ]  # fmt: skip
 
 
 def _calibrate(recipe: Recipe, cluster: Cluster, target: Shape, row_tokens: float) -> StagePlan:

@@ -26,6 +26,7 @@ from polydraft.pipelines.nodes import NodeLeader
 from polydraft.pipelines.schema import (
     LaunchConfig,
     LoopConfig,
+    MemoryLoop,
     OptimConfig,
     Recipe,
     ResolvedTarget,
@@ -284,7 +285,9 @@ def optim_settings(optim: OptimConfig) -> OptimSettings:
     return OptimSettings(**{**optim.model_dump(), "betas": betas})
 
 
-def loop_settings(loop: TargetLayerLoop, total_steps: int) -> LoopSettings:
+def loop_settings(loop: MemoryLoop, total_steps: int) -> LoopSettings:
+    """A recipe's loop block as the trainers' plain settings (gradient checkpointing: a loop that trains
+    layers of the target's class)."""
     return LoopSettings(
         total_steps=total_steps,
         per_device_batch_size=loop.per_device_batch_size,
@@ -296,7 +299,7 @@ def loop_settings(loop: TargetLayerLoop, total_steps: int) -> LoopSettings:
         keep_checkpoints=loop.keep_checkpoints,
         compile=loop.compile,
         loss_chunk_tokens=loop.loss_chunk_tokens,
-        gradient_checkpointing=loop.gradient_checkpointing,
+        gradient_checkpointing=isinstance(loop, TargetLayerLoop) and loop.gradient_checkpointing,
     )
 
 

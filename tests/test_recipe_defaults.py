@@ -25,6 +25,7 @@ CROSS_BLOCK = {
         ("finetune", "temperatures"),
         ("early_exit", "temperatures"),
         ("heads", "temperatures"),
+        ("eagle3", "temperatures"),
     },
 }
 """Documented cross-field defaults: setting the key changes these values too."""

@@ -28,7 +28,7 @@ from polydraft.models.decoder_layers import attention_masks, run_layers
 from polydraft.models.early_exit import EarlyExitDrafter
 from polydraft.models.partial_load import decoder_parts
 from polydraft.train.chunked_loss import OutputHead, Teacher, chunked_loss, model_head
-from polydraft.train.data import MixBatches, collate
+from polydraft.train.data import MixBatches
 from polydraft.train.loop import LoopPlan, TrainingLoop
 from polydraft.train.losses import IGNORE_INDEX, ce_sum, loss_window, topk_kl_sum
 from polydraft.train.results import HeadEval
@@ -36,23 +36,6 @@ from polydraft.train.step import StepLog, StepStats, train_step
 
 HEAD_DIR = "head"
 LOG_FILE = "train_log.jsonl"
-
-
-def eval_set(
-    examples: list[dict[str, list[int]]], per_device: int, max_batches: int, accelerator: Any, pad_id: int
-) -> list[dict[str, torch.Tensor]]:
-    """This process's held-out batches: every `world`-th batch, `max_batches` at most (0: all), padded
-    with masked copies so that every process runs the same number of forward passes."""
-    world, rank = accelerator.num_processes, accelerator.process_index
-    if max_batches:
-        examples = examples[: max_batches * per_device * world]
-    chunks = [examples[i : i + per_device] for i in range(0, len(examples), per_device)]
-    mine = [collate(chunk, pad_id) for chunk in chunks[rank::world]]
-    if chunks and len(mine) < -(-len(chunks) // world):
-        dummy = collate(chunks[0][:1], pad_id)
-        dummy["labels"].fill_(IGNORE_INDEX)
-        mine.append(dummy)
-    return mine
 
 
 def eval_reference(

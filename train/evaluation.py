@@ -102,3 +102,20 @@ def eval_log(metrics: dict[str, EvalMetrics]) -> dict[str, float]:
         for key, value in m.model_dump().items()
         if value is not None
     }
+
+
+def eval_set(
+    examples: list[dict[str, list[int]]], per_device: int, max_batches: int, accelerator: Any, pad_id: int
+) -> list[dict[str, torch.Tensor]]:
+    """This process's held-out batches: every `world`-th batch, `max_batches` at most (0: all), padded
+    with masked copies so that every process runs the same number of forward passes."""
+    world, rank = accelerator.num_processes, accelerator.process_index
+    if max_batches:
+        examples = examples[: max_batches * per_device * world]
+    chunks = [examples[i : i + per_device] for i in range(0, len(examples), per_device)]
+    mine = [collate(chunk, pad_id) for chunk in chunks[rank::world]]
+    if chunks and len(mine) < -(-len(chunks) // world):
+        dummy = collate(chunks[0][:1], pad_id)
+        dummy["labels"].fill_(IGNORE_INDEX)
+        mine.append(dummy)
+    return mine

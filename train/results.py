@@ -137,3 +137,57 @@ class CalibrationReport(Metrics):
 class CalibrateMetrics(Launched):
     heldout: dict[str, CalibrationScores]
     """By drafter name (`early_exit`, or a pair's drafter)."""
+
+
+class Eagle3StepScore(Metrics):
+    """An EAGLE-3 head's draft step i (its i-th token after the target's) on held-out rows, given the true
+    tokens before it."""
+
+    kl: float
+    """Forward KL from the target's distribution restricted to the draft vocabulary, on the rows whose
+    target argmax lies inside it."""
+    top1: float
+    """Agreement of the head's argmax with the target's greedy token, over every row (a token outside the
+    draft vocabulary is a miss): what greedy acceptance of this step needs."""
+    in_vocab: float
+    """Share of the rows whose target argmax lies inside the draft vocabulary."""
+
+
+class Eagle3Eval(Metrics):
+    eval_loss: float
+    """The steps' KL, weighted as the training loss weighs them."""
+    steps: list[Eagle3StepScore]
+    expected_accepted: float
+    """sum_k prod_{i <= k} top1_i: the drafts a greedy round of `ttt_steps` would accept, were the steps'
+    agreements independent (a proxy for block efficiency - 1 at K = ttt_steps)."""
+
+
+class DraftVocab(Metrics):
+    """One head's draft vocabulary."""
+
+    size: int
+    kept: int
+    """Special and byte tokens kept whatever their counts."""
+    answer_tokens: int
+    """Tokens of the self-distilled training answers it was chosen from."""
+    coverage_train: float | None
+    """Share of those tokens inside it."""
+    coverage_heldout: float | None
+    """Share of the held-out answers' tokens inside it (the pair's eval split; the union for `multilingual`)."""
+
+
+class Eagle3HeadMetrics(Metrics):
+    steps: int
+    tokens: int
+    train_loss: float | None
+    initial: Eagle3Eval | None
+    final: Eagle3Eval | None
+    vocab: DraftVocab
+
+
+class Eagle3Metrics(Launched):
+    heads: dict[str, Eagle3HeadMetrics]
+    """By pair, plus `multilingual` with `eagle3.multilingual`."""
+    aux_layers: list[int]
+    peak_memory_gib: float | None = None
+    """GPU only."""

@@ -16,6 +16,7 @@ from polydraft.pipelines.schema.common import (
     TrackingConfig,
 )
 from polydraft.pipelines.schema.distill import DistillConfig
+from polydraft.pipelines.schema.eagle3 import Eagle3Config
 from polydraft.pipelines.schema.measure import ExportConfig, MeasureConfig
 from polydraft.pipelines.schema.train import (
     CalibrateConfig,
@@ -41,6 +42,7 @@ class Recipe(StrictModel):
     finetune: FinetuneConfig = Field(default_factory=FinetuneConfig)
     early_exit: EarlyExitConfig = Field(default_factory=EarlyExitConfig)
     heads: HeadsConfig = Field(default_factory=HeadsConfig)
+    eagle3: Eagle3Config = Field(default_factory=Eagle3Config)
     calibrate: CalibrateConfig = Field(default_factory=CalibrateConfig)
     measure: MeasureConfig = Field(default_factory=MeasureConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
@@ -60,7 +62,7 @@ class Recipe(StrictModel):
                 "pretrain.enabled",
             )
         distilled = self.distill.temperatures
-        for block in ("finetune", "early_exit"):
+        for block in ("finetune", "early_exit", "heads", "eagle3"):
             chosen = getattr(self, block)
             never = [t for t in chosen.temperatures or () if t not in distilled]
             if chosen.enabled and never:
@@ -85,21 +87,24 @@ class Recipe(StrictModel):
             update={"temperatures": self.early_exit.temperatures or temperatures}
         )
         heads = self.heads.model_copy(update={"temperatures": self.heads.temperatures or temperatures})
+        eagle3 = self.eagle3.model_copy(update={"temperatures": self.eagle3.temperatures or temperatures})
         # set on the frozen model once, while it is being validated (a validator must return `self`)
         object.__setattr__(self, "finetune", finetune)
         object.__setattr__(self, "early_exit", early_exit)
         object.__setattr__(self, "heads", heads)
+        object.__setattr__(self, "eagle3", eagle3)
         return self
 
     @model_validator(mode="after")
     def _blocks_agree(self) -> Recipe:
-        if self.finetune.enabled and not self.data.pairs:
-            raise FieldError(
-                "data.pairs is empty, but finetune trains one drafter per language pair: "
-                "list the pairs or set finetune.enabled: false",
-                "data.pairs",
-                "finetune.enabled",
-            )
+        for block, what in (("finetune", "drafter"), ("eagle3", "EAGLE-3 head")):
+            if getattr(self, block).enabled and not self.data.pairs:
+                raise FieldError(
+                    f"data.pairs is empty, but {block} trains one {what} per language pair: "
+                    f"list the pairs or set {block}.enabled: false",
+                    "data.pairs",
+                    f"{block}.enabled",
+                )
         for block in ("distill", "open", "eval"):
             for index, source in enumerate(getattr(self.data, block)):
                 if source.pair is not None and source.pair not in self.data.pairs:
@@ -151,6 +156,7 @@ __all__ = [
     "DataConfig",
     "DistillConfig",
     "DrafterConfig",
+    "Eagle3Config",
     "EarlyExitConfig",
     "FieldError",
     "ExportConfig",

@@ -23,6 +23,7 @@ from polydraft.pipelines.schema.common import (
     StrictModel,
 )
 from polydraft.pipelines.schema.distill import DistillConfig
+from polydraft.pipelines.schema.eagle3 import Eagle3Config
 from polydraft.pipelines.schema.measure import ExportConfig, MeasureConfig
 from polydraft.pipelines.schema.train import (
     CalibrateConfig,
@@ -129,6 +130,28 @@ class HeadsInputs(StrictModel):
     @classmethod
     def of(cls, recipe: Recipe, target: ResolvedTarget) -> HeadsInputs:
         return cls(heads=recipe.heads, target=target, launch=recipe.launch)
+
+
+class Eagle3Inputs(StrictModel):
+    eagle3: Eagle3Config
+    pairs: list[LanguagePair]
+    data_seed: int
+    """Orders the balanced union of the multilingual head, as finetune's."""
+    target: ResolvedTarget
+    launch: LaunchConfig
+    done: list[str] = []
+    """Heads (pairs, `multilingual`) an earlier, interrupted run finished: the training process skips them.
+    Set by the stage when it launches that process, never by the recipe (empty in the manifest)."""
+
+    @classmethod
+    def of(cls, recipe: Recipe, target: ResolvedTarget) -> Eagle3Inputs:
+        return cls(
+            eagle3=recipe.eagle3,
+            pairs=list(recipe.data.pairs),
+            data_seed=recipe.data.seed,
+            target=target,
+            launch=recipe.launch,
+        )
 
 
 class CalibrateInputs(StrictModel):

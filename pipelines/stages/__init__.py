@@ -10,6 +10,7 @@ from __future__ import annotations
 from polydraft.pipelines.schema.inputs import (
     CalibrateInputs,
     DistillInputs,
+    Eagle3Inputs,
     EarlyExitInputs,
     ExportInputs,
     FinetuneInputs,
@@ -21,10 +22,11 @@ from polydraft.pipelines.stage import Stage
 
 
 def default_stages() -> list[Stage]:
-    """distill -> pretrain -> finetune -> early_exit -> heads -> calibrate -> measure -> export."""
+    """distill -> pretrain -> finetune -> early_exit -> heads -> eagle3 -> calibrate -> measure -> export."""
     from polydraft.pipelines.stages import (
         calibrate,
         distill,
+        eagle3,
         early_exit,
         export,
         finetune,
@@ -39,6 +41,7 @@ def default_stages() -> list[Stage]:
         Stage("finetune", finetune.run, FinetuneInputs.of, upstream=("distill", "pretrain")),
         Stage("early_exit", early_exit.run, EarlyExitInputs.of, upstream=("distill",)),
         Stage("heads", heads.run, HeadsInputs.of, upstream=("distill",)),
+        Stage("eagle3", eagle3.run, Eagle3Inputs.of, upstream=("distill",)),
         Stage(
             "calibrate",
             calibrate.run,
@@ -49,12 +52,12 @@ def default_stages() -> list[Stage]:
             "measure",
             measure.run,
             MeasureInputs.of,
-            upstream=("pretrain", "finetune", "early_exit", "heads", "calibrate"),
+            upstream=("pretrain", "finetune", "early_exit", "heads", "eagle3", "calibrate"),
         ),
         Stage(
             "export",
             export.run,
             ExportInputs.of,
-            upstream=("pretrain", "finetune", "early_exit", "heads", "calibrate", "measure"),
+            upstream=("pretrain", "finetune", "early_exit", "heads", "eagle3", "calibrate", "measure"),
         ),
     ]

@@ -34,7 +34,8 @@ from polydraft.pipelines.stages.mix_training import (
 )
 from polydraft.pipelines.tracking import Tracker
 from polydraft.train.data import pad_id_of
-from polydraft.train.early_exit import HEAD_DIR, eval_reference, eval_set, fit
+from polydraft.train.early_exit import HEAD_DIR, eval_reference, fit
+from polydraft.train.evaluation import eval_set
 from polydraft.train.results import EarlyExitMetrics
 from polydraft.train.runtime import loss_chunking, resolve_attn_implementation
 

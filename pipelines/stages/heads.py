@@ -34,7 +34,7 @@ from polydraft.pipelines.stages.mix_training import (
 )
 from polydraft.pipelines.tracking import Tracker
 from polydraft.train.data import pad_id_of
-from polydraft.train.early_exit import eval_set
+from polydraft.train.evaluation import eval_set
 from polydraft.train.heads import HEADS_DIR, fit
 from polydraft.train.results import HeadsMetrics
 from polydraft.train.runtime import loss_chunking

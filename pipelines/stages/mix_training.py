@@ -90,14 +90,21 @@ def peak_memory_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
-def write_output(accelerator: Any, work_dir: Path, name: str, save: Callable[[Path], None]) -> None:
+def write_output(
+    accelerator: Any,
+    work_dir: Path,
+    name: str,
+    save: Callable[[Path], None],
+    checkpoints: str = "checkpoints",
+) -> None:
     """`save(folder)` into `<work_dir>/<name>.partial` on the main process, renamed to `<name>` when
-    complete; the checkpoints go then (nothing is left to resume). Every process calls this."""
+    complete; its checkpoints (`<work_dir>/<checkpoints>`) go then (nothing is left to resume). Every
+    process calls this."""
     if accelerator.is_main_process:
         out, partial = work_dir / name, work_dir / f"{name}.partial"
         shutil.rmtree(partial, ignore_errors=True)
         save(partial)
         shutil.rmtree(out, ignore_errors=True)
         partial.rename(out)
-        shutil.rmtree(work_dir / "checkpoints", ignore_errors=True)
+        shutil.rmtree(work_dir / checkpoints, ignore_errors=True)
     accelerator.wait_for_everyone()

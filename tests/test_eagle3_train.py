@@ -1,0 +1,118 @@
+"""The EAGLE-3 trainer and stage: the training-time test's masks and rows, what trains, the draft vocabulary,
+the speculators folder it writes, the loss it logs, and resume after kill -9."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from polydraft.models.eagle3 import load_eagle3, read_info
+from polydraft.pipelines.stage import PROJECT_ROOT, spec_for
+from polydraft.pipelines.stages.eagle3 import train_heads
+from polydraft.pipelines.tracking import Tracker
+from polydraft.train.eagle3 import step_rows, ttt_mask
+from polydraft.train.losses import IGNORE_INDEX
+from polydraft.train.runtime import make_accelerator
+from tests.drafter_setup import context, stage_inputs, tiny_recipe, write_tiny_mix
+from tests.resume_check import run_killed_at
+
+X = IGNORE_INDEX
+LOOP = {"per_device_batch_size": 4, "grad_accum_steps": 2, "max_length": 96, "log_every": 1, "eval_every": 0,
+        "eval_batches": 2, "checkpoint_every": 2, "loss_chunk_tokens": 16}  # fmt: skip
+BLOCK = {"enabled": True, "aux_layers": [1, 2, 3], "draft_vocab_size": 300, "ttt_steps": 3,
+         "optim": {"lr": 3e-3}, "loop": LOOP}  # fmt: skip
+
+
+def test_step_j_attends_to_the_committed_prefix_and_its_own_earlier_steps_at_the_same_position():
+    allowed = ttt_mask(3, 2, torch.float32, torch.device("cpu"))[0, 0] == 0
+    assert allowed.tolist() == [
+        [True, False, False, True, False, False, True, False, False],
+        [True, True, False, False, True, False, False, True, False],
+        [True, True, True, False, False, True, False, False, True],
+    ]
+
+
+def test_step_j_at_i_learns_the_target_at_i_plus_j_plus_1_where_token_i_plus_j_plus_2_is_an_answer():
+    labels = torch.tensor([[X, X, 10, 11, 12, 13, X]])  # the answer: positions 2..5, then padding
+    assert step_rows(labels, 0)[0].tolist() == [True, True, True, True, False, False, False]
+    assert step_rows(labels, 1)[0].tolist() == [True, True, True, False, False, False, False]
+    assert step_rows(labels, 4)[0].tolist() == [False] * 7
+
+
+def job(tmp_path, target_dir, distill, name, **changes):
+    block = {**BLOCK, **changes, "loop": {**LOOP, **changes.get("loop", {})}}
+    inputs = stage_inputs("eagle3", tiny_recipe(target_dir, eagle3=block), target_dir)
+    spec = spec_for(inputs, context(tmp_path / name, "eagle3", {"distill": distill}))
+    return spec, inputs
+
+
+def train(spec, inputs):
+    accelerator = make_accelerator(inputs.eagle3.loop.grad_accum_steps, "no")
+    return train_heads(spec, inputs, accelerator, Tracker(None, "eagle3"))
+
+
+def test_a_head_per_pair_and_a_multilingual_one_in_the_speculators_format(
+    tmp_path, tiny_target_dir, tiny_target
+):
+    distill = write_tiny_mix(tmp_path / "distill", ["de-en", "fr-en"], train_rows=16, eval_rows=4)
+    spec, inputs = job(tmp_path, tiny_target_dir, distill, "run", multilingual=True, loop={"max_steps": 4})
+    before = {k: v.clone() for k, v in tiny_target.state_dict().items()}
+    result = train(spec, inputs)
+    assert result["aux_layers"] == [1, 2, 3]
+    work_dir = Path(spec.work_dir)
+    for name in ("de-en", "fr-en", "multilingual"):
+        folder = work_dir / name
+        config = json.loads((folder / "config.json").read_text())
+        assert config["speculators_model_type"] == "eagle3"
+        assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+        assert config["norm_before_residual"] is False and config["draft_vocab_size"] == 300
+        assert config["speculators_config"]["verifier"]["name_or_path"] == str(tiny_target_dir)
+        head = load_eagle3(folder)
+        assert head.draft_ids.tolist() == sorted(set(head.draft_ids.tolist()))
+        info = read_info(folder)
+        metrics = json.loads((work_dir / f"{name}.metrics.json").read_text())
+        assert info["pair"] == name and metrics["steps"] == 4 and info["training"] == metrics
+        vocab = metrics["vocab"]
+        assert vocab["size"] == 300 and 0.0 < vocab["coverage_heldout"] <= 1.0
+        # training moved the layer away from its random start and lowered the held-out KL
+        assert metrics["final"]["eval_loss"] < metrics["initial"]["eval_loss"]
+        assert len(metrics["final"]["steps"]) == 3
+        assert not (work_dir / f"{name}.checkpoints").exists()
+    # the draft vocabularies differ by language: each pair's own most frequent answer tokens
+    de, fr = (set(load_eagle3(work_dir / p).draft_ids.tolist()) for p in ("de-en", "fr-en"))
+    assert de != fr
+    for key, value in tiny_target.state_dict().items():  # the target is frozen
+        assert torch.equal(value, before[key]), key
+
+
+def test_killed_run_resumes_with_the_same_losses(tmp_path, tiny_target_dir):
+    distill = write_tiny_mix(tmp_path / "distill", ["de-en", "fr-en"], train_rows=16, eval_rows=4)
+    changes = {"loop": {"max_steps": 6}}
+    spec, inputs = job(tmp_path, tiny_target_dir, distill, "whole", **changes)
+    train(spec, inputs)
+    log_name = "de-en.train_log.jsonl"
+    expected = [
+        json.loads(line)["loss"] for line in (Path(spec.work_dir) / log_name).read_text().splitlines()
+    ]
+
+    spec, inputs = job(tmp_path, tiny_target_dir, distill, "killed", **changes)
+    killed = Path(spec.work_dir)
+    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "ACCELERATE_USE_CPU": "true"}
+    command = [
+        sys.executable,
+        "-m",
+        "polydraft.pipelines.stages.eagle3",
+        str(spec.write(killed / "spec.json")),
+    ]
+    step = run_killed_at(command, env, 3, killed / "de-en.checkpoints", killed / log_name)
+    assert step == 2 and not (killed / "de-en").exists()
+
+    train(spec, inputs)
+    got = [json.loads(line)["loss"] for line in (killed / log_name).read_text().splitlines()]
+    assert got == pytest.approx(expected, rel=1e-5)
+    assert (killed / "de-en" / "model.safetensors").is_file()

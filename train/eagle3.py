@@ -1,0 +1,372 @@
+"""The EAGLE-3 trainer: a head on the frozen target's features, trained by training-time test (arXiv
+2503.01840 §3).
+
+Each micro-batch first runs the whole target forward without autograd, keeping the states entering the
+head's feature layers and the final hidden states (`models.eagle3.feature_capture`): nothing is stored
+between steps (the "online" mode of the reference and of SpecForge). Then the head is unrolled for
+`ttt_steps` steps (`Unroll`):
+
+- step 0 reads, at each position i, the target's feature g_i and the token x_{i+1};
+- step j > 0 reads its own output of step j - 1 at i and the token x_{i+j+1}, and attends to step 0's keys
+  at positions <= i and to its own earlier steps' keys at i: what the j-th draft step of a round sees at
+  inference (the committed prefix read with true features, then the chain's own steps);
+- step j at i is trained towards the target's distribution at position i + j + 1 (the one that predicts
+  x_{i+j+2}).
+
+Positions: the reference implementations keep step 0's position ids at every step; here step j's queries
+and keys sit at i + j, where vLLM's proposer and `decoding.eagle3` put the j-th draft step, so the head
+learns the relative positions it drafts with.
+
+Loss, per step: the forward KL from the target's distribution restricted to the draft vocabulary (and
+renormalised) to the head's, on rows whose next token x_{i+j+2} is a response token and whose target
+argmax lies inside the draft vocabulary (a token the head cannot propose teaches it nothing). Each step's
+KL is a token mean over the optimizer step's global batch (its rows with a response label; rows masked
+for their argmax add nothing), weighted `step_decay ** j`, as the heads trainer weighs its heads. The lm
+head projects `chunk_tokens` rows at a time under activation checkpointing (`train.chunked_loss`'s way);
+unchunked under FSDP / ZeRO-3, inside the prepared module's forward.
+
+The stage entry point is `pipelines.stages.eagle3`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import DynamicCache
+
+from polydraft.models.eagle3 import Eagle3Head, feature_capture
+from polydraft.train.chunked_loss import OutputHead, model_head
+from polydraft.train.data import MixBatches
+from polydraft.train.drafter import LoopSettings
+from polydraft.train.loop import LoopPlan, LoopResult, TrainingLoop
+from polydraft.train.losses import IGNORE_INDEX
+from polydraft.train.results import Eagle3Eval, Eagle3StepScore
+from polydraft.train.runtime import unwrap
+from polydraft.train.step import StepLog, StepStats, token_counts, train_step
+
+
+@dataclass(frozen=True)
+class Eagle3Settings:
+    """The training-time test, as plain values."""
+
+    ttt_steps: int
+    step_decay: float
+
+    def weights(self, device: torch.device) -> torch.Tensor:
+        return torch.tensor(
+            [self.step_decay**j for j in range(self.ttt_steps)], dtype=torch.float64, device=device
+        )
+
+
+# ----------------------------------------------------------------------------- the unrolled head
+
+
+def ttt_mask(length: int, step: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The additive mask [1, 1, T, (step + 1) T] of step `step`'s queries over the keys of steps 0..step:
+    causal over step 0's, the same position only over each later step's."""
+    blocks = [torch.ones(length, length, dtype=torch.bool, device=device).tril()]
+    blocks += [torch.eye(length, dtype=torch.bool, device=device)] * step
+    allowed = torch.cat(blocks, dim=1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min).view(1, 1, *allowed.shape)
+
+
+def step_rows(labels: torch.Tensor, step: int) -> torch.Tensor:
+    """[B, T] bool: the positions i where step `step` carries loss, those whose token i + step + 2 is a
+    response token."""
+    valid = torch.zeros_like(labels, dtype=torch.bool)
+    valid[:, : max(0, labels.shape[1] - step - 2)] = labels[:, step + 2 :] != IGNORE_INDEX
+    return valid
+
+
+class Unroll(nn.Module):
+    """The head unrolled for the training-time test: the one module accelerate prepares."""
+
+    def __init__(self, head: Eagle3Head, steps: int) -> None:
+        super().__init__()
+        self.head, self.steps = head, steps
+
+    def forward(
+        self, features: torch.Tensor, embeds: torch.Tensor, rows: list[torch.Tensor], project: bool
+    ) -> list[torch.Tensor]:
+        """Per step, the rows `rows[j]` [B, T] select: the head's final-norm outputs [N_j, H], or with
+        `project` its draft logits [N_j, V_draft]."""
+        batch, length, _ = embeds.shape
+        hidden = self.head.project(features)
+        cache = DynamicCache()
+        out = []
+        for j in range(self.steps):
+            # the token after each position's input, j + 1 ahead (the tail reads zeros: no loss there)
+            tokens = torch.cat([embeds[:, j + 1 :], embeds.new_zeros(batch, j + 1, embeds.shape[-1])], 1)
+            positions = torch.arange(j, j + length, device=embeds.device).expand(batch, -1)
+            mask = ttt_mask(length, j, hidden.dtype, hidden.device)
+            hidden = self.head(tokens, hidden, positions, mask, cache)
+            normed = self.head.normed(hidden[rows[j]])
+            out.append(self.head.lm_head(normed) if project else normed)
+        return out
+
+
+# ----------------------------------------------------------------------------- the loss
+
+
+@torch.no_grad()
+def target_pass(
+    target: nn.Module, batch: dict[str, torch.Tensor], aux_layers: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(features [B, T, 3H], final hidden states [B, T, H], token embeddings [B, T, H]) of the frozen
+    target, on the batch's device."""
+    ids = batch["input_ids"]
+    with feature_capture(target, aux_layers) as states:
+        out = target.base_model(input_ids=ids, attention_mask=batch["attention_mask"])
+    features = torch.cat(states, dim=-1).to(ids.device)
+    embeds = target.get_input_embeddings()(ids.to(target.get_input_embeddings().weight.device))
+    return features, out.last_hidden_state.to(ids.device), embeds.to(ids.device)
+
+
+def _chunk_kl(
+    rows: torch.Tensor, weight: torch.Tensor | None, p: torch.Tensor, inside: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed KL(p || q) over the rows `inside`, q's argmax) of draft logits `rows @ weight.T` (or `rows`
+    already logits when `weight` is None)."""
+    logits = (rows if weight is None else F.linear(rows.to(weight.dtype), weight)).float()
+    log_q = F.log_softmax(logits, dim=-1)
+    kl = (torch.special.xlogy(p, p) - p * log_q).sum(-1)
+    return (kl * inside).sum(), log_q.argmax(-1)
+
+
+def restricted_kl(
+    rows: torch.Tensor,
+    teacher_rows: torch.Tensor,
+    weight: torch.Tensor | None,
+    teacher: OutputHead,
+    draft_ids: torch.Tensor,
+    t2d: torch.Tensor,
+    chunk_tokens: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed KL over the rows whose target argmax lies in the draft vocabulary, float64 [3] of (those
+    rows, rows whose draft argmax is the target's argmax, rows)). `rows` are the head's normed outputs with
+    the lm head's `weight` (projected `chunk_tokens` at a time, recomputed in backward) or, `weight` None,
+    its draft logits already; `teacher_rows` the target's final hidden states they are compared with."""
+    total = rows.new_zeros((), dtype=torch.float32)
+    stats = torch.zeros(3, dtype=torch.float64, device=rows.device)
+    if rows.shape[0] == 0:  # a zero that still reaches every trained parameter
+        return rows.sum().float() * 0.0 + (weight.sum().float() * 0.0 if weight is not None else 0.0), stats
+    chunk = chunk_tokens if weight is not None and chunk_tokens else rows.shape[0]
+    for start in range(0, rows.shape[0], chunk):
+        end = start + chunk
+        with torch.no_grad():
+            logits = teacher.logits(teacher_rows[start:end]).float().to(rows.device)
+            best = logits.argmax(-1)
+            inside = t2d[best]
+            p = F.softmax(logits[:, draft_ids], dim=-1)
+        args = (rows[start:end], weight, p, inside)
+        if weight is not None:
+            kl, guess = checkpoint(_chunk_kl, *args, use_reentrant=False)
+        else:
+            kl, guess = _chunk_kl(*args)
+        total = total + kl
+        hits = draft_ids[guess] == best
+        stats += torch.stack(
+            [inside.sum(), hits.sum(), torch.tensor(best.numel(), device=rows.device)]
+        ).double()
+    return total, stats
+
+
+def ttt_losses(
+    unroll: nn.Module,
+    bare: Unroll,
+    teacher: OutputHead,
+    target: nn.Module,
+    batch: dict[str, torch.Tensor],
+    chunk_tokens: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed KL per step [S] (fp32, with autograd), statistics per step [S, 3] (float64): rows in the
+    draft vocabulary, hits, rows) of one batch. `unroll` is the prepared module, `bare` the same unwrapped."""
+    head = bare.head
+    features, last, embeds = target_pass(target, batch, head.aux_layers)
+    rows = [step_rows(batch["labels"], j) for j in range(bare.steps)]
+    chunked = chunk_tokens is not None
+    outputs = unroll(features, embeds, rows, project=not chunked)
+    weight = head.lm_head.weight if chunked else None
+    sums, stats = [], []
+    for j, (out, valid) in enumerate(zip(outputs, rows, strict=True)):
+        # step j at position i is compared with the target at i + j + 1
+        teacher_rows = last[:, j + 1 :][valid[:, : last.shape[1] - j - 1]]
+        kl, counts = restricted_kl(out, teacher_rows, weight, teacher, head.draft_ids, head.t2d, chunk_tokens)
+        sums.append(kl)
+        stats.append(counts)
+    return torch.stack(sums), torch.stack(stats)
+
+
+def step_row_counts(labels: torch.Tensor, steps: int) -> torch.Tensor:
+    """Rows carrying loss at each step [S] (float64)."""
+    return torch.stack([step_rows(labels, j).sum() for j in range(steps)]).double()
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def evaluate(
+    accelerator: Any,
+    target: nn.Module,
+    unroll: nn.Module,
+    evals: list[dict[str, torch.Tensor]],
+    settings: Eagle3Settings,
+) -> Eagle3Eval:
+    """Held-out KL, top-1 agreement with the target's greedy token and draft-vocabulary share, per step."""
+    unroll.eval()
+    bare = unwrap(accelerator, unroll)
+    teacher = model_head(target.get_output_embeddings(), target.config)
+    device = accelerator.device
+    totals = torch.zeros(settings.ttt_steps, 4, dtype=torch.float64, device=device)
+    for batch in evals:
+        batch = {k: v.to(device) for k, v in batch.items()}
+        sums, stats = ttt_losses(unroll, bare, teacher, target, batch, None)
+        totals += torch.cat([sums.double().unsqueeze(1), stats], dim=1)
+    totals = accelerator.reduce(totals, "sum")
+    unroll.train()
+    scores = []
+    for kl, inside, hits, rows in totals.tolist():
+        scores.append(
+            Eagle3StepScore(
+                kl=kl / max(inside, 1.0), top1=hits / max(rows, 1.0), in_vocab=inside / max(rows, 1.0)
+            )
+        )
+    weights = settings.weights(device).tolist()
+    expected, reach = 0.0, 1.0
+    for score in scores:
+        reach *= score.top1
+        expected += reach
+    return Eagle3Eval(
+        eval_loss=sum(w * s.kl for w, s in zip(weights, scores, strict=True)) / sum(weights),
+        steps=scores,
+        expected_accepted=expected,
+    )
+
+
+def eval_log(metrics: Eagle3Eval, prefix: str) -> dict[str, float]:
+    out = {
+        f"{prefix}eval/loss": metrics.eval_loss,
+        f"{prefix}eval/expected_accepted": metrics.expected_accepted,
+    }
+    for j, score in enumerate(metrics.steps):
+        out |= {f"{prefix}eval/step{j}_{k}": v for k, v in score.model_dump().items()}
+    return out
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@dataclass(frozen=True)
+class Eagle3Job:
+    """Where one head's run lives and how it is labelled: `<work_dir>/<name>.checkpoints/`,
+    `<name>.train_log.jsonl`, wandb metrics under `<name>/` from step `step_offset` on."""
+
+    name: str
+    work_dir: Path
+    step_offset: int
+    quiet: bool
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.work_dir / f"{self.name}.checkpoints"
+
+    @property
+    def log_path(self) -> Path:
+        return self.work_dir / f"{self.name}.train_log.jsonl"
+
+
+def fit(
+    accelerator: Any,
+    target: nn.Module,
+    unroll: nn.Module,
+    optimization: tuple[Any, Any, float],
+    batches: MixBatches,
+    evals: list[dict[str, torch.Tensor]],
+    tracker: Any,
+    loop: LoopSettings,
+    settings: Eagle3Settings,
+    job: Eagle3Job,
+) -> tuple[LoopResult, Eagle3Eval | None, Eagle3Eval | None]:
+    """Train one head through the shared loop (`train.loop`). `optimization`: (optimizer, scheduler,
+    max_grad_norm). Returns the loop's result and the held-out metrics of the initial and final head."""
+    optimizer, scheduler, max_grad_norm = optimization
+    device, main_process = accelerator.device, accelerator.is_main_process
+    prefix = f"{job.name}/"
+    plan = LoopPlan(
+        loop.total_steps, loop.log_every, loop.eval_every, loop.checkpoint_every, loop.keep_checkpoints
+    )
+    training = TrainingLoop(
+        accelerator, plan, label=f"eagle3 {job.name}", checkpoints=job.checkpoints, log_path=job.log_path,
+        scheduler=scheduler, quiet=job.quiet,
+    )  # fmt: skip
+    saved = training.resume()
+    initial: Eagle3Eval | None = None
+    if saved is not None:
+        initial = Eagle3Eval.model_validate(saved["initial_eval"]) if saved["initial_eval"] else None
+    elif evals:  # the head as initialised: the baseline training must beat
+        initial = evaluate(accelerator, target, unroll, evals, settings)
+        if main_process:
+            tracker.log(eval_log(initial, prefix), step=job.step_offset)
+    bare = unwrap(accelerator, unroll)
+    teacher = model_head(target.get_output_embeddings(), target.config)
+    # the target runs forward only, the head forward and backward once per unrolled step
+    frozen = sum(p.numel() for p in target.parameters())
+    trained = sum(p.numel() for p in bare.parameters())
+    steplog = StepLog(
+        tracker, job.log_path, prefix=prefix, log_every=loop.log_every,
+        flops_per_token=2.0 * frozen + 6.0 * settings.ttt_steps * trained, peak_flops=None,
+        world=accelerator.num_processes, main_process=main_process, step_offset=job.step_offset,
+    )  # fmt: skip
+    weights = settings.weights(device)
+    chunk_tokens = loop.loss_chunk_tokens
+    current: dict[str, torch.Tensor] = {}
+
+    def loss_sum(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        sums, _ = ttt_losses(unroll, bare, teacher, target, batch, chunk_tokens)
+        current["sums"] = current["sums"] + sums.detach().double()
+        return (sums * current["factors"].to(sums.dtype)).sum()
+
+    def one_step(step: int) -> StepStats:
+        micro_batches = [{k: v.to(device) for k, v in b.items()} for b in batches.micro_batches(step)]
+        step_tokens, _ = token_counts(micro_batches, accelerator)
+        local = sum(step_row_counts(b["labels"], settings.ttt_steps) for b in micro_batches)
+        rows = accelerator.reduce(local, "sum")
+        # train_step divides every loss sum by `step_tokens`: this makes step j's a decay^j-weighted share
+        # of its own row mean (a step with no row in the batch gets no loss)
+        current["factors"] = torch.where(rows > 0, weights * step_tokens / rows.clamp(min=1), 0.0)
+        current["sums"] = torch.zeros(settings.ttt_steps, dtype=torch.float64, device=device)
+        stats = train_step(accelerator, unroll, optimizer, scheduler, micro_batches, loss_sum, max_grad_norm)
+        done = step + 1
+        if done % loop.log_every == 0 or done == loop.total_steps:  # every process joins the reduction
+            kls = (accelerator.reduce(current["sums"], "sum") / rows.clamp(min=1)).tolist()
+            if main_process:
+                metrics = {f"{prefix}train/step{j}_kl": kl for j, kl in enumerate(kls)}
+                tracker.log(metrics, step=job.step_offset + done, echo=False)
+        return stats
+
+    def periodic_eval(step: int) -> None:
+        metrics = evaluate(accelerator, target, unroll, evals, settings)
+        if main_process:
+            tracker.log(eval_log(metrics, prefix), step=job.step_offset + step)
+
+    result = training.run(
+        one_step,
+        steplog,
+        evaluate=periodic_eval if evals else None,
+        state=lambda: {"initial_eval": initial.model_dump() if initial else None},
+        epoch=batches.epoch,
+    )
+    final = None
+    if evals:
+        final = evaluate(accelerator, target, unroll, evals, settings)
+        if main_process:
+            tracker.log(eval_log(final, prefix), step=job.step_offset + result.steps)
+    return result, initial, final
