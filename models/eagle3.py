@@ -64,6 +64,9 @@ def layer_config(target_config: Any, intermediate_size: int | None) -> Any:
 
     text = target_config.get_text_config(decoder=True)
     heads = text.num_attention_heads
+    rope = dict(text.rope_parameters)
+    if "full_attention" in rope:  # one rotary setting per attention type (Gemma 3): the global layers'
+        rope = dict(rope["full_attention"])
     config = LlamaConfig(
         vocab_size=text.vocab_size,
         hidden_size=text.hidden_size,
@@ -74,7 +77,7 @@ def layer_config(target_config: Any, intermediate_size: int | None) -> Any:
         head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
         rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
         max_position_embeddings=text.max_position_embeddings,
-        rope_parameters=dict(text.rope_parameters),
+        rope_parameters=rope,
         hidden_act="silu",
         tie_word_embeddings=False,
     )

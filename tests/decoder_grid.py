@@ -19,6 +19,7 @@ import torch
 
 from polydraft.decoding.blockwise import HeadsDraft, Rescoring, blockwise_chain, blockwise_tree
 from polydraft.decoding.control import BetaTS, CaliTS, FixedK
+from polydraft.decoding.eagle3 import eagle3_decode
 from polydraft.decoding.eesd import self_speculative
 from polydraft.decoding.lattice import CandidateTree
 from polydraft.decoding.rsd import recursive_speculative
@@ -27,7 +28,7 @@ from polydraft.decoding.sd import speculative
 from polydraft.decoding.tree import TreeShape
 from polydraft.models.heads import Heads
 from tests.distribution_harness import assert_follows, sample_size, target_joint
-from tests.table_lm import HIDDEN, TableLM, TableModel, TableSelfSpeculative
+from tests.table_lm import HIDDEN, TableEagle3, TableFeatureLM, TableLM, TableModel, TableSelfSpeculative
 
 VOCAB = 3
 K = 2
@@ -76,6 +77,7 @@ BLOCKWISE = ("bpd", "medusa", "bpd+rescore", "medusa+rescore")
 METHODS = (
     [f"{d}-{c}" for d in ("sd", "eesd") for c in CONTROLS]
     + ["sd_greedy-fixed"]
+    + [f"eagle3-{c}" for c in ("fixed", "beta_ts")]  # no calibration model for EAGLE-3 heads
     + list(TREES)
     + list(BLOCKWISE)
 )
@@ -100,6 +102,9 @@ def decoder(method: str, sampling: Sampling, generator: torch.Generator):
         return lambda: speculative(
             target, drafter, prompt, LENGTH, sampling, control, generator, set(), greedy_drafts=greedy
         )
+    if kind == "eagle3":
+        target, head = TableFeatureLM(TARGET), TableEagle3(DRAFTER)
+        return lambda: eagle3_decode(target, head, prompt, LENGTH, sampling, control, generator, set())
     model = TableSelfSpeculative(TARGET, DRAFTER)
     return lambda: self_speculative(model, prompt, LENGTH, sampling, control, generator, set())
 

@@ -173,3 +173,69 @@ class TableSelfSpeculative:
             if exit_length > self.lengths[2]:
                 raise ValueError(f"exit layers cropped to {exit_length} > {self.lengths[2]} positions held")
             self.lengths[2] = exit_length
+
+
+class TableFeatureLM(TableLM):
+    """`CachedLM(model, aux_layers=...)`'s interface: also `features` [n, HIDDEN] of every new position
+    (the table's hidden state of the context that position sees)."""
+
+    aux_layers = [0]
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        num_logits: int = 1,
+        position_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        new = input_ids.numel()
+        logits, hidden = super().forward(input_ids, new, position_ids, attention_mask)
+        self.features = hidden
+        return logits[-num_logits:], hidden[-num_logits:]
+
+
+class TableEagle3:
+    """`decoding.eagle3.Eagle3Drafter`'s interface over a `TableModel`: the draft logits of a context of
+    (position, token, feature) entries, so that a token read at the wrong position, a stale feature or a
+    draft step's entry left in the cache gives other logits, as the real head's cache would. The last
+    token of the vocabulary lies outside its draft vocabulary (probability zero)."""
+
+    aux_layers = [0]
+
+    def __init__(self, table: TableModel) -> None:
+        self.table = table
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache: list[tuple[int, int, tuple[float, ...]]] = []
+        self.true_length = 0
+        self.last: tuple[float, ...] = ()
+        self.seconds = 0.0
+        self.calls = 0
+
+    @property
+    def length(self) -> int:
+        return len(self.cache)
+
+    def read(self, tokens: Tensor, features: Tensor) -> tuple[Tensor, Tensor]:
+        if tokens.shape[0] != features.shape[0]:
+            raise ValueError(f"{tokens.shape[0]} tokens for {features.shape[0]} feature rows")
+        for token, feature in zip(tokens.tolist(), features.tolist(), strict=True):
+            self.cache.append((len(self.cache), token, tuple(round(x, 6) for x in feature)))
+        self.true_length = len(self.cache)
+        return self._row()
+
+    def step(self, token: Tensor) -> tuple[Tensor, Tensor]:
+        self.cache.append((len(self.cache), int(token.view(-1)[0]), self.last))
+        return self._row()
+
+    def drop_drafts(self) -> None:
+        del self.cache[self.true_length :]
+
+    def _row(self) -> tuple[Tensor, Tensor]:
+        logits, hidden = self.table.row(tuple(self.cache))
+        self.last = tuple(round(x, 6) for x in hidden)
+        self.calls += 1
+        row = torch.tensor(logits, dtype=torch.float64)
+        row[-1] = float("-inf")
+        return row, torch.tensor(hidden, dtype=torch.float64)

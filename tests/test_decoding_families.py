@@ -9,7 +9,9 @@ output, checked against one full forward without a cache):
 - `eesd` with each control, its early-exit drafter built on the loaded target (`from_target`) and also read
   from the family's saved checkpoint (`build_early_exit`, partial loading), which decodes exactly as the first;
   what it verifies against is the target's own logits, not only their argmax (Gemma 2's soft-capping);
-- `bpd`, `bpd+rescore`, `medusa` and `medusa+rescore`, with heads fitted a few steps to the target.
+- `bpd`, `bpd+rescore`, `medusa` and `medusa+rescore`, with heads fitted a few steps to the target;
+- `eagle3` with FixedK and Beta-TS, an EAGLE-3 head on the target's three layers fitted a few steps by the
+  trainer's own loss (vLLM serves EAGLE-3 heads for Llama and Qwen3 targets; polydraft decodes them on all).
 
 The drafters agree with the target only partly (a copy with its last layer perturbed, an exit after the
 first layer, heads fitted on one of the two prompts): every decoder must have rounds that accepted drafts
@@ -49,6 +51,7 @@ from transformers import (
 
 from polydraft.decoding.blockwise import HeadsDraft, Rescoring, blockwise_chain, blockwise_tree
 from polydraft.decoding.control import BetaTS, CaliTS, FixedK
+from polydraft.decoding.eagle3 import Eagle3Drafter, eagle3_decode
 from polydraft.decoding.eesd import SelfSpeculative, self_speculative
 from polydraft.decoding.engine import Generation, autoregressive
 from polydraft.decoding.lattice import CandidateTree
@@ -61,6 +64,7 @@ from polydraft.models.calibration import CalibrationModel
 from polydraft.models.early_exit import build_early_exit, from_target
 from polydraft.models.partial_load import decoder_parts
 from tests.decoding_helpers import single_thread_fixture, spread
+from tests.eagle3_setup import fit_eagle3
 from tests.heads_setup import fit_heads
 
 single_thread = single_thread_fixture()
@@ -159,6 +163,8 @@ CONTROLS = {
 TREES = {"rsd_c": TreeShape.constant([2, 2, 1]), "rsd_s": TreeShape.beam(2, 3)}
 MEDUSA_TREE = CandidateTree.from_paths([[0], [1], [0, 0], [1, 0], [0, 0, 0]])
 NUM_HEADS = 3
+AUX_LAYERS = [0, 1, 2]
+"""The EAGLE-3 head's feature layers on these 3-layer models (low, middle, high)."""
 
 
 def greedy_reference(
@@ -183,11 +189,15 @@ def tally(counts: dict[str, list[int]], name: str, gen: Generation) -> None:
     counts[name] = [accepted, rejected]
 
 
-def fitted_heads(model: torch.nn.Module, target: CachedLM, sequence: torch.Tensor) -> dict[str, HeadsDraft]:
-    return {
+def fitted_heads(model: torch.nn.Module, target: CachedLM, sequence: torch.Tensor) -> dict[str, object]:
+    """Medusa and BPD heads, and an EAGLE-3 head, fitted to `sequence`."""
+    heads: dict[str, object] = {
         kind: HeadsDraft(fit_heads(model, kind, NUM_HEADS, [sequence], steps=10), target)
         for kind in ("bpd", "medusa")
     }
+    eagle3 = fit_eagle3(model, AUX_LAYERS, [sequence], steps=30)
+    heads["eagle3"] = Eagle3Drafter(eagle3, model.get_input_embeddings())
+    return heads
 
 
 def chain_decoders(model, tmp_path, target, drafter, heads) -> tuple[dict, list]:
@@ -208,7 +218,12 @@ def chain_decoders(model, tmp_path, target, drafter, heads) -> tuple[dict, list]
     decoders["bpd"] = lambda p, n, s: blockwise_chain(
         target, heads["bpd"], p, n, GREEDY, torch.Generator(), set()
     )
-    return decoders, [target, drafter, built, loaded]
+    featured = CachedLM(model, aux_layers=AUX_LAYERS)  # the target, returning the head's features too
+    for name in ("fixed", "beta_ts"):
+        decoders[f"eagle3-{name}"] = lambda p, n, s, make=CONTROLS[name]: eagle3_decode(
+            featured, heads["eagle3"], p, n, GREEDY, make(s), torch.Generator(), set()
+        )
+    return decoders, [target, drafter, built, loaded, featured]
 
 
 def tree_decoders(target, drafter, heads) -> dict:

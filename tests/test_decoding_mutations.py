@@ -35,6 +35,7 @@ import torch
 
 import polydraft.decoding.blockwise
 import polydraft.decoding.chain
+import polydraft.decoding.eagle3
 import polydraft.decoding.eesd
 import polydraft.decoding.lattice
 import polydraft.decoding.rsd
@@ -42,6 +43,7 @@ import polydraft.decoding.sampling
 import polydraft.decoding.sd
 import polydraft.decoding.tree
 from polydraft.decoding.control import FixedK
+from polydraft.decoding.eagle3 import Eagle3Drafter, eagle3_decode
 from polydraft.decoding.eesd import SelfSpeculative, self_speculative
 from polydraft.decoding.engine import autoregressive
 from polydraft.decoding.lm import CachedLM
@@ -52,6 +54,7 @@ from polydraft.decoding.tree import TreeShape
 from polydraft.models.early_exit import from_target
 from tests import decoder_grid
 from tests.decoding_helpers import single_thread_fixture, tiny_pair
+from tests.eagle3_setup import fit_eagle3
 from tests.exact_blockwise import check_blockwise, check_rescored_tree
 from tests.exact_sampling import check_chain, check_rejection, check_tree
 
@@ -94,6 +97,20 @@ def check_greedy(models, decoder: str) -> None:
         elif decoder == "eesd":
             model = SelfSpeculative(target_model, from_target(target_model, 2, 1))
             got = self_speculative(model, prompt, 12, greedy, FixedK(3), generator, set())
+        elif decoder == "eagle3":  # a head fitted to the first prompt's output: drafts partly accepted
+            sequence = torch.cat(
+                [
+                    GREEDY_PROMPTS[0],
+                    torch.tensor(
+                        autoregressive(target, GREEDY_PROMPTS[0], 12, greedy, generator, set()).tokens
+                    ),
+                ]
+            )
+            head = Eagle3Drafter(
+                fit_eagle3(target_model, [1, 2, 3], [sequence], steps=30), target_model.get_input_embeddings()
+            )
+            featured = CachedLM(target_model, aux_layers=[1, 2, 3])
+            got = eagle3_decode(featured, head, prompt, 12, greedy, FixedK(3), generator, set())
         else:
             got = recursive_speculative(
                 target, drafter, prompt, 12, greedy, TreeShape.beam(3, 3), generator, set()
@@ -156,6 +173,10 @@ VARIANTS: dict[str, tuple[object, str, str, str, list[str]]] = {
     "sd target cache not cropped after a rejection": (
         polydraft.decoding.sd, "DrafterProposer", "self.target.crop(n + accepted)", "self.target.crop(n + drafts)",
         ["greedy:sd", "grid:sd-cali_ts:T0.7-topp0.8"],
+    ),
+    "eagle3 target cache not cropped after a rejection": (
+        polydraft.decoding.eagle3, "Eagle3Proposer", "self.target.crop(n + accepted)",
+        "self.target.crop(n + drafts)", ["greedy:eagle3", "grid:eagle3-fixed:T1-topk2"],
     ),
     "eesd cache not cropped after a rejection": (
         polydraft.decoding.eesd, "SelfProposer", "self.model.crop(n + accepted, exit_length)",
