@@ -90,7 +90,7 @@ def measure(args: argparse.Namespace) -> list[str]:
     length = prompt.numel() + args.max_new_tokens // 2
     context = prompt.repeat(-(-length // prompt.numel()))[:length].view(1, -1)
     named = {f"{depth}/{pair}": lm for (depth, pair), lm in drafters.items()}
-    latencies = run_latencies(target_lm, named, {}, context, max(args.ks), [], args.latency_repeats)
+    latencies = run_latencies(target_lm, named, {}, {}, context, max(args.ks), [], args.latency_repeats)
     step = latencies.target.chain[1]
     rounds = {key: latencies.rounds[f"{key[0]}/{key[1]}"] for key in drafters}
     first = rounds[(args.depths[0], eval_sets[0].pair)]

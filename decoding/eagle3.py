@@ -74,7 +74,12 @@ class Eagle3Drafter:
 
     def drop_drafts(self) -> None:
         """Crop the cache to the positions read with true features (a draft step's entries go)."""
-        self.cache.crop(-max(0, self.length - self.true_length))
+        self.crop(self.true_length)
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` cached positions."""
+        self.cache.crop(-max(0, self.length - length))
+        self.true_length = min(self.true_length, length)
 
     def _forward(self, tokens: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
         start = time.perf_counter()

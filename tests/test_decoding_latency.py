@@ -92,19 +92,27 @@ def test_lm_latencies_time_each_size_from_the_same_cached_context(tiny_lm, monke
 
 
 def test_run_latencies_cover_every_round_the_decoders_can_make(tiny_lm):
+    from polydraft.decoding.eagle3 import Eagle3Drafter
     from polydraft.decoding.eesd import SelfSpeculative
+    from polydraft.models.eagle3 import head_for_target
     from polydraft.models.early_exit import from_target
 
     target = build_llama(64, 32, 4, 4, 64, seed=2)
     eesd = SelfSpeculative(target, from_target(target, 2, 1))
+    head = Eagle3Drafter(head_for_target(target, torch.arange(64), [1, 2, 3]), target.get_input_embeddings())
+    eagle3 = {"e3": (CachedLM(target, aux_layers=[1, 2, 3]), head)}
     shapes = [TreeShape.constant([2, 2, 1]), TreeShape.beam(3, 3)]
     run = run_latencies(
-        CachedLM(target), {"d": tiny_lm}, {"ee": eesd}, torch.arange(3, 23).view(1, -1), 5, shapes, 1
+        CachedLM(target), {"d": tiny_lm}, {"ee": eesd}, eagle3, torch.arange(3, 23).view(1, -1), 5, shapes, 1
     )
     assert sorted(run.target.chain) == [1]
     assert sorted(run.target.tree) == list(range(2, 12))  # trees of up to 10 nodes (2 + 4 + 4)
     assert sorted(run.drafters["d"].chain) == [1] and sorted(run.drafters["d"].tree) == [1, 2, 3, 4]
-    for name in ("d", "ee"):  # sd's rounds with the drafter, eesd's with the early-exit head
+    for name in (
+        "d",
+        "ee",
+        "e3",
+    ):  # sd's rounds with the drafter, eesd's with the exit, eagle3's with the head
         assert sorted(run.rounds[name].verify) == list(range(1, 7)) and len(run.rounds[name].draft) == 5
     assert set(run.as_json()) == {"target", "drafters", "rounds"}
 
@@ -138,7 +146,7 @@ def test_run_latencies_prefill_each_model_once_then_interleave_every_probe_per_r
             return getattr(SelfSpeculative, method)(eesd, *args)
 
         monkeypatch.setattr(eesd, method, recording_eesd)
-    run_latencies(target, {"d": tiny_lm}, {"ee": eesd}, torch.arange(3, 15).view(1, -1), 1, [], repeats=2)
+    run_latencies(target, {"d": tiny_lm}, {"ee": eesd}, {}, torch.arange(3, 15).view(1, -1), 1, [], repeats=2)
     # each model takes the 12-token context once
     assert calls[:4] == [("T", 0, 12), ("D", 0, 12), ("E", "draft_step"), ("E", "verify")]
     one_repeat = [
@@ -223,5 +231,5 @@ def test_the_ar_step_is_timed_right_after_an_untimed_target_step(monkeypatch):
     # only the second one counts (the context's call, the untimed step, the timed step)
     target = CachedLM(build_llama(64, 32, 3, 4, 64, seed=3))
     add_to_clock(monkeypatch, target, [0.0, 100.0, 1.0])
-    run = run_latencies(target, {}, {}, torch.arange(3, 15).view(1, -1), 1, [], repeats=1)
+    run = run_latencies(target, {}, {}, {}, torch.arange(3, 15).view(1, -1), 1, [], repeats=1)
     assert run.target.chain[1] == pytest.approx(1.0, abs=0.01)

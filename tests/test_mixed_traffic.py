@@ -191,7 +191,7 @@ def test_mixed_traffic_rows_router_cost_summary_and_resume(
 
 def test_mixed_traffic_without_pair_drafters_fails_the_stage(tmp_path, tiny_target_dir):
     ctx = measure_context(tmp_path, {})
-    with pytest.raises(StageFailed, match="per-pair drafters, but the finetune stage made none"):
+    with pytest.raises(StageFailed, match="per-pair drafters or EAGLE-3 heads, but the finetune and eagle3"):
         run_measure(_recipe(tiny_target_dir), ctx, tiny_target_dir)
 
 

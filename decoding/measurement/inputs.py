@@ -8,6 +8,7 @@ measures what it has:
   last path part names a language pair (`.../finetune/de-en`) is that pair's drafter, so that
   `measure.cross_pairs` applies to it;
 - `early_exit/head/`: the early-exit head for `eesd`;
+- `eagle3/<pair>/` (and `eagle3/multilingual/`): the EAGLE-3 heads for `eagle3`, named `eagle3-<pair>`;
 - `heads/heads/`: the blockwise proposal heads for `bpd`, `medusa` and their `+rescore` variants (which
   rescore with each standalone drafter above);
 - `calibrate/<name>/`: a calibration model for the drafter called `<name>` (`early_exit` for the head),
@@ -41,6 +42,9 @@ from polydraft.distill.sources import read_source
 log = logging.getLogger(__name__)
 
 P = TypeVar("P")
+EAGLE3_PREFIX = "eagle3-"
+"""An EAGLE-3 head's drafter name is this and its folder's (`eagle3-de-en`): pair drafters are named by
+their pair already."""
 
 
 @dataclass(frozen=True)
@@ -49,8 +53,8 @@ class DrafterSource:
 
     name: str
     kind: str
-    """`finetune`, `pretrain`, `extra` (standalone models), `early_exit` (the head for `eesd`) or `heads`
-    (the blockwise proposal heads)."""
+    """`finetune`, `pretrain`, `extra` (standalone models), `early_exit` (the head for `eesd`), `eagle3`
+    (an EAGLE-3 head) or `heads` (the blockwise proposal heads)."""
     path: str
     pair: str | None
     """The language pair it was finetuned on (None for generic drafters and the early-exit head)."""
@@ -76,6 +80,11 @@ def discover_drafters(
     head = Path(upstream["early_exit"]) / "head" if "early_exit" in upstream else None
     if head is not None and (head / "early_exit.json").is_file():
         found.append(DrafterSource("early_exit", "early_exit", str(head), None))
+    if "eagle3" in upstream:
+        for folder in sorted(Path(upstream["eagle3"]).iterdir()):
+            if (folder / "config.json").is_file() and (folder / "eagle3.json").is_file():
+                pair = folder.name if folder.name in PAIRS else None
+                found.append(DrafterSource(f"{EAGLE3_PREFIX}{folder.name}", "eagle3", str(folder), pair))
     heads = Path(upstream["heads"]) / "heads" if "heads" in upstream else None
     if heads is not None and (heads / "heads.json").is_file():
         found.append(DrafterSource("heads", "heads", str(heads), None))

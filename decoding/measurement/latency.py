@@ -27,6 +27,10 @@ The prediction is a model, not a bound: latencies timed in a probe differ from t
 (the shares of it reached were 86-108% over four runs of the same drafters, bench/results/demo_task.md),
 so reports give its error, measured / predicted - 1, beside it.
 
+For `eagle3` a round's first "drafter" step is the head's catch-up over the newest committed position (it
+reads the target's features of the accepted tokens, one position in the timed round), the later ones a
+head step each; its "target" call also returns the head's feature layers.
+
 For `eesd` the "target" of a round is the early-exit verification (the shared layers on the last
 draft, then the target's deeper layers on all k + 1 positions) and a "drafter" step one exit step (the
 shared layers plus the exit layers), as `decoding.eesd` runs them.
@@ -197,6 +201,37 @@ def _self_speculative_once(model, tokens: Tensor, length: int, max_drafts: int) 
     return _rounds(draft, verify, lambda: model.crop(length, length), max_drafts)
 
 
+def _prefill_eagle3(featured: CachedLM, drafter, context: Tensor) -> int:
+    """The target's cache and the head's hold `context` (the head: every position but the last, whose
+    feature the target's call on it gave); the context's length."""
+    length = _prefill(featured, context)
+    drafter.reset()
+    assert featured.features is not None
+    drafter.read(context[0, 1:].to(featured.device), featured.features[:-1])
+    return length
+
+
+def _eagle3_once(featured: CachedLM, drafter, tokens: Tensor, length: int, max_drafts: int) -> ChainRounds:
+    """`eagle3`'s rounds after the `length` cached positions: the head's catch-up over the newest position
+    and k - 1 head steps, then the target (with the feature layers) on k + 1 tokens; both cropped back."""
+    assert featured.features is not None
+    feature = featured.features[-1:]
+
+    def draft(i: int) -> float:
+        before = drafter.seconds
+        if i == 0:
+            drafter.read(tokens[0, :1], feature)
+        else:
+            drafter.step(tokens[0, i : i + 1])
+        return drafter.seconds - before
+
+    def crop() -> None:
+        featured.crop(length)
+        drafter.crop(length - 1)
+
+    return _rounds(draft, lambda k: _timed(featured, tokens[:, : k + 1]), crop, max_drafts)
+
+
 def _median_latencies(samples: list[Latencies]) -> Latencies:
     return Latencies(
         {n: statistics.median(s.chain[n] for s in samples) for n in samples[0].chain},
@@ -297,7 +332,8 @@ class RunLatencies:
     drafters: dict[str, Latencies]
     """Standalone drafters alone, by name: one step, and every tree level size."""
     rounds: dict[str, ChainRounds]
-    """Chain rounds by drafter name: `sd`'s for a standalone drafter, `eesd`'s for an early-exit one."""
+    """Chain rounds by drafter name: `sd`'s for a standalone drafter, `eesd`'s for an early-exit one,
+    `eagle3`'s for an EAGLE-3 head."""
 
     def as_json(self) -> dict:
         return {
@@ -312,6 +348,7 @@ def run_latencies(
     target: CachedLM,
     drafters: dict[str, CachedLM],
     self_speculative: dict[str, object],
+    eagle3: dict[str, tuple[CachedLM, object]],
     context: Tensor,
     max_draft_length: int,
     shapes: Sequence[TreeShape],
@@ -319,7 +356,8 @@ def run_latencies(
 ) -> RunLatencies:
     """Every latency the run's decoders need: the target's step (and every tree size), each standalone
     drafter's step (and every tree level), the chain rounds of up to max_draft_length drafts of each
-    standalone and early-exit drafter. Each model takes the context once; then every probe runs once per
+    standalone and early-exit drafter and EAGLE-3 head (`eagle3`: name -> (the target with the head's
+    feature layers, the head's `Eagle3Drafter`)). Each model takes the context once; then every probe runs once per
     repeat, in turn, so that a slow spell of the machine hits the `ar` step and the rounds it is
     compared with alike; medians over the repeats."""
     max_nodes = max((shape.max_nodes for shape in shapes), default=0)
@@ -332,10 +370,14 @@ def run_latencies(
         _prefill(lm, context, all_levels)
     for model in self_speculative.values():
         _prefill_self_speculative(model, context.to(model.device))
+    for featured, head in eagle3.values():
+        _prefill_eagle3(featured, head, context)
     tokens = context[:, 1:]
     target_samples: list[Latencies] = []
     drafter_samples: dict[str, list[Latencies]] = {name: [] for name in drafters}
-    round_samples: dict[str, list[ChainRounds]] = {name: [] for name in [*drafters, *self_speculative]}
+    round_samples: dict[str, list[ChainRounds]] = {
+        name: [] for name in [*drafters, *self_speculative, *eagle3]
+    }
     for _ in range(repeats):
         target_samples.append(_lm_once(target, tokens.to(target.device), length, [1], tree_sizes, warm=True))
         for name, lm in drafters.items():
@@ -344,7 +386,15 @@ def run_latencies(
         for name, model in self_speculative.items():
             eesd_tokens = tokens.to(model.device)
             round_samples[name].append(_self_speculative_once(model, eesd_tokens, length, max_draft_length))
-    for lm in [target, *drafters.values(), *self_speculative.values()]:
+        for name, (featured, head) in eagle3.items():
+            head_tokens = tokens.to(featured.device)
+            round_samples[name].append(_eagle3_once(featured, head, head_tokens, length, max_draft_length))
+    for lm in [
+        target,
+        *drafters.values(),
+        *self_speculative.values(),
+        *(m for pair in eagle3.values() for m in pair),
+    ]:
         lm.reset()
     return RunLatencies(
         target=_median_latencies(target_samples),

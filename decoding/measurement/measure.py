@@ -20,7 +20,7 @@ import torch
 
 from polydraft.decoding.engine import Generation
 from polydraft.decoding.lm import CachedLM, parameter_count
-from polydraft.decoding.measurement.inputs import DrafterSource, EvalSet
+from polydraft.decoding.measurement.inputs import EAGLE3_PREFIX, DrafterSource, EvalSet
 from polydraft.decoding.measurement.latency import RoundCost, predicted_speedup
 from polydraft.decoding.measurement.metrics import summarize
 from polydraft.decoding.measurement.results import MeasureMetrics, MethodHeadline, ResultRow
@@ -35,8 +35,9 @@ class UnsupportedDecoder(RuntimeError):
 @dataclass
 class Drafter:
     """A loaded drafter ready to decode with: a standalone model (`lm`), the early-exit head attached
-    to the target (`self_speculative`, a `decoding.eesd.SelfSpeculative`) or proposal heads on the
-    target's hidden states (`model` a `models.heads.Heads`, `lm` and `self_speculative` None)."""
+    to the target (`self_speculative`, a `decoding.eesd.SelfSpeculative`), an EAGLE-3 head (`eagle3`, a
+    `decoding.eagle3.Eagle3Drafter`, with `featured`, the target returning the head's features) or
+    proposal heads on the target's hidden states (`model` a `models.heads.Heads`, the others None)."""
 
     source: DrafterSource
     model: Any
@@ -44,6 +45,8 @@ class Drafter:
     lm: CachedLM | None = None
     self_speculative: Any = None
     predict: Callable[[int, torch.Tensor, torch.Tensor], float] | None = None
+    eagle3: Any = None
+    featured: CachedLM | None = None
 
 
 @dataclass
@@ -114,6 +117,9 @@ def load_drafters(
             heads = attach_heads(target, source.path)
             loaded.append(Drafter(source, heads, parameter_count(heads) / target_size))
             continue
+        if source.kind == "eagle3":
+            loaded.append(eagle3_drafter(source, target, device, profile, target_size))
+            continue
         model = load_drafter(
             source.path,
             None,
@@ -135,12 +141,39 @@ def load_drafters(
     return loaded
 
 
+def eagle3_drafter(
+    source: DrafterSource, target: Any, device: torch.device, profile: bool, target_size: int
+) -> Drafter:
+    """An EAGLE-3 head ready to draft for `target`; ValueError for a head of another target (vocabulary,
+    width or layers)."""
+    from polydraft.decoding.eagle3 import Eagle3Drafter
+    from polydraft.models.eagle3 import load_eagle3
+
+    head = load_eagle3(source.path, device, target.dtype)
+    text = target.config.get_text_config(decoder=True)
+    found = (head.config.vocab_size, head.target_hidden_size, max(head.aux_layers) < text.num_hidden_layers)
+    if found != (text.vocab_size, text.hidden_size, True):
+        raise ValueError(
+            f"{source.path}: an EAGLE-3 head for another target (vocabulary {head.config.vocab_size}, "
+            f"width {head.target_hidden_size}, feature layers {head.aux_layers}; the target has "
+            f"{text.vocab_size}, {text.hidden_size}, {text.num_hidden_layers} layers)"
+        )
+    featured = CachedLM(target, profile, aux_layers=head.aux_layers)
+    return Drafter(
+        source,
+        head,
+        parameter_count(head) / target_size,
+        eagle3=Eagle3Drafter(head, target.get_input_embeddings(), profile),
+        featured=featured,
+    )
+
+
 def method_label(fields: dict[str, Any]) -> str:
     """A readable name unique within a group: `sd[de-en] K=4`, `rsd_s[de-en] 3x3`, `eesd beta_ts`."""
     decoder = fields["decoder"]
     if decoder == "ar":
         return "ar"
-    name = decoder if decoder == "eesd" else f"{decoder}[{fields['drafter']}]"
+    name = decoder if decoder == "eesd" else f"{decoder}[{fields['drafter'].removeprefix(EAGLE3_PREFIX)}]"
     if fields.get("rescorer"):
         name = f"{decoder}[{fields['rescorer']}]"
     if fields.get("tree"):

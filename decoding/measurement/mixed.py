@@ -8,6 +8,8 @@ drafter alone (each pair's drafter, and the multilingual one when the run traine
 the language router (`decoding.measurement.routing`) picks the drafter of each request from its text
 before decoding starts (its time is added to the request's wall time); and `oracle`, each prompt with
 its own pair's drafter (what a perfect, free router would give). All at the recipe's fixed draft length.
+When the run trained EAGLE-3 heads the same again with `eagle3` and the heads (`eagle3-de-en`, ...,
+`eagle3-routed`, `eagle3-oracle`), the router's choice of pair taken for both.
 
 Each group is one file, `mixed/T<temperature>-seed<seed>.json`: the requests in their order (pair,
 prompt index, the router's language, confidence, choice and time) and a row per method and traffic
@@ -193,9 +195,14 @@ def read_groups(folder: Path) -> list[MixedGroup]:
     return groups
 
 
+CHOICES = [(ROUTED, "multilingual"), (f"eagle3-{ROUTED}", "eagle3-multilingual")]
+"""(routed, single) method names compared: the per-language drafters behind the router against the
+multilingual drafter, and the same for EAGLE-3 heads."""
+
+
 @dataclass(frozen=True)
 class Decision:
-    """Routed per-language drafters against the multilingual drafter on all the mixed traffic."""
+    """Routed per-language drafters (or heads) against the multilingual one on all the mixed traffic."""
 
     temperature: float
     routed: tuple[float, float, int]
@@ -205,21 +212,28 @@ class Decision:
     noise: float | None
     """Twice the pooled std (None with fewer than 2 repetitions each)."""
     winner: str | None
-    """`routed`, `multilingual`, or None (within the noise, or too few repetitions)."""
+    """The routed or the multilingual method's name, or None (within the noise, or too few repetitions)."""
+    names: tuple[str, str] = CHOICES[0]
+    """(routed, multilingual) method names."""
 
     def text(self) -> str:
         def cell(value: tuple[float, float, int]) -> str:
             return f"{value[0]:.2f} ± {value[1]:.2f}"
 
+        routed, single = self.names
         numbers = (
-            f"routed {cell(self.routed)}x vs multilingual {cell(self.multilingual)}x over "
+            f"{routed} {cell(self.routed)}x vs {single} {cell(self.multilingual)}x over "
             f"{self.routed[2]} repetitions at T={self.temperature:g}: difference {self.difference:+.2f}"
         )
         if self.noise is None:
             return f"no winner ({numbers}, too few repetitions for a noise)"
         if self.winner is None:
             return f"no winner ({numbers}, within the noise {self.noise:.2f})"
-        name = "the routed per-language drafters" if self.winner == ROUTED else "the multilingual drafter"
+        heads = routed.startswith("eagle3")
+        what = ("per-language EAGLE-3 heads", "multilingual EAGLE-3 head") if heads else (
+            "per-language drafters", "multilingual drafter"
+        )  # fmt: skip
+        name = f"the routed {what[0]}" if self.winner == routed else f"the {what[1]}"
         return f"{name} won ({numbers}, beyond the noise {self.noise:.2f})"
 
 
@@ -229,8 +243,8 @@ RULE = (
 )
 
 
-def decisions(groups: list[MixedGroup], multilingual: str = "multilingual") -> list[Decision]:
-    """Per temperature: routed vs the multilingual drafter on all requests, by `RULE`."""
+def decisions(groups: list[MixedGroup]) -> list[Decision]:
+    """Per temperature and choice of `CHOICES` measured: routed vs multilingual on all requests, by `RULE`."""
     speedups: dict[float, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for group in groups:
         for row in group.rows:
@@ -238,18 +252,27 @@ def decisions(groups: list[MixedGroup], multilingual: str = "multilingual") -> l
                 speedups[group.temperature][row.method].append(row.speedup)
     out = []
     for temperature, by_method in sorted(speedups.items()):
-        routed, single = by_method.get(ROUTED, []), by_method.get(multilingual, [])
-        if not routed or not single:
-            continue
-        (rm, rs), (mm, ms) = mean_std(routed), mean_std(single)
-        assert rm is not None and rs is not None and mm is not None and ms is not None
-        noise, difference = noise_of(routed, single), rm - mm
-        winner = None  # the one ahead wins when its lead is a strict claim that holds
-        if noise is not None and outcome_of(">", abs(difference), noise) == "holds":
-            winner = ROUTED if difference > 0 else multilingual
-        out.append(
-            Decision(temperature, (rm, rs, len(routed)), (mm, ms, len(single)), difference, noise, winner)
-        )
+        for names in CHOICES:
+            routed, single = by_method.get(names[0], []), by_method.get(names[1], [])
+            if not routed or not single:
+                continue
+            (rm, rs), (mm, ms) = mean_std(routed), mean_std(single)
+            assert rm is not None and rs is not None and mm is not None and ms is not None
+            noise, difference = noise_of(routed, single), rm - mm
+            winner = None  # the one ahead wins when its lead is a strict claim that holds
+            if noise is not None and outcome_of(">", abs(difference), noise) == "holds":
+                winner = names[0] if difference > 0 else names[1]
+            out.append(
+                Decision(
+                    temperature,
+                    (rm, rs, len(routed)),
+                    (mm, ms, len(single)),
+                    difference,
+                    noise,
+                    winner,
+                    names,
+                )
+            )
     return out
 
 
@@ -263,7 +286,8 @@ def markdown(groups: list[MixedGroup]) -> str:
         "",
         "Every pair's held-out prompts of a repetition, interleaved, decoded by `sd` with each drafter alone, "
         "with the drafter the language router picks per request (`routed`, the router's time included) and "
-        "with each prompt's own pair drafter (`oracle`). Each cell: mean ± std over the repetitions.",
+        "with each prompt's own pair drafter (`oracle`); likewise by `eagle3` with the EAGLE-3 heads "
+        "(`eagle3-...`) when the run trained them. Each cell: mean ± std over the repetitions.",
         "",
     ]
     by_temperature: dict[float, list[MixedGroup]] = defaultdict(list)

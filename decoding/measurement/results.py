@@ -19,9 +19,9 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 RESULTS_FILE = "results.jsonl"
 
 DecoderName = Literal[
-    "ar", "sd", "rsd_c", "rsd_s", "eesd", "assisted", "bpd", "medusa", "bpd+rescore", "medusa+rescore"
+    "ar", "sd", "rsd_c", "rsd_s", "eesd", "eagle3", "assisted", "bpd", "medusa", "bpd+rescore", "medusa+rescore"
 ]  # fmt: skip
-DrafterKind = Literal["finetune", "pretrain", "extra", "early_exit", "heads"]
+DrafterKind = Literal["finetune", "pretrain", "extra", "early_exit", "eagle3", "heads"]
 Engine = Literal["polydraft", "vllm"]
 
 

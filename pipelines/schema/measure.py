@@ -9,7 +9,17 @@ from pydantic import Field, model_validator
 from polydraft.pipelines.schema.common import FieldError, PositiveInt, StrictModel, Temperature, UniqueList
 
 Decoder = Literal[
-    "ar", "sd", "rsd_c", "rsd_s", "eesd", "assisted", "bpd", "medusa", "bpd+rescore", "medusa+rescore"
+    "ar",
+    "sd",
+    "rsd_c",
+    "rsd_s",
+    "eesd",
+    "eagle3",
+    "assisted",
+    "bpd",
+    "medusa",
+    "bpd+rescore",
+    "medusa+rescore",
 ]
 Control = Literal["fixed", "beta_ts", "cali_ts"]
 
@@ -20,11 +30,13 @@ class MeasureConfig(StrictModel):
     enabled: bool = True
     decoders: UniqueList[Decoder] = Field(
         default_factory=lambda: [
-            "ar", "sd", "rsd_c", "rsd_s", "eesd", "assisted", "bpd", "medusa", "bpd+rescore", "medusa+rescore"
+            "ar", "sd", "rsd_c", "rsd_s", "eesd", "eagle3", "assisted", "bpd", "medusa", "bpd+rescore",
+            "medusa+rescore",
         ]
     )  # fmt: skip
     """`ar` (the baseline every speedup is measured against, always included), `sd` (chain), `rsd_c`
-    and `rsd_s` (draft trees), `eesd` (the early-exit head; needs the early_exit stage), `assisted`
+    and `rsd_s` (draft trees), `eesd` (the early-exit head; needs the early_exit stage), `eagle3` (a chain
+    drafted by each EAGLE-3 head of the eagle3 stage), `assisted`
     (transformers' assisted generation, a reference row), and the blockwise decoders of the heads stage's
     heads (seed 000): `bpd` (a chain of the heads' argmaxes), `medusa` (a candidate tree of their top
     tokens) and their `+rescore` variants (the heads' top-k lattice rescored by each standalone drafter
@@ -54,8 +66,11 @@ class MeasureConfig(StrictModel):
     """K for `eesd` with fixed control (default: `draft_length`). An early-exit draft step runs the target's
     first layers, so it costs a larger share of a target step than a small drafter's and its best K is
     shorter: on the demo, eesd K=2 measured 1.39x against 1.26-1.30x at K=4 (bench/results/demo_task.md)."""
+    eagle3_draft_length: int | None = Field(default=None, ge=1)
+    """K for `eagle3` with fixed control (default: `draft_length`), and the `speculative_tokens` written into
+    the exported heads' configs unless the measured best K is known."""
     controls: UniqueList[Control] = Field(default_factory=lambda: ["fixed"], min_length=1)
-    """Draft-length controls measured for `sd` and `eesd`: fixed K, Beta-TS (seed 001 Alg. 2), Cali-TS
+    """Draft-length controls measured for `sd`, `eesd` and `eagle3`: fixed K, Beta-TS (seed 001 Alg. 2), Cali-TS
     (Alg. 3; only for drafters the calibrate stage made a calibration model for)."""
     k_sweep: UniqueList[PositiveInt] = Field(default_factory=list)
     """Extra fixed draft lengths for `sd` and `eesd`, for the speedup-vs-K plot (e.g. [1, 2, 6, 8])."""
@@ -141,6 +156,11 @@ class MeasureConfig(StrictModel):
     def eesd_k(self) -> int:
         """The fixed K of `eesd`."""
         return self.eesd_draft_length or self.draft_length
+
+    @property
+    def eagle3_k(self) -> int:
+        """The fixed K of `eagle3`."""
+        return self.eagle3_draft_length or self.draft_length
 
     @model_validator(mode="after")
     def _check(self) -> MeasureConfig:

@@ -22,6 +22,7 @@ import torch
 from polydraft.decoding.assisted import assisted
 from polydraft.decoding.blockwise import HeadsDraft, Rescoring, blockwise_chain, blockwise_tree
 from polydraft.decoding.control import BetaTS, CaliTS, FixedK
+from polydraft.decoding.eagle3 import eagle3_decode
 from polydraft.decoding.engine import autoregressive
 from polydraft.decoding.lattice import CandidateTree
 from polydraft.decoding.lm import CachedLM
@@ -363,6 +364,19 @@ def build_methods(
         if d.source.kind == "heads":
             methods += blockwise_methods(cfg, d, standalone, sampling, target_lm, new, generator, eos_ids)
             continue
+        if d.eagle3 is not None:
+            if "eagle3" in cfg.decoders:
+                for control, k, controller in controls_for(cfg, cfg.eagle3_k, seed, None):
+                    methods.append(
+                        Method(
+                            {**base, "decoder": "eagle3", "control": control, "draft_length": k},
+                            lambda p, i, c=controller, d=d: eagle3_decode(
+                                d.featured, d.eagle3, p, new, sampling, c, generator(i), eos_ids
+                            ),
+                            chain_cost(latencies.rounds[d.source.name]),
+                        )
+                    )
+            continue
         if d.self_speculative is not None:
             if "eesd" in cfg.decoders:
                 from polydraft.decoding.eesd import self_speculative
@@ -438,7 +452,7 @@ def measure_latencies(
 ) -> RunLatencies:
     """The forward latencies of every model the run's decoders call, on a context as long as a prompt
     plus half an answer."""
-    lengths = [cfg.draft_length, cfg.eesd_k, *cfg.k_sweep]
+    lengths = [cfg.draft_length, cfg.eesd_k, cfg.eagle3_k, *cfg.k_sweep]
     if "beta_ts" in cfg.controls or "cali_ts" in cfg.controls:
         lengths.append(cfg.max_draft_length)
     shapes = [shape for _, shape, _ in tree_shapes(cfg)]
@@ -450,6 +464,7 @@ def measure_latencies(
             target_lm,
             {d.source.name: d.lm for d in drafters if d.lm is not None},
             {d.source.name: d.self_speculative for d in drafters if d.self_speculative is not None},
+            {d.source.name: (d.featured, d.eagle3) for d in drafters if d.eagle3 is not None},
             context,
             max(lengths),
             shapes,

@@ -1,8 +1,9 @@
 """The measure stage's mixed-language traffic (`measure.mixed`, `decoding.measurement.mixed`): one group per
 temperature x repetition, decoded by `ar`, `sd` with each finetuned drafter alone (each pair's, the
 multilingual one), `routed` (the language router picks the drafter per request; its time is added to the
-request's) and `oracle` (each request with its own pair's drafter). Finished groups are files, so a
-killed run measures only the groups it has not finished."""
+request's) and `oracle` (each request with its own pair's drafter); and the same with `eagle3` and the
+EAGLE-3 heads when the run trained them. Finished groups are files, so a killed run measures only the
+groups it has not finished."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from typing import Any
 import torch
 
 from polydraft.decoding.control import FixedK
+from polydraft.decoding.eagle3 import eagle3_decode
 from polydraft.decoding.engine import autoregressive
 from polydraft.decoding.lm import CachedLM
-from polydraft.decoding.measurement.inputs import EvalSet
+from polydraft.decoding.measurement.inputs import EAGLE3_PREFIX, EvalSet
 from polydraft.decoding.measurement.measure import Drafter, Method, measure_group
 from polydraft.decoding.measurement.mixed import (
     ORACLE,
@@ -48,18 +50,31 @@ def measure_mixed(
     warmed: set[str],
     ctx: StageContext,
 ) -> list[MixedGroup]:
-    """Measure the groups `mixed/` lacks and return every group. ValueError without a pair drafter."""
-    finetuned = {d.source.name: d for d in drafters if d.source.kind == "finetune" and d.lm is not None}
-    pairs = {d.source.pair: name for name, d in finetuned.items() if d.source.pair is not None}
-    if not pairs:
+    """Measure the groups `mixed/` lacks and return every group. ValueError without a pair drafter or head
+    for every eval pair."""
+    families = {
+        kind: {d.source.name: d for d in drafters if d.source.kind == source_kind}
+        for kind, source_kind in (("sd", "finetune"), ("eagle3", "eagle3"))
+    }
+    families = {kind: members for kind, members in families.items() if members}
+    if not families:
         raise ValueError(
-            "measure.mixed routes requests to the per-pair drafters, but the finetune stage made none"
+            "measure.mixed routes requests to the per-pair drafters or EAGLE-3 heads, but the finetune and "
+            "eagle3 stages made none"
         )
-    missing = sorted({str(s.pair) for s in eval_sets if s.pair is not None} - set(pairs))
-    if missing:
-        raise ValueError(f"measure.mixed: no drafter was finetuned for the eval pairs {missing}")
-    fallback = MULTILINGUAL if MULTILINGUAL in finetuned else None
-    router = LanguageRouter(routing_table_for(pairs, fallback))
+    eval_pairs = sorted({str(s.pair) for s in eval_sets if s.pair is not None})
+    for kind, members in families.items():
+        missing = sorted(set(eval_pairs) - {d.source.pair for d in members.values()})
+        if missing:
+            what = "drafter was finetuned" if kind == "sd" else "EAGLE-3 head was trained"
+            raise ValueError(f"measure.mixed: no {what} for the eval pairs {missing}")
+    # the router picks a pair (or the multilingual fallback); each family decodes with its member for it
+    multilingual = any(
+        MULTILINGUAL in (d.source.path.rsplit("/", 1)[-1] for d in m.values()) for m in families.values()
+    )
+    router = LanguageRouter(
+        routing_table_for({p: p for p in eval_pairs}, MULTILINGUAL if multilingual else None)
+    )
     groups = [(t, seed) for t in cfg.temperatures for seed in cfg.seeds]
     for temperature, seed in ctx.track(groups, "measured", "mixed group"):
         if group_path(ctx.work_dir, temperature, seed).is_file():
@@ -69,12 +84,17 @@ def measure_mixed(
         sampling = Sampling(temperature, cfg.top_p if temperature > 0 else 1.0)
 
         build = functools.partial(
-            mixed_methods, cfg, traffic, sampling, seed, target_lm, finetuned, pairs, router, routes, eos_ids
+            mixed_methods, cfg, traffic, sampling, seed, target_lm, families, router, routes, eos_ids
         )
         methods = measure_group(build, [p.prompt for p in traffic], warmed)
         requests = [routes[i] for i in range(len(traffic))]
         write_group(ctx.work_dir, group_of(methods, traffic, requests, temperature, seed))
     return read_groups(ctx.work_dir)
+
+
+def route_key(drafter: Drafter) -> str:
+    """What the router names a drafter or head by: its pair, or `multilingual`."""
+    return drafter.source.pair or drafter.source.name.removeprefix(EAGLE3_PREFIX)
 
 
 def mixed_methods(
@@ -83,53 +103,62 @@ def mixed_methods(
     sampling: Sampling,
     seed: int,
     target_lm: CachedLM,
-    finetuned: dict[str, Drafter],
-    pairs: dict[str, str],
+    families: dict[str, dict[str, Drafter]],
     router: LanguageRouter,
     routes: dict[int, MixedRequest],
     eos_ids: set[int],
 ) -> list[Method]:
-    """`ar`, `sd` with each finetuned drafter, `routed` and `oracle` on the mixed traffic, in that order.
-    `routed` records its decision per request (by index) into `routes`."""
-    device, new, k = target_lm.device, cfg.max_new_tokens, cfg.draft_length
+    """`ar`, then for each family (`sd` with the finetuned drafters, `eagle3` with the heads): each member
+    alone, `routed` and `oracle` on the mixed traffic. The first family's `routed` records the router's
+    decision per request (by index) into `routes`."""
+    device, new = target_lm.device, cfg.max_new_tokens
+    lengths = {"sd": cfg.draft_length, "eagle3": cfg.eagle3_k}
 
     def generator(index: int) -> torch.Generator:
         return torch.Generator(device=device).manual_seed(seed * 1_000_003 + index)
 
-    def with_drafter(name: str | None, prompt: torch.Tensor, index: int) -> Any:
-        if name is None:
+    def decode(kind: str, drafter: Drafter | None, prompt: torch.Tensor, index: int) -> Any:
+        control = FixedK(lengths[kind])
+        if drafter is None:
             return autoregressive(target_lm, prompt, new, sampling, generator(index), eos_ids)
-        lm = finetuned[name].lm
-        assert lm is not None
-        return speculative(target_lm, lm, prompt, new, sampling, FixedK(k), generator(index), eos_ids)
-
-    def routed(prompt: torch.Tensor, index: int) -> Any:
-        request = traffic[index]
-        clock = time.perf_counter()
-        route = router.route(request.text)
-        seconds = time.perf_counter() - clock
-        generation = with_drafter(route.drafter, prompt, index)
-        generation.wall_seconds += seconds
-        if index >= 0:  # not the warm-up call
-            routes[index] = MixedRequest(
-                pair=request.pair,
-                index=request.index,
-                language=route.language,
-                confidence=route.confidence,
-                drafter=route.drafter,
-                fallback=route.fallback,
-                router_ms=1000 * seconds,
+        if kind == "eagle3":
+            return eagle3_decode(
+                drafter.featured, drafter.eagle3, prompt, new, sampling, control, generator(index), eos_ids
             )
-        return generation
+        assert drafter.lm is not None
+        return speculative(target_lm, drafter.lm, prompt, new, sampling, control, generator(index), eos_ids)
 
-    def fields(drafter: str) -> dict[str, Any]:
-        return {"decoder": "sd", "drafter": drafter, "control": "fixed", "draft_length": k}
+    methods = [Method({"decoder": "ar"}, lambda p, i: decode("sd", None, p, i))]
+    for position, (kind, members) in enumerate(families.items()):
+        prefix = "" if kind == "sd" else EAGLE3_PREFIX
+        by_pair = {route_key(d): d for d in members.values()}
 
-    methods = [Method({"decoder": "ar"}, lambda p, i: with_drafter(None, p, i))]
-    for name in finetuned:
-        methods.append(Method(fields(name), lambda p, i, name=name: with_drafter(name, p, i)))
-    methods.append(Method(fields(ROUTED), routed))
-    methods.append(Method(fields(ORACLE), lambda p, i: with_drafter(pairs[traffic[i].pair], p, i)))
+        def routed(prompt: torch.Tensor, index: int, by_pair=by_pair, kind=kind, record=position == 0) -> Any:
+            request = traffic[index]
+            clock = time.perf_counter()
+            route = router.route(request.text)
+            seconds = time.perf_counter() - clock
+            generation = decode(kind, by_pair.get(route.drafter) if route.drafter else None, prompt, index)
+            generation.wall_seconds += seconds
+            if record and index >= 0:  # not the warm-up call
+                routes[index] = MixedRequest(
+                    pair=request.pair, index=request.index, language=route.language, confidence=route.confidence,
+                    drafter=route.drafter, fallback=route.fallback, router_ms=1000 * seconds,
+                )  # fmt: skip
+            return generation
+
+        def fields(name: str, kind=kind) -> dict[str, Any]:
+            return {"decoder": kind, "drafter": name, "control": "fixed", "draft_length": lengths[kind]}
+
+        for name, drafter in members.items():
+            methods.append(Method(fields(name), lambda p, i, kind=kind, d=drafter: decode(kind, d, p, i)))
+        methods.append(Method(fields(prefix + ROUTED), routed))
+        methods.append(
+            Method(
+                fields(prefix + ORACLE),
+                lambda p, i, kind=kind, by_pair=by_pair: decode(kind, by_pair[traffic[i].pair], p, i),
+            )
+        )
     return methods
 
 
