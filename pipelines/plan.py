@@ -323,6 +323,10 @@ def _measure(recipe: Recipe, plan: Plan, target: Shape, drafter: Shape) -> Stage
         len(m.controls) - 1 + len(m.k_sweep)
     )
     spec += ("eesd" in m.decoders and recipe.early_exit.enabled) * len(m.controls)
+    # EAGLE-3 heads (a pair's each, and the multilingual one): fixed K, the K sweep, Beta-TS (no Cali-TS)
+    head_languages = len(recipe.data.pairs) if recipe.eagle3.enabled and "eagle3" in m.decoders else 0
+    head_multilingual = int(head_languages > 0 and recipe.eagle3.multilingual)
+    head_methods = ("fixed" in m.controls) + len(m.k_sweep) + ("beta_ts" in m.controls)
     ar_seconds = decode_latency(target, cluster)
     generated = seconds = 0.0
     for source in recipe.data.eval:
@@ -333,16 +337,18 @@ def _measure(recipe: Recipe, plan: Plan, target: Shape, drafter: Shape) -> Stage
                 f"{per_set} that num_prompts x seeds asks for (disjoint_prompts: the stage will stop)"
             )
         # without cross_pairs a language drafter is measured on its own pair's eval set only
-        own = drafters
+        own, heads = drafters, head_languages + head_multilingual
         if not m.cross_pairs and source.pair is not None:
             own = generic + min(languages, 1) + paired.count(source.pair)
-        methods = 1 + spec * own
+            heads = head_multilingual + min(head_languages, 1)
+        methods = 1 + spec * own + head_methods * heads
         per_seed = prompts / (len(m.seeds) if m.disjoint_prompts else 1)
         tokens = per_seed * len(m.seeds) * len(m.temperatures) * answer_tokens(source, m.max_new_tokens)
         generated += tokens * methods
         seconds += tokens * (ar_seconds + (methods - 1) * ar_seconds / SPEC_SPEEDUP)
         if m.mixed and source.pair is not None:  # again in the mixed traffic: ar, `sd` with each finetuned
-            mixed = languages + multilingual + 2  # drafter, routed and oracle
+            mixed = languages + multilingual + 2  # drafter, routed and oracle; `eagle3` with each head, too
+            mixed += (head_languages + head_multilingual + 2) if head_languages else 0
             generated += tokens * (1 + mixed)
             seconds += tokens * (ar_seconds + mixed * ar_seconds / SPEC_SPEEDUP)
     weights = (target.params() + drafters * drafter.params()) * 2
@@ -357,6 +363,8 @@ def _export(recipe: Recipe, cluster: Cluster, target: Shape) -> StagePlan:
     e = recipe.export
     folders = len(recipe.data.pairs) + int(e.include_pretrained and recipe.pretrain.enabled)
     folders += int(recipe.finetune.enabled and recipe.finetune.multilingual)
+    if recipe.eagle3.enabled:  # each head's greedy check
+        folders += len(recipe.data.pairs) + int(recipe.eagle3.multilingual)
     tokens = folders * e.smoke_prompts * e.smoke_max_new_tokens * 2
     seconds = tokens * decode_latency(target, cluster) + target.params() * 2 / LOAD_BYTES_PER_S
     gpus, peak = spread(target.params() * 2.2, cluster)

@@ -216,15 +216,49 @@ def check_prompt(recipe: Recipe, target: ResolvedTarget, tokenizer: Any) -> Find
     return Finding("distill.prompt_format", what, "ok", detail)
 
 
+def check_eagle3(recipe: Recipe, target: ResolvedTarget, tokenizer: Any) -> Finding:
+    """The EAGLE-3 heads' feature layers on this target (the default resolved) and their draft vocabulary
+    against the tokens every one must keep."""
+    from transformers import AutoConfig
+
+    from polydraft.models.draft_vocab import always_kept
+    from polydraft.models.eagle3 import aux_layers_problem, default_aux_layers
+
+    block = recipe.eagle3
+    text = AutoConfig.from_pretrained(
+        target.path, revision=target.revision, trust_remote_code=target.trust_remote_code
+    ).get_text_config(decoder=True)
+    layers = list(block.aux_layers or default_aux_layers(text.num_hidden_layers))
+    what = f"feature layers {layers}, draft vocabulary {block.draft_vocab_size}"
+    problem = aux_layers_problem(layers, text.num_hidden_layers)
+    if problem:
+        return Finding("eagle3.aux_layers", what, "problem", f"{problem}; set eagle3.aux_layers")
+    kept = len(always_kept(tokenizer))
+    if kept > block.draft_vocab_size < text.vocab_size:
+        detail = (
+            f"below the {kept} special and byte tokens every draft vocabulary keeps: raise it above {kept}"
+        )
+        return Finding("eagle3.draft_vocab_size", what, "problem", detail)
+    size = min(block.draft_vocab_size, text.vocab_size)
+    detail = (
+        f"a {text.num_hidden_layers}-layer target of width {text.hidden_size}; {size} of its {text.vocab_size} "
+        f"tokens per head, {kept} of them special and byte tokens"
+    )
+    return Finding("eagle3", what, "ok", detail)
+
+
 def check_recipe(recipe: Recipe, target: ResolvedTarget) -> list[Finding]:
     """Every data source of every enabled stage peeked, every model reference loaded (config and
-    tokenizer) and compared, one prompt rendered: all findings, problems included (nothing raises)."""
+    tokenizer) and compared, one prompt rendered, the EAGLE-3 heads' layers and vocabulary checked against
+    the target: all findings, problems included (nothing raises)."""
     hub = _Hub()
     findings = [check_source(key, source, recipe, hub) for key, source in recipe_sources(recipe)]
     models, tokenizer = check_models(recipe, target, hub)
     findings += models
     if tokenizer is not None and recipe.distill.enabled:
         findings.append(check_prompt(recipe, target, tokenizer))
+    if tokenizer is not None and recipe.eagle3.enabled:
+        findings.append(check_eagle3(recipe, target, tokenizer))
     return findings
 
 

@@ -187,3 +187,32 @@ def test_wrong_references_of_real_datasets_are_problems(
     assert "Bad split: test. Available splits: ['train', 'validation']" in out
     assert "field 'translation.fr' is missing or empty" in out and "its columns: ['translation']" in out
     assert "4 problem(s)" in out
+
+
+def test_eagle3_layers_and_draft_vocabulary_are_checked_against_the_target(tmp_path, tiny_target_dir, capsys):
+    """The tiny target has 4 layers: the default feature layers (2, 2, 1) cannot be a head's; a draft
+    vocabulary below the 256 byte tokens and the specials cannot hold what every one keeps."""
+    texts = write_jsonl(tmp_path / "texts.jsonl", [{"text": "Hallo."}])
+    data = {
+        "distill": [{"kind": "local", "format": "prompts", "path": str(texts), "fields": {"prompt": "text"}}]
+    }
+    recipe = recipe_file(tmp_path, tiny_target_dir, data, eagle3={"enabled": True})
+    assert main(["check", str(recipe)]) == 2
+    out = capsys.readouterr().out
+    assert "problem  eagle3.aux_layers  feature layers [2, 2, 1]" in out and "strictly increasing" in out
+    recipe = recipe_file(
+        tmp_path,
+        tiny_target_dir,
+        data,
+        eagle3={"enabled": True, "aux_layers": [1, 2, 3], "draft_vocab_size": 100},
+    )
+    assert main(["check", str(recipe)]) == 2
+    assert "below the 260 special and byte tokens every draft vocabulary keeps" in capsys.readouterr().out
+    recipe = recipe_file(
+        tmp_path,
+        tiny_target_dir,
+        data,
+        eagle3={"enabled": True, "aux_layers": [1, 2, 3], "draft_vocab_size": 300},
+    )
+    assert main(["check", str(recipe)]) == 0
+    assert "ok       eagle3  feature layers [1, 2, 3], draft vocabulary 300" in capsys.readouterr().out

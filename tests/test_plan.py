@@ -92,7 +92,7 @@ def small_recipe(tmp_path, **blocks) -> Recipe:
         "launch": {"num_processes": 2},
     }
     for key, value in blocks.items():
-        recipe[key] = {**recipe[key], **value}
+        recipe[key] = {**recipe.get(key, {}), **value}
     return Recipe.model_validate(recipe)
 
 
@@ -235,3 +235,30 @@ def test_extra_drafters_in_a_pair_folder_are_planned_on_their_pair_only(tmp_path
     per_method = tokens["none"] / 2  # 2 sets x ar
     assert tokens["paired"] == pytest.approx(tokens["none"] + per_method)
     assert tokens["generic"] == pytest.approx(tokens["none"] + 2 * per_method)
+
+
+def test_eagle3_heads_are_planned_with_the_whole_target_in_each_trainer_and_measured(tmp_path):
+    """One trainer per pair (and the multilingual union); each runs the whole target forward over its rows
+    (2 FLOPs a parameter and token) and the unrolled head; measure decodes with each head on its own pair
+    at K and with Beta-TS, and in the mixed traffic each head alone, routed and oracle."""
+    data, gpus = TWO_PAIRS, parse_gpus("2xA100-80GB")
+    measure = {**SD_OWN_PAIR, "decoders": ["ar", "sd", "eagle3"], "controls": ["fixed", "beta_ts"]}
+    plans = {}
+    for name, eagle3, mixed in [("base", {}, False), ("heads", {"enabled": True, "multilingual": True}, False),
+                                ("mixed", {"enabled": True, "multilingual": True}, True)]:  # fmt: skip
+        (tmp_path / name).mkdir()
+        recipe = small_recipe(tmp_path / name, data=data, eagle3=eagle3, measure={**measure, "mixed": mixed},
+                              finetune={"multilingual": True})  # fmt: skip
+        plans[name] = {s.name: s for s in estimate(recipe, gpus, distill_engines=1).stages}
+    base, heads, mixed = plans["base"], plans["heads"], plans["mixed"]
+    assert {"eagle3 de-en", "eagle3 fr-en", "eagle3 multilingual"} <= set(
+        heads
+    ) and "eagle3 de-en" not in base
+    trainer = heads["eagle3 de-en"]
+    assert trainer.tokens == pytest.approx(base["finetune de-en"].tokens * 6)  # 6 epochs against finetune's 1
+    assert heads["eagle3 multilingual"].tokens == pytest.approx(2 * trainer.tokens)
+    # measure: base has ar + 2 x sd (fixed, beta_ts) with the own drafter + the multilingual's per set
+    per_method = base["measure"].tokens / (2 * (1 + 2 * 2))
+    assert heads["measure"].tokens == pytest.approx(base["measure"].tokens + 2 * 2 * 2 * per_method)
+    # mixed: ar, 3 drafters, routed, oracle; then 3 heads, routed, oracle
+    assert mixed["measure"].tokens == pytest.approx(heads["measure"].tokens + 2 * 11 * per_method)
