@@ -38,6 +38,12 @@ early_exit:
   num_shared_layers: 1
   loop: {{max_steps: 2, per_device_batch_size: 2, grad_accum_steps: 1, max_length: 160, eval_every: 0,
          eval_batches: 1}}
+eagle3:
+  enabled: true
+  multilingual: true
+  aux_layers: [0, 1, 2]
+  draft_vocab_size: 300
+  loop: {{max_steps: 2, per_device_batch_size: 2, max_length: 160, eval_every: 0, eval_batches: 1}}
 calibrate: {{num_positions: 12, draft_length: 3, max_steps: 3, loop: {{max_length: 160, per_device_batch_size: 6}}}}
 measure: {{temperatures: [0.0], seeds: [0], num_prompts: 2, max_new_tokens: 6, controls: [fixed, cali_ts],
           max_draft_length: 3, include_pretrained: false}}
@@ -45,7 +51,7 @@ export: {{smoke_prompts: 1, smoke_max_new_tokens: 6, vllm_check: "off"}}
 tracking: {{mode: disabled}}
 """
 
-STAGES = ["distill", "pretrain", "finetune", "early_exit", "calibrate", "measure", "export"]
+STAGES = ["distill", "pretrain", "finetune", "early_exit", "eagle3", "calibrate", "measure", "export"]
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +80,8 @@ def test_every_stage_produces_its_outputs(tiny_run, capsys):
         "finetune/fr-en/tokenizer.json",
         "early_exit/head/early_exit.safetensors",
         "early_exit/head/early_exit.json",
+        "eagle3/de-en/model.safetensors",
+        "eagle3/multilingual/eagle3.json",
         "calibrate/early_exit/report.json",
         "measure/results.jsonl",
         "measure/summary.md",
@@ -81,14 +89,25 @@ def test_every_stage_produces_its_outputs(tiny_run, capsys):
         "export/de-en/README.md",
         "export/de-en/results.json",
         "export/early_exit/README.md",
+        "export/eagle3-fr-en/README.md",
+        "export/eagle3-multilingual/config.json",
+        "export/routing.json",
     ]
     assert [p for p in expected if not (run_dir / p).is_file()] == []
     rows = [json.loads(line) for line in (run_dir / "measure" / "results.jsonl").read_text().splitlines()]
-    assert {r["decoder"] for r in rows} == {"ar", "sd", "rsd_c", "rsd_s", "eesd", "assisted"}
+    assert {r["decoder"] for r in rows} == {"ar", "sd", "rsd_c", "rsd_s", "eesd", "eagle3", "assisted"}
     assert {r["dataset"] for r in rows} == {"de-en", "fr-en"}
     assert all(r["matches_ar"] for r in rows if r["decoder"] != "ar")  # lossless at temperature 0
     items = {i["name"]: i for i in json.loads((run_dir / "export" / "export.json").read_text())["items"]}
     assert items["de-en"]["smoke_passed"] and items["fr-en"]["smoke_passed"]
+    assert items["eagle3-de-en"]["kind"] == "eagle3" and items["eagle3-de-en"]["smoke_passed"]
+    routing = json.loads((run_dir / "export" / "routing.json").read_text())
+    assert routing["heads"] == {"de": "eagle3-de-en", "fr": "eagle3-fr-en"}
+    assert routing["heads_fallback"] == "eagle3-multilingual"
+    config = json.loads((run_dir / "export" / "eagle3-de-en" / "config.json").read_text())
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4  # the measured K
+    card = (run_dir / "export" / "eagle3-de-en" / "README.md").read_text()
+    assert "EAGLE-3 draft head" in card and "of its held-out answer tokens" in card
 
 
 def test_show_manifests_and_training_specs_print_the_same_complete_values(tiny_run, capsys):
@@ -125,7 +144,7 @@ def test_in_process_stages_log_progress_lines_with_their_totals(tiny_run, caplog
     with caplog.at_level("INFO"):
         assert main(["run", str(recipe), "--run-dir", str(run_dir), "--from", "measure", "--force"]) == 0
     assert any(line.startswith("[measure] measured 2/2 groups (100%), ") for line in lines())
-    assert lines()[-1].startswith("[export] staged and checked 4/4 folders (100%), ")
+    assert lines()[-1].startswith("[export] staged and checked 7/7 folders (100%), ")  # 4 + 3 EAGLE-3 heads
     assert not any("\r" in line for line in lines())
     caplog.clear()
     with caplog.at_level("INFO"):
@@ -184,7 +203,7 @@ def test_export_logs_each_folder_as_a_wandb_model_artifact_when_asked(tiny_run):
     artifacts = {a.name: a for a in logged if a.type == "model"}
     assert sorted(artifacts) == sorted(i["repo_name"] for i in items)
     # each measured folder's results table goes along as a wandb Table (a `run_table` artifact to wandb)
-    assert sum(a.type == "run_table" for a in logged) == sum(i["measured"] for i in items) == 3
+    assert sum(a.type == "run_table" for a in logged) == sum(i["measured"] for i in items) == 6
     for item in items:
         files = {entry.path for entry in artifacts[item["repo_name"]].manifest.contents}
         on_disk = {

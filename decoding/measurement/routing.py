@@ -56,6 +56,10 @@ class RoutingTable(BaseModel):
     """Language code (ISO 639-1, one of `CANDIDATES`) -> drafter folder, relative to the table's folder."""
     fallback: str | None
     """The drafter for every other request (the multilingual one, say); None: decode without a drafter."""
+    heads: dict[str, str] = {}
+    """Language code -> EAGLE-3 head folder (for vLLM's `eagle3` method), relative to the table's folder."""
+    heads_fallback: str | None = None
+    """The head for every other request (the multilingual one); None: no head."""
     threshold: float = Field(default=DEFAULT_THRESHOLD, ge=0, le=1)
     """Identifications below this confidence go to the fallback."""
     identifier: str = IDENTIFIER
@@ -64,7 +68,7 @@ class RoutingTable(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> RoutingTable:
-        unknown = sorted(set(self.drafters) - set(CANDIDATES))
+        unknown = sorted((set(self.drafters) | set(self.heads)) - set(CANDIDATES))
         if unknown:
             raise ValueError(f"languages {unknown} are not among the identifier's {list(CANDIDATES)}")
         if self.identifier != IDENTIFIER:
@@ -80,7 +84,10 @@ class Route:
     confidence: float
     drafter: str | None
     fallback: bool
-    """True when the drafter is the table's fallback (unknown language, or confidence below threshold)."""
+    """True when the language is in neither map of the table or its confidence is below the threshold:
+    the drafter and the head are the fallbacks."""
+    head: str | None = None
+    """The EAGLE-3 head folder for the request (None: the table names none)."""
 
 
 def identifier_version() -> str:
@@ -113,16 +120,20 @@ class LanguageRouter:
         """The drafter for a request whose user turn is `text` (not the chat-formatted prompt: its
         system text would be identified too)."""
         language, confidence = self.identify(text)
-        drafter = self.table.drafters.get(language)
-        if drafter is None or confidence < self.table.threshold:
-            return Route(language, confidence, self.table.fallback, True)
-        return Route(language, confidence, drafter, False)
+        table = self.table
+        known = language in table.drafters or language in table.heads
+        if not known or confidence < table.threshold:
+            return Route(language, confidence, table.fallback, True, table.heads_fallback)
+        drafter = table.drafters.get(language, table.fallback)
+        return Route(language, confidence, drafter, False, table.heads.get(language, table.heads_fallback))
 
-    def folder(self, route: Route) -> Path | None:
-        """The chosen drafter's folder (relative to the table's folder when it was loaded from a file)."""
-        if route.drafter is None:
+    def folder(self, route: Route, head: bool = False) -> Path | None:
+        """The chosen drafter's folder, or with `head` the chosen EAGLE-3 head's (relative to the table's
+        folder when it was loaded from a file)."""
+        name = route.head if head else route.drafter
+        if name is None:
             return None
-        return (self.root / route.drafter) if self.root is not None else Path(route.drafter)
+        return (self.root / name) if self.root is not None else Path(name)
 
 
 def load_routing_table(path: Path | str) -> RoutingTable:
@@ -157,21 +168,31 @@ def write_routing_table(path: Path, table: RoutingTable) -> None:
     path.write_text(table.model_dump_json(indent=2) + "\n", encoding="utf-8")
 
 
-def routing_table_for(
-    pair_drafters: dict[str, str], fallback: str | None, threshold: float = DEFAULT_THRESHOLD
-) -> RoutingTable:
-    """The table for drafters trained per pair (`{"de-en": "<folder>"}`): each pair's source language
-    routes to its drafter. ValueError when two pairs share a source language (the router sees only the
-    request's language, not the wanted target language)."""
-    drafters: dict[str, str] = {}
-    for pair, folder in sorted(pair_drafters.items()):
+def by_language(pair_folders: dict[str, str]) -> dict[str, str]:
+    """{"de-en": folder} -> {"de": folder}. ValueError when two pairs share a source language (the router
+    sees only the request's language, not the wanted target language)."""
+    out: dict[str, str] = {}
+    for pair, folder in sorted(pair_folders.items()):
         language = pair.split("-")[0]
-        if language in drafters:
+        if language in out:
             raise ValueError(
-                f"pairs {sorted(p for p in pair_drafters if p.startswith(language + '-'))} "
+                f"pairs {sorted(p for p in pair_folders if p.startswith(language + '-'))} "
                 f"share the source language {language!r}: a router cannot tell them apart"
             )
-        drafters[language] = folder
+        out[language] = folder
+    return out
+
+
+def routing_table_for(
+    pair_drafters: dict[str, str],
+    fallback: str | None,
+    threshold: float = DEFAULT_THRESHOLD,
+    pair_heads: dict[str, str] | None = None,
+    heads_fallback: str | None = None,
+) -> RoutingTable:
+    """The table for drafters (and EAGLE-3 heads) trained per pair (`{"de-en": "<folder>"}`): each pair's
+    source language routes to its drafter and its head. ValueError when two pairs share a source language."""
     return RoutingTable(
-        drafters=drafters, fallback=fallback, threshold=threshold, identifier_version=identifier_version()
-    )
+        drafters=by_language(pair_drafters), fallback=fallback, heads=by_language(pair_heads or {}),
+        heads_fallback=heads_fallback, threshold=threshold, identifier_version=identifier_version(),
+    )  # fmt: skip

@@ -13,6 +13,7 @@ from typing import Any
 
 from polydraft.decoding.measurement.report import domain_table, table
 from polydraft.decoding.measurement.vllm_report import vllm_section
+from polydraft.pipelines.export import eagle3
 from polydraft.pipelines.export.records import ExportResults
 
 PLOT_TITLES = {
@@ -38,6 +39,8 @@ def front_matter(info: ExportResults) -> str:
     tags = ["speculative-decoding", "polydraft"]
     if info.kind == "heads":
         tags += ["medusa", "blockwise-parallel-decoding"]
+    elif info.kind == "eagle3":
+        tags += ["eagle3", "speculators"]
     else:
         tags += ["draft-model"] if drafter else ["early-exit", "self-speculative-decoding", "eesd"]
     if info.pair:
@@ -61,6 +64,8 @@ def title(info: ExportResults) -> str:
         return f"# Early-exit head (EESD){of}"
     if info.kind == "heads":
         return f"# {'Medusa-1' if info.heads.kind == 'medusa' else 'BPD'} proposal heads{of}"
+    if info.kind == "eagle3":
+        return f"# {info.pair or 'Multilingual'} EAGLE-3 head{of}"
     if info.pair:
         return f"# {info.pair} drafter{of}"
     return f"# Generic drafter{of} (pretrained only)"
@@ -90,6 +95,8 @@ def intro(info: ExportResults) -> str:
             "their top tokens) and, with a small drafter LM rescoring their top-k lattice, `bpd+rescore` and "
             "`medusa+rescore`; vLLM loads the folder as a `medusa` draft."
         )
+    elif what == "eagle3":
+        text = eagle3.intro(info, target_name(info))
     elif what == "early_exit":
         head = info.head
         text = (
@@ -122,7 +129,7 @@ def measured_section(info: ExportResults) -> list[str]:
             "## Measured speedups",
             "",
             "**No measurements.** The measure stage of this run did not measure this "
-            f"{ {'early_exit': 'head', 'heads': 'set of heads'}.get(info.kind, 'drafter') }, so the speedup it "
+            f"{ {'early_exit': 'head', 'heads': 'set of heads', 'eagle3': 'head'}.get(info.kind, 'drafter') }, so the speedup it "
             "gives is unknown.",
             "",
         ]
@@ -210,6 +217,8 @@ def training_section(info: ExportResults) -> list[str]:
                 f"{_num(h.base_rate_brier)}), ECE {_num(h.ece)}."
             )
         return [*lines, ""]
+    if info.kind == "eagle3":
+        return [*lines, *eagle3.training_lines(info), ""]
     if info.kind == "heads":
         heads = info.heads
 
@@ -283,6 +292,8 @@ def usage_section(info: ExportResults, repo_id: str) -> list[str]:
     prompt = info.prompt
     if info.kind == "heads":
         return heads_usage(info, repo_id, target)
+    if info.kind == "eagle3":
+        return eagle3.usage_lines(info, repo_id, target)
     if info.kind == "early_exit":
         return [
             "## Usage",

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from polydraft.decoding.measurement.results import DrafterKind, Engine, ResultRow
-from polydraft.train.results import CalibrationScores
+from polydraft.train.results import CalibrationScores, DraftVocab
 
 RESULTS_FORMAT = "polydraft-export-results/1"
 INDEX_FORMAT = "polydraft-export/1"
@@ -146,6 +146,27 @@ class HeadsCard(Record):
     """The same after training."""
 
 
+class Eagle3Card(Record):
+    """An EAGLE-3 head: its shape, draft vocabulary and the eagle3 stage's training and held-out scores."""
+
+    aux_layers: list[int]
+    target_hidden_size: int
+    draft_vocab_size: int
+    vocab: DraftVocab
+    parameters: int
+    """Its own parameters (the target's embeddings it shares not counted)."""
+    ttt_steps: int
+    steps: int
+    tokens: int
+    train_loss: float | None
+    top1_by_step: list[float] | None
+    """Held-out agreement of each draft step's argmax with the target's greedy token."""
+    expected_accepted: float | None
+    initial_expected_accepted: float | None
+    speculative_tokens: int
+    """The K its config drafts per round (the measured best, else the recipe's)."""
+
+
 class ArchitectureCard(Record):
     class_name: str = Field(alias="class")
     model_type: str | None
@@ -195,7 +216,7 @@ class ExportResults(Record):
 
     format: Literal["polydraft-export-results/1"] = RESULTS_FORMAT
     name: str
-    kind: Literal["drafter", "early_exit", "heads"]
+    kind: Literal["drafter", "early_exit", "heads", "eagle3"]
     source: DrafterKind
     pair: str | None
     repo_name: str
@@ -213,6 +234,7 @@ class ExportResults(Record):
     polydraft: GitState
     head: HeadCard | None = None
     heads: HeadsCard | None = None
+    eagle3: Eagle3Card | None = None
     architecture: ArchitectureCard | None = None
     mixed_traffic: MixedTrafficCard | None = None
     """Finetuned drafters of a run that measured mixed traffic."""
@@ -223,7 +245,7 @@ class ExportRecord(Record):
     """One exported folder in `export.json`."""
 
     name: str
-    kind: Literal["drafter", "early_exit", "heads"]
+    kind: Literal["drafter", "early_exit", "heads", "eagle3"]
     folder: str
     pair: str | None
     repo_name: str

@@ -20,12 +20,17 @@ from polydraft.pipelines.export.records import ExportIndex
 
 def export_routing_table(work_dir: Path, index: ExportIndex, threshold: float) -> RoutingTable | None:
     """`routing.json` beside the exported folders (`decoding.measurement.routing`): each pair drafter
-    serves its pair's source language; the fallback is the multilingual drafter, else the generic
-    pretrained one, else none (plain decoding). None, and no file, when no pair drafter was exported."""
+    and each pair's EAGLE-3 head serves its pair's source language; the fallbacks are the multilingual
+    drafter (else the generic pretrained one, else none: plain decoding) and the multilingual head. None,
+    and no file, when no pair drafter or head was exported."""
     drafters = {i.name: i.folder for i in index.items if i.kind == "drafter"}
     pairs = {i.pair: i.folder for i in index.items if i.kind == "drafter" and i.pair is not None}
-    if not pairs:
+    heads = {i.pair: i.folder for i in index.items if i.kind == "eagle3" and i.pair is not None}
+    if not pairs and not heads:
         return None
-    table = routing_table_for(pairs, drafters.get(MULTILINGUAL, drafters.get("pretrain")), threshold)
+    multilingual_head = next((i.folder for i in index.items if i.kind == "eagle3" and i.pair is None), None)
+    table = routing_table_for(
+        pairs, drafters.get(MULTILINGUAL, drafters.get("pretrain")), threshold, heads, multilingual_head
+    )
     write_routing_table(work_dir / ROUTING_FILE, table)
     return table

@@ -320,7 +320,8 @@ def vllm_generation_check(
     (`python -m pipelines.smoke`).
 
     `target`: path, revision, trust_remote_code. `mode`: export.vllm_check. `method`: vLLM's speculative
-    method, `draft_model` for a drafter folder, `medusa` for a heads folder (`models.heads.add_vllm_medusa`).
+    method, `draft_model` for a drafter folder, `medusa` for a heads folder (`models.heads.add_vllm_medusa`),
+    `eagle3` for an EAGLE-3 head, which must also have drafts accepted.
     The check's detail names the draft tokens accepted, in total and per draft position.
     """
     if mode == "off":
@@ -344,6 +345,13 @@ def vllm_generation_check(
             )
     if min(len(a) for a in alone) == 0:
         return Check("vllm_generation", "fail", f"vLLM generated no token for some prompt: {result}")
+    if method == "eagle3" and not result["accepted"]:  # a head read another way than trained drafts nothing
+        return Check(
+            "vllm_generation",
+            "fail",
+            f"vLLM {result['vllm']} accepted none of {result['drafted_tokens']} draft tokens of the head: it "
+            "does not read the head as polydraft trained it (vocabulary map, feature layers or norms)",
+        )
     return Check(
         "vllm_generation",
         "pass",

@@ -243,6 +243,8 @@ class ExportInputs(StrictModel):
     """measure.max_prompt_tokens."""
     draft_length: int
     """measure.draft_length: K of a drafter whose best K was not measured."""
+    eagle3_draft_length: int
+    """measure's K for `eagle3`: that of an EAGLE-3 head whose best K was not measured."""
     assisted_confidence_threshold: float
     """measure.assisted_confidence_threshold, written into the drafters' generation configs."""
     target: ResolvedTarget
@@ -277,6 +279,7 @@ class ExportInputs(StrictModel):
             eval=EvalPrompts.of(recipe),
             max_prompt_tokens=measure.max_prompt_tokens,
             draft_length=measure.draft_length,
+            eagle3_draft_length=measure.eagle3_k,
             assisted_confidence_threshold=measure.assisted_confidence_threshold,
             target=target,
             target_path=recipe.target.path,

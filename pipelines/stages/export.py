@@ -7,6 +7,9 @@ as `pretrain`), for the early-exit head (`early_exit/head/`) and for the blockwi
   `num_assistant_tokens` is the K that measured best), plus its calibration model when it has one;
 - the head: `early_exit.safetensors` + `early_exit.json` (target id and revision, N), loadable with
   `attach_exit_head`, and its calibration model;
+- an EAGLE-3 head (`eagle3/<pair>/`): the speculators-format folder vLLM's `eagle3` method loads, its config
+  naming the public target and drafting the measured best K (`pipelines.export.eagle3`); its smoke check
+  runs polydraft's `eagle3` and vLLM with the folder as the target's `eagle3` draft;
 - the proposal heads (seed 000): one folder in two formats (`models.heads`), polydraft's (`heads.json`,
   `heads.safetensors`; `attach_heads`) and vLLM's `medusa` speculative method's (`config.json`, the same
   weights, and for BPD heads `lm_head.safetensors`); their card carries the `bpd`, `medusa` and `+rescore`
@@ -18,7 +21,7 @@ as `pretrain`), for the early-exit head (`early_exit/head/`) and for the blockwi
   `ar` baseline beside it, their summary, training facts, the smoke check), `README.md` (the card,
   `pipelines.export.cards`), and per-drafter `summary.md` and PNG plots from the measure stage's report code.
 `export.json` indexes the folders for `polydraft publish`; `routing.json` routes requests by language to
-the pair drafters (`decoding.measurement.routing`: `load_router(folder).route(text)`).
+the pair drafters and the pair heads (`decoding.measurement.routing`: `load_router(folder).route(text)`).
 
 Each folder is written as `<name>.tmp/` and renamed when complete, so a rerun after a crash redoes only
 the unfinished ones. Smoke checks (`pipelines.export.smoke`) run on the staged folder, i.e. on exactly what
@@ -39,6 +42,7 @@ from polydraft.decoding.measurement.results import RESULTS_FILE as MEASURE_RESUL
 from polydraft.decoding.measurement.results import ResultsError, read_rows
 from polydraft.decoding.measurement.routing import RoutingTable
 from polydraft.pipelines.export.cards import render_card
+from polydraft.pipelines.export.eagle3 import eagle3_checks, eagle3_facts, stage_eagle3
 from polydraft.pipelines.export.info import (
     calibration_facts,
     early_exit_facts,
@@ -96,7 +100,7 @@ class Item:
 
     @property
     def kind(self) -> str:
-        return self.source.kind if self.source.kind in ("early_exit", "heads") else "drafter"
+        return self.source.kind if self.source.kind in ("early_exit", "heads", "eagle3") else "drafter"
 
 
 # ----------------------------------------------------------------------------- staging the files
@@ -293,7 +297,7 @@ def build_info(
             checks=[SmokeCheck(name=c.name, status=c.status, detail=c.detail) for c in checks],
         ),
         plots=sorted(p.name for p in item.staged.glob("*.png")),
-        mixed_traffic=mixed_traffic_facts(ctx.upstream) if source.kind == "finetune" else None,
+        mixed_traffic=mixed_traffic_facts(ctx.upstream) if source.kind in ("finetune", "eagle3") else None,
         polydraft=GitState(**git_state(PROJECT_ROOT)),
         **extra,
     )
@@ -307,6 +311,8 @@ def repo_name(target: PublicTarget, run_name: str, item: Item) -> str:
     prefix = target.label or run_name
     if item.kind == "heads":
         return f"{prefix}-heads"
+    if item.kind == "eagle3":
+        return f"{prefix}-eagle3-{item.source.pair or item.source.name.removeprefix('eagle3-')}"
     return f"{prefix}-eesd-head" if item.kind == "early_exit" else f"{prefix}-drafter-{item.source.name}"
 
 
@@ -331,12 +337,13 @@ def run(inputs: ExportInputs, ctx: StageContext) -> StageResult:
     for source in sources:
         if (ctx.work_dir / source.name / RESULTS_FILE).is_file():
             continue  # finished by an earlier, interrupted run of this same config
-        decoder = {"early_exit": "eesd", "heads": "bpd"}.get(source.kind, "sd")
+        decoder = {"early_exit": "eesd", "heads": "bpd", "eagle3": "eagle3"}.get(source.kind, "sd")
         measured = measurements(rows, source.name, decoder, target.id)
         staged = ctx.work_dir / f"{source.name}.tmp"
         shutil.rmtree(staged, ignore_errors=True)
         staged.mkdir(parents=True)
-        items.append(Item(source, staged, measured, measured.best_draft_length or inputs.draft_length))
+        default = inputs.eagle3_draft_length if source.kind == "eagle3" else inputs.draft_length
+        items.append(Item(source, staged, measured, measured.best_draft_length or default))
     if items:
         finish_items(items, inputs, ctx, target, tokenizer)
     index = write_index(ctx.work_dir, [s.name for s in sources], target)
@@ -375,6 +382,9 @@ def finish_items(
             extras[item.source.name] = {"head": early_exit_facts(stage_head(item, target), ctx.upstream)}
         elif item.kind == "heads":
             extras[item.source.name] = {"heads": heads_facts(stage_heads(item, target), ctx.upstream)}
+        elif item.kind == "eagle3":
+            config = stage_eagle3(Path(item.source.path), item.staged, target, item.draft_length)
+            extras[item.source.name] = {"eagle3": eagle3_facts(config, item.staged, item.draft_length)}
         else:
             stage_drafter(item, tokenizer, inputs.assisted_confidence_threshold)
             config = json.loads((item.staged / "config.json").read_text(encoding="utf-8"))
@@ -396,10 +406,10 @@ def finish_items(
             extras[item.source.name]["heads"].num_heads if item.kind == "heads" else item.draft_length,
             [p.tolist() for p in prompts_for(prompts, item.source.pair, cfg.smoke_prompts)],
             cfg.smoke_max_new_tokens,
-            "medusa" if item.kind == "heads" else "draft_model",
+            {"heads": "medusa", "eagle3": "eagle3"}.get(item.kind, "draft_model"),
         )
         for item in items
-        if item.kind in ("drafter", "heads")
+        if item.kind in ("drafter", "heads", "eagle3")
     }
     model = load_target(
         resolved.path,
@@ -418,6 +428,11 @@ def finish_items(
             )
         elif item.kind == "heads":
             checks = heads_checks(item.staged, model, chosen, cfg.smoke_max_new_tokens, eos_ids)
+            checks.append(vllm_checks[name])
+        elif item.kind == "eagle3":
+            checks = eagle3_checks(
+                item.staged, model, chosen, cfg.smoke_max_new_tokens, eos_ids, item.draft_length
+            )
             checks.append(vllm_checks[name])
         else:
             checks = drafter_checks(item.staged, model, tokenizer, chosen, cfg.smoke_max_new_tokens, eos_ids)
@@ -500,7 +515,12 @@ def stage_metrics(index: ExportIndex, table: RoutingTable | None = None) -> dict
         items=items,
         routing=None
         if table is None
-        else {**table.drafters, **({"fallback": table.fallback} if table.fallback else {})},
+        else {
+            **table.drafters,
+            **({"fallback": table.fallback} if table.fallback else {}),
+            **{f"eagle3 {language}": folder for language, folder in table.heads.items()},
+            **({"eagle3 fallback": table.heads_fallback} if table.heads_fallback else {}),
+        },
     ).model_dump()
 
 
