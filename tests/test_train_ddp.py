@@ -58,3 +58,45 @@ def test_two_ddp_ranks_match_one_rank_with_the_same_global_batch(tmp_path, tiny_
     two_weights = load_file(two_dir / "de-en" / "model.safetensors")
     for key, value in one_weights.items():
         torch.testing.assert_close(two_weights[key], value, rtol=1e-4, atol=1e-6)
+
+
+def _eagle3(tmp_path, target_dir, distill, name, **loop_and_launch):
+    launch = loop_and_launch.pop("launch", {})
+    # eval_batches 0: the whole held-out split on either (a limit counts micro-batches per process)
+    loop = {"max_steps": 3, "per_device_batch_size": 2, "max_length": 96, "eval_every": 0, "eval_batches": 0,
+            "loss_chunk_tokens": 16, **loop_and_launch}  # fmt: skip
+    recipe = tiny_recipe(
+        target_dir,
+        data={"pairs": ["de-en"]},
+        eagle3={"enabled": True, "aux_layers": [1, 2, 3], "draft_vocab_size": 300, "loop": loop},
+        launch=launch,
+    )
+    ctx = context(tmp_path / name, "eagle3", {"distill": distill})
+    metrics = run_stage("eagle3", recipe, ctx, target_dir).metrics
+    return ctx.work_dir, metrics
+
+
+def test_eagle3_heads_train_alike_on_two_ddp_ranks_and_on_one(tmp_path, tiny_target_dir):
+    """The EAGLE-3 trainer (each rank with its own frozen target computing features, the unrolled head
+    wrapped by DDP, its lm head projected outside the forward) gives one rank's losses, gradient norms
+    and weights with the same global batch."""
+    distill = write_tiny_mix(tmp_path / "distill", ["de-en"], train_rows=16, eval_rows=6)
+    one_dir, one = _eagle3(tmp_path, tiny_target_dir, distill, "one", grad_accum_steps=2)
+    two_dir, two = _eagle3(
+        tmp_path, tiny_target_dir, distill, "two",
+        launch={"accelerate_config": "recipes/accelerate/ddp.yaml", "num_processes": 2},
+    )  # fmt: skip
+    assert (two["distributed_type"], two["num_processes"]) == ("MULTI_CPU", 2)
+    one_log = read_log(one_dir / "de-en.train_log.jsonl")
+    two_log = read_log(two_dir / "de-en.train_log.jsonl")
+    assert len(one_log) == len(two_log) == 3
+    for a, b in zip(one_log, two_log, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    heads = [m["heads"]["de-en"]["final"]["eval_loss"] for m in (one, two)]
+    assert heads[1] == pytest.approx(heads[0], rel=1e-5)
+    one_weights = load_file(one_dir / "de-en" / "model.safetensors")
+    two_weights = load_file(two_dir / "de-en" / "model.safetensors")
+    assert one_weights.keys() == two_weights.keys()
+    for key, value in one_weights.items():
+        torch.testing.assert_close(two_weights[key], value, rtol=1e-4, atol=1e-6)
