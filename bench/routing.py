@@ -25,7 +25,8 @@ sys.path.insert(0, str(PROJECT_ROOT))
 
 from polydraft.decoding.measurement import routing  # noqa: E402
 from polydraft.distill.offline import offline_pairs  # noqa: E402
-from polydraft.distill.prompts import PAIRS, task_prefix  # noqa: E402
+from polydraft.distill.prompts import TO_ENGLISH as PAIRS  # noqa: E402
+from polydraft.distill.prompts import task_prefix  # noqa: E402
 
 NUMBERS = {"catalog": 0.0, "name": 0.0, "date": 0.0, "number": 1.0}
 

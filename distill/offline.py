@@ -6,8 +6,12 @@ Entries come from packages installed with the `offline` extra:
 - dates written out in full by babel's CLDR formats,
 - numbers spelled out by num2words (de, fr, ru, ja; num2words has no Chinese).
 Samples join several entries, one per line, so that answers are long enough for drafting to matter.
-Entries are split into train and test by a hash of their text, so held-out samples never share an
-entry with training samples.
+Every pair between these languages and English, either way, and between two of them is served: X->en as
+the catalogs and CLDR give them, en->X the same entries reversed, X->Y two entries joined on what they
+share (a catalog message on its English original, a name on its code, the same date or number).
+Entries are split into train and test by a hash of their non-English text (the source's, for X->Y), so
+held-out samples never share an entry with training samples, and an entry is held out for de-en exactly
+when it is for en-de and de-fr.
 """
 
 from __future__ import annotations
@@ -83,13 +87,26 @@ def catalog_entries(lang: str) -> tuple[Entry, ...]:
 
 
 @functools.lru_cache(maxsize=8)
-def name_entries(lang: str) -> tuple[Entry, ...]:
-    """CLDR names of territories and languages, in `lang` and in English."""
+def joined_catalog(lang: str, into: str) -> tuple[Entry, ...]:
+    """`lang` -> `into` messages: the two languages' catalog translations of the same English message."""
+    english = {}
+    for entry in catalog_entries(into):
+        english.setdefault(entry.target, entry.source)
+    pairs: dict[str, str] = {}
+    for entry in catalog_entries(lang):
+        if entry.target in english:
+            pairs.setdefault(entry.source, english[entry.target])
+    return tuple(Entry(source=s, target=t, kind="catalog") for s, t in sorted(pairs.items()))
+
+
+@functools.lru_cache(maxsize=8)
+def name_entries(lang: str, into: str = "en") -> tuple[Entry, ...]:
+    """CLDR names of territories and languages, in `lang` and in `into` (English by default)."""
     try:
         from babel import Locale
     except ImportError as err:
         raise _missing("babel") from err
-    here, english = Locale.parse(lang), Locale("en")
+    here, english = Locale.parse(lang), Locale.parse(into)
     entries: dict[str, str] = {}
     for table in ("territories", "languages"):
         theirs, ours = getattr(here, table), getattr(english, table)
@@ -99,40 +116,51 @@ def name_entries(lang: str) -> tuple[Entry, ...]:
     return tuple(Entry(source=s, target=t, kind="name") for s, t in sorted(entries.items()))
 
 
-def date_entry(lang: str, rng: random.Random) -> Entry:
+def date_entry(lang: str, rng: random.Random, into: str = "en") -> Entry:
     try:
         from babel.dates import format_date
     except ImportError as err:
         raise _missing("babel") from err
     day = datetime.date(1900, 1, 1) + datetime.timedelta(days=rng.randrange(200 * 366))
     style = rng.choice(["full", "long"])
-    return Entry(format_date(day, style, locale=lang), format_date(day, style, locale="en"), "date")
+    return Entry(format_date(day, style, locale=lang), format_date(day, style, locale=into), "date")
 
 
-def number_entry(lang: str, rng: random.Random) -> Entry | None:
-    if lang == "zh":
+def number_entry(lang: str, rng: random.Random, into: str = "en") -> Entry | None:
+    if "zh" in (lang, into):
         return None
     try:
         from num2words import num2words
     except ImportError as err:
         raise _missing("num2words") from err
     value = rng.choice([rng.randrange(10, 100), rng.randrange(100, 10_000), rng.randrange(10_000, 1_000_000)])
-    return Entry(num2words(value, lang=lang), num2words(value, lang="en"), "number")
+    return Entry(num2words(value, lang=lang), num2words(value, lang=into), "number")
 
 
-def _pick(lang: str, split: str, test_fraction: float, rng: random.Random, weights: list[float]) -> Entry:
-    """One entry of the given split: a kind drawn with `weights` (in KINDS order), then an entry of it."""
+def _entry(kind: str, lang: str, into: str, rng: random.Random) -> Entry | None:
+    """One `lang` -> `into` entry of `kind` (neither language English: joined through English)."""
+    if kind == "catalog":
+        return rng.choice(catalog_entries(lang) if into == "en" else joined_catalog(lang, into))
+    if kind == "name":
+        return rng.choice(name_entries(lang, into))
+    if kind == "date":
+        return date_entry(lang, rng, into)
+    return number_entry(lang, rng, into)
+
+
+def _pick(
+    lang: str, split: str, test_fraction: float, rng: random.Random, weights: list[float], into: str = "en"
+) -> Entry:
+    """One `lang` -> `into` entry of the given split: a kind drawn with `weights` (in KINDS order), then an
+    entry of it. An English source reads the `into` -> English entries reversed."""
     while True:
         kind = rng.choices(KINDS, weights)[0]
-        if kind == "catalog":
-            entry: Entry | None = rng.choice(catalog_entries(lang))
-        elif kind == "name":
-            entry = rng.choice(name_entries(lang))
-        elif kind == "date":
-            entry = date_entry(lang, rng)
+        if lang == "en":
+            found = _entry(kind, into, "en", rng)
+            entry = None if found is None else Entry(found.target, found.source, found.kind)
         else:
-            entry = number_entry(lang, rng)
-        if entry is not None and _split_of(entry.source, test_fraction) == split:
+            entry = _entry(kind, lang, into, rng)
+        if entry is not None and _split_of(entry.target if lang == "en" else entry.source, test_fraction) == split:
             return entry
 
 
@@ -145,13 +173,18 @@ def offline_pairs(
     seed: int = 0,
     kind_weights: dict[str, float] | None = None,
 ) -> list[dict[str, str]]:
-    """Translation samples for `pair` (e.g. `de-en`): `{"id", "source", "target"}`, entries one per line.
+    """Translation samples for `pair` (e.g. `de-en`, `en-de`, `de-fr`): `{"id", "source", "target"}`, entries
+    one per line.
 
     `kind_weights` (catalog, name, date, number; default all 1) sets how often each kind of entry is drawn.
     """
-    lang, into = pair.split("-")
-    if into != "en" or lang not in LOCALE_DIRS:
-        raise ValueError(f"the offline corpus has X->en pairs for {sorted(LOCALE_DIRS)}, not {pair!r}")
+    lang, _, into = pair.partition("-")
+    languages = [*LOCALE_DIRS, "en"]
+    if lang not in languages or into not in languages or lang == into:
+        raise ValueError(
+            f"the offline corpus has pairs between two different languages of {sorted(languages)} "
+            f"(e.g. de-en, en-de, de-fr), not {pair!r}"
+        )
     if split not in ("train", "test"):
         raise ValueError(f"offline split must be `train` or `test`, not {split!r}")
     rng = random.Random(f"{pair}/{split}/{seed}")
@@ -159,7 +192,7 @@ def offline_pairs(
     weights = [(kind_weights or {}).get(kind, 1.0) for kind in KINDS]
     samples = []
     for index in range(num_samples):
-        entries = [_pick(lang, split, test_fraction, rng, weights) for _ in range(rng.randint(low, high))]
+        entries = [_pick(lang, split, test_fraction, rng, weights, into) for _ in range(rng.randint(low, high))]
         samples.append(
             {
                 "id": f"offline/{pair}/{split}/{index}",
@@ -171,11 +204,13 @@ def offline_pairs(
 
 
 def offline_texts(langs: list[str], num_documents: int, seed: int = 0) -> list[dict[str, str]]:
-    """Generic documents for pretraining: each document is a run of English or foreign entries."""
+    """Generic documents for pretraining: each document is a run of English or foreign entries (of one of
+    `langs` besides English, whose entries give the English side; English alone: every foreign one's)."""
     rng = random.Random(f"texts/{','.join(langs)}/{seed}")
+    foreign = [lang for lang in langs if lang != "en"] or list(LOCALE_DIRS)
     documents = []
     for index in range(num_documents):
-        lang = rng.choice(langs)
+        lang = rng.choice(foreign)
         entries = [_pick(lang, "train", 0.1, rng, [1.0] * len(KINDS)) for _ in range(rng.randint(3, 8))]
         side = rng.choice(["source", "target"])
         documents.append(

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-PAIRS = ("de-en", "fr-en", "ru-en", "ja-en", "zh-en")
-"""The supported translation directions, source language first: seed 003's drafters translate into English."""
+LANGUAGES = ("de", "fr", "ru", "ja", "zh", "en")
+TO_ENGLISH = ("de-en", "fr-en", "ru-en", "ja-en", "zh-en")
+"""Seed 003's translation directions: its drafters translate into English."""
+PAIRS = (*TO_ENGLISH, *(f"{a}-{b}" for a in LANGUAGES for b in LANGUAGES if a != b and b != "en"))
+"""Every supported translation direction, source language first: seed 003's into English, then the pairs
+whose answers are not English (en-de, de-fr, ...), where drafters and EAGLE-3 heads trained on English
+answers fall short."""
 
 MULTILINGUAL = "multilingual"
 """The name (folder, drafter) of the one drafter the finetune stage trains on every pair's mix."""

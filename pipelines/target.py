@@ -19,14 +19,21 @@ def bootstrap_key(target: TargetConfig, data: DataConfig) -> str:
     assert target.bootstrap is not None
     settings = target.bootstrap.model_dump(mode="json")
     settings.pop("cache_dir")
+    settings.pop("pairs")  # the pairs count below, once, whichever key gives them
     return canonical_hash(
         {
             "version": BOOTSTRAP_VERSION,
             "bootstrap": settings,
-            "pairs": sorted(data.pairs),
+            "pairs": bootstrap_pairs(target, data),
             "offline": data.offline.model_dump(mode="json"),
         }
     )[:16]
+
+
+def bootstrap_pairs(target: TargetConfig, data: DataConfig) -> list[str]:
+    """The pairs a bootstrap target is trained on: `target.bootstrap.pairs`, else `data.pairs`."""
+    assert target.bootstrap is not None
+    return sorted(target.bootstrap.pairs or data.pairs)
 
 
 def resolve_target(
@@ -54,7 +61,7 @@ def resolve_target(
         folder.parent.mkdir(parents=True, exist_ok=True)
         build_bootstrap_target(
             folder,
-            sorted(data.pairs),
+            bootstrap_pairs(target, data),
             vocab_size=boot.vocab_size,
             hidden_size=boot.hidden_size,
             num_layers=boot.num_layers,

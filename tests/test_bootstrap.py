@@ -44,3 +44,30 @@ def test_a_stopped_build_resumes_to_the_same_model(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "sliced" / bootstrap.DONE).read_text())["steps"] == 6
     tokens = (tmp_path / "whole" / "tokenizer.json").read_text()
     assert (tmp_path / "sliced" / "tokenizer.json").read_text() == tokens
+
+
+def test_bootstrap_pairs_default_to_the_data_pairs_and_keep_the_cache_key():
+    """Unset, `target.bootstrap.pairs` is `data.pairs` and the key is the one builds had before the field
+    existed (the committed demo targets' folders are named by it); set, it names the pairs trained on."""
+    import pytest
+
+    from polydraft.pipelines.schema import Recipe
+    from polydraft.pipelines.target import bootstrap_key, bootstrap_pairs
+
+    # the demo recipe of b966087, whose target was committed as recipes/demo/target/bdb8f257ea236e49
+    boot = {"vocab_size": 2048, "hidden_size": 128, "num_layers": 24, "num_heads": 4, "intermediate_size": 384,
+            "steps": 1500, "batch_size": 32, "seq_len": 256, "lr": 2.0e-3, "cache_dir": "target"}  # fmt: skip
+    offline = {"entries_per_sample": [4, 8], "samples_per_pair": 4000,
+               "kind_weights": {"catalog": 1.0, "name": 1.0, "date": 2.0, "number": 2.0}}  # fmt: skip
+    old = Recipe.model_validate(
+        {"target": {"bootstrap": boot}, "data": {"pairs": ["de-en", "fr-en"], "offline": offline}}
+    )
+    assert bootstrap_key(old.target, old.data) == "bdb8f257ea236e49"
+    assert bootstrap_pairs(old.target, old.data) == ["de-en", "fr-en"]
+    more = {"target": {"bootstrap": {**boot, "pairs": ["fr-en", "de-en", "en-de"]}},
+            "data": {"pairs": ["de-en"], "offline": offline}}  # fmt: skip
+    wider = Recipe.model_validate(more)
+    assert bootstrap_pairs(wider.target, wider.data) == ["de-en", "en-de", "fr-en"]
+    assert bootstrap_key(wider.target, wider.data) != bootstrap_key(old.target, old.data)
+    with pytest.raises(ValueError, match=r"data.pairs \['ru-en'\] are not among target.bootstrap.pairs"):
+        Recipe.model_validate({**more, "data": {"pairs": ["de-en", "ru-en"], "offline": offline}})

@@ -2,7 +2,7 @@ import pytest
 from num2words import num2words
 from pydantic import ValidationError
 
-from polydraft.distill.offline import offline_pairs
+from polydraft.distill.offline import catalog_entries, offline_pairs
 from polydraft.distill.prompts import VICUNA_CHAT_TEMPLATE, task_prefix, vicuna_prompt
 from polydraft.pipelines.schema.common import OfflineCorpusConfig, SourceConfig, reader_args
 
@@ -66,3 +66,40 @@ def test_source_kind_weights_are_refused_where_they_mean_nothing():
         SourceConfig(kind="offline", pair="de-en", kind_weights={"number": 0.0})
     with pytest.raises(ValidationError, match="1 <= low <= high"):
         SourceConfig(kind="offline", pair="de-en", entries_per_sample=[3, 2])
+
+
+def test_pairs_into_and_between_other_languages_reverse_or_join_the_same_entries():
+    """en->X reverses X->en's entries, X->Y joins two languages' entries on what they share; every pair's
+    held-out split is the same set of entries (hashed on the non-English side, the source's for X->Y)."""
+    weights = {"catalog": 1.0, "name": 1.0, "date": 1.0, "number": 1.0}
+    rows = offline_pairs("en-de", "train", 60, (2, 3), 0.1, 0, weights)
+    german = {e.source: e.target for e in catalog_entries("de")}  # German message -> English original
+    english = {v: k for k, v in german.items()}
+    lines = [(s, t) for row in rows for s, t in zip(row["source"].split("\n"), row["target"].split("\n"))]
+    catalog = [(s, t) for s, t in lines if s in english and english[s] == t]
+    assert catalog, "no catalog line was drawn"
+    assert all(row["source"].count("\n") == row["target"].count("\n") for row in rows)
+    de_fr = offline_pairs("de-fr", "train", 60, (2, 3), 0.1, 0, {"number": 1.0})
+    from num2words import num2words
+
+    numbers = {num2words(n, lang="de"): num2words(n, lang="fr") for n in range(10, 1000)}
+    pairs = [(s, t) for row in de_fr for s, t in zip(row["source"].split("\n"), row["target"].split("\n"))]
+    small = [(s, t) for s, t in pairs if s in numbers]
+    assert small and all(numbers[s] == t for s, t in small)  # the same number in both languages
+    held_out = {line for row in offline_pairs("de-en", "test", 200, (2, 4), 0.1, 0, {"number": 1.0})
+                for line in row["source"].split("\n")}  # fmt: skip
+    for pair, side in (("en-de", "target"), ("de-fr", "source")):
+        trained = {line for row in offline_pairs(pair, "train", 1000, (2, 4), 0.1, 0, {"number": 1.0})
+                   for line in row[side].split("\n")}  # fmt: skip
+        assert trained and not trained & held_out, pair
+
+
+def test_pairs_outside_the_corpus_are_refused_with_what_it_has():
+    for pair in ("en-en", "de-xx", "deen"):
+        with pytest.raises(ValueError, match="pairs between two different languages of"):
+            offline_pairs(pair, "train", 1)
+
+
+def test_an_english_source_prompt_names_both_languages(tiny_tokenizer):
+    assert task_prefix("en-de") == "Translate English to German: "
+    assert task_prefix("de-fr") == "Translate German to French: "

@@ -71,7 +71,7 @@ def cache_key(files: list[Path], tokenizer: Any, settings: dict[str, Any]) -> st
 
 
 def _encoder(
-    tokenizer: Any, max_length: int, temperatures: list[float] | None, loss_on: str
+    tokenizer: Any, max_length: int, temperatures: list[float] | None, loss_on: str, open_rows: bool
 ) -> Callable[[dict[str, list[Any]]], dict[str, list[list[int]]]]:
     def encode(batch: dict[str, list[Any]]) -> dict[str, list[list[int]]]:
         kept = [
@@ -79,7 +79,7 @@ def _encoder(
             for prompt, response, origin, temperature in zip(
                 batch["prompt"], batch["response"], batch["origin"], batch["temperature"], strict=True
             )
-            if temperatures is None or origin != "distill" or temperature in temperatures
+            if (open_rows if origin != "distill" else temperatures is None or temperature in temperatures)
         ]
         examples = [e for e in encode_texts(tokenizer, kept, max_length) if e is not None]
         return {
@@ -100,10 +100,12 @@ def mix_examples(
     max_length: int,
     cache_dir: Path,
     main_process_first: Callable[[], AbstractContextManager[Any]],
+    open_rows: bool = True,
 ) -> MixExamples:
     """The encoded rows of the mix `files` (in order), from the cache under `cache_dir`, made by the
     first process to enter `main_process_first()` (`accelerator.main_process_first`; a
-    `contextlib.nullcontext` for one process). `loss_on: all` puts the labels on the prompt too."""
+    `contextlib.nullcontext` for one process). `loss_on: all` puts the labels on the prompt too;
+    `open_rows: False` keeps the target's own answers only."""
     import pyarrow as pa
     import pyarrow.compute as pc
     from datasets import Dataset
@@ -113,6 +115,8 @@ def mix_examples(
     if not files:
         return MixExamples(Dataset.from_dict({"input_ids": [], "labels": []}, encoded_features), 0, 0, 0)
     settings = {"max_length": max_length, "temperatures": temperatures, "loss_on": loss_on}
+    if not open_rows:  # only then in the key: caches of the other trainers keep theirs
+        settings["open_rows"] = False
     key = cache_key(files, tokenizer, settings)
     cache_dir.mkdir(parents=True, exist_ok=True)
     with main_process_first():
@@ -120,7 +124,7 @@ def mix_examples(
             [str(path) for path in files], features=raw_features, cache_dir=str(cache_dir / "json")
         )
         examples = raw.map(
-            _encoder(tokenizer, max_length, temperatures, loss_on),
+            _encoder(tokenizer, max_length, temperatures, loss_on, open_rows),
             batched=True,
             remove_columns=raw.column_names,
             features=encoded_features,
@@ -131,12 +135,12 @@ def mix_examples(
     # the counts come from two columns of the memory-mapped raw rows, not from the texts
     distill = pc.equal(raw.data.column("origin"), "distill")
     if temperatures is None:
-        rows, distilled = len(raw), pc.sum(distill).as_py() or 0
+        distilled = pc.sum(distill).as_py() or 0
     else:
         kept = pa.array(temperatures, type=pa.float64())
         at_temperature = pc.and_kleene(distill, pc.is_in(raw.data.column("temperature"), value_set=kept))
         distilled = pc.sum(at_temperature).as_py() or 0
-        rows = len(raw) - (pc.sum(distill).as_py() or 0) + distilled
+    rows = distilled + ((len(raw) - (pc.sum(distill).as_py() or 0)) if open_rows else 0)
     return MixExamples(examples, rows, rows - len(examples), distilled)
 
 
@@ -152,6 +156,7 @@ def load_examples(
     main_process_first: Callable[[], AbstractContextManager[Any]],
     pairs: list[str] | None = None,
     need_distilled: bool = False,
+    open_rows: bool = True,
 ) -> MixExamples:
     """`mix_examples` of the `split` mix of `pairs` (default: every pair, in sorted order). ValueError
     when the distill folder holds no mix, FileNotFoundError when a pair has no train split (a pair
@@ -171,7 +176,7 @@ def load_examples(
                 raise
     mix = mix_examples(
         files, tokenizer, split=split, temperatures=temperatures, loss_on=loss_on, max_length=max_length,
-        cache_dir=cache_dir, main_process_first=main_process_first,
+        cache_dir=cache_dir, main_process_first=main_process_first, open_rows=open_rows,
     )  # fmt: skip
     if need_distilled and mix.distilled == 0:
         kept = "any temperature" if temperatures is None else f"temperatures {temperatures}"

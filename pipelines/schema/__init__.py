@@ -97,6 +97,16 @@ class Recipe(StrictModel):
 
     @model_validator(mode="after")
     def _blocks_agree(self) -> Recipe:
+        boot = self.target.bootstrap
+        if boot is not None and boot.pairs is not None:
+            missing = [p for p in self.data.pairs if p not in boot.pairs]
+            if missing:
+                raise FieldError(
+                    f"data.pairs {missing} are not among target.bootstrap.pairs {boot.pairs}: the bootstrap "
+                    "target would not know how to answer them; add them there",
+                    "data.pairs",
+                    "target.bootstrap.pairs",
+                )
         for block, what in (("finetune", "drafter"), ("eagle3", "EAGLE-3 head")):
             if getattr(self, block).enabled and not self.data.pairs:
                 raise FieldError(

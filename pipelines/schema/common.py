@@ -87,6 +87,9 @@ class BootstrapConfig(StrictModel):
     seq_len: int = Field(default=256, ge=1)
     lr: float = Field(default=3e-3, gt=0)
     seed: int = 0
+    pairs: UniqueList[LanguagePair] | None = Field(default=None, min_length=1)
+    """The pairs it learns to translate. Unset: `data.pairs`. A demo target can serve more pairs than one
+    recipe runs (a study's variants use the others); every `data.pairs` entry must be among them."""
     cache_dir: str = "~/.cache/polydraft/bootstrap"
     """Folder of cached builds, one sub-folder per config hash. A relative path is relative to the recipe
     file that sets it (to the working directory when set by a command-line override)."""

@@ -53,8 +53,12 @@ class Eagle3Config(StrictModel):
     step_decay: float = Field(default=0.8, gt=0)
     """Step j's loss weight is step_decay ** j (the reference's 0.8)."""
     temperatures: UniqueList[Temperature] | None = Field(default=None, min_length=1)
-    """Keep only distilled rows of these temperatures (open-source rows always stay). Unset: every
-    `distill.temperatures` value, filled in when the recipe is loaded."""
+    """Keep only distilled rows of these temperatures. Unset: every `distill.temperatures` value, filled in
+    when the recipe is loaded."""
+    open_rows: bool = False
+    """Also train on the mix's open-source rows (`data.open`). Off: the target's own answers only, as the
+    reference trains EAGLE-3 on answers the target regenerated: at inference the head drafts after the
+    target's text, and a full target forward per row is this stage's cost."""
     optim: Eagle3Optim = Field(default_factory=Eagle3Optim)
     loop: Eagle3Loop = Field(default_factory=Eagle3Loop)
 

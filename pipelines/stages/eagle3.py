@@ -192,6 +192,7 @@ class Job:
                     self.distill_dir, self.tokenizer, "train", temperatures=self.block.temperatures,
                     loss_on="response", max_length=self.block.loop.max_length, cache_dir=self.work_dir / MIX_CACHE,
                     main_process_first=self.accelerator.main_process_first, pairs=[pair], need_distilled=True,
+                    open_rows=self.block.open_rows,
                 )  # fmt: skip
             except FileNotFoundError as err:
                 raise StageFailed(f"eagle3: {err}") from err
@@ -202,13 +203,14 @@ class Job:
         return self.mixes[pair]
 
     def held_out(self, pairs: list[str]) -> list[dict[str, list[int]]]:
-        """The held-out rows of `pairs` (every temperature), encoded like the training rows."""
+        """The held-out rows of `pairs` (every temperature; open rows as in training), encoded like the
+        training rows."""
         if not any(mix_path(self.distill_dir, pair, "eval").is_file() for pair in pairs):
             return []
         mix = load_examples(
             self.distill_dir, self.tokenizer, "eval", temperatures=None, loss_on="response",
             max_length=self.block.loop.max_length, cache_dir=self.work_dir / MIX_CACHE,
-            main_process_first=self.accelerator.main_process_first, pairs=pairs,
+            main_process_first=self.accelerator.main_process_first, pairs=pairs, open_rows=self.block.open_rows,
         )  # fmt: skip
         return mix.examples.to_list()
 
