@@ -8,6 +8,12 @@ its records to its own files (`shard<S>-engine<E>-part<P>.jsonl`), one `LLM.gene
 generating; a rerun reads the keys every engine wrote and deals out only the missing ones. When an engine
 ends, its process and its GPU memory go with it: the stage after distillation starts on free GPUs.
 
+An engine leads a process group of its own, which vLLM's engine core and workers (spawned processes)
+join. Whatever ends the stage, the whole group goes: a stopped stage kills each group, and an engine whose
+parent died, even by `kill -9` of polydraft's main process alone, kills its group itself (a thread watches
+its parent), so no engine core is left holding GPU memory for the rerun to fail on (vLLM's own
+`PR_SET_PDEATHSIG` covers the process it is set in, not the engine core it spawns).
+
 Files of engine E in `<work_dir>/engines/`: `engine-E.json` (its settings), `engine-E.requests.jsonl` (its
 requests), `engine-E.pid`, `engine-E.progress` (records written so far), `engine-E.log` (its output) and
 `engine-E.result.json` (what it wrote and which samples failed), all rewritten by each run.
@@ -15,6 +21,7 @@ requests), `engine-E.pid`, `engine-E.progress` (records written so far), `engine
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -22,6 +29,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -124,13 +132,14 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def _stop(process: subprocess.Popen, grace: float = 30.0) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    """Stop an engine and every process of its group (the engine core and workers it spawned)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=grace)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 def _log_tail(path: Path, lines: int = 15) -> str:
@@ -169,6 +178,7 @@ def run_engines(
                     env={**os.environ, **env},
                     stdout=out,
                     stderr=subprocess.STDOUT,
+                    start_new_session=True,  # the engine's group: its engine core and workers join it
                 )
             processes.append(process)
             paths["pid"].write_text(str(process.pid))
@@ -225,10 +235,27 @@ class _ProgressFile:
         _write_atomic(self.path, str(self.count))
 
 
+WATCH_SECONDS = 0.2
+
+
 def _die_with_parent() -> None:
-    """Linux: the kernel kills this engine when the stage that started it dies, even by `kill -9`."""
+    """When the stage that started this engine dies, even by `kill -9`, the engine kills its process group
+    (itself, vLLM's engine core and workers): a daemon thread watches the parent; on Linux the kernel also
+    sends SIGTERM at once (`PR_SET_PDEATHSIG`), which this handler turns into the same group kill."""
+    parent = os.getppid()
+
+    def kill_group(*_: Any) -> None:
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(WATCH_SECONDS)
+        kill_group()
+
+    signal.signal(signal.SIGTERM, kill_group)
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
     if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def main(argv: list[str] | None = None) -> None:

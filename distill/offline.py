@@ -160,7 +160,10 @@ def _pick(
             entry = None if found is None else Entry(found.target, found.source, found.kind)
         else:
             entry = _entry(kind, lang, into, rng)
-        if entry is not None and _split_of(entry.target if lang == "en" else entry.source, test_fraction) == split:
+        if (
+            entry is not None
+            and _split_of(entry.target if lang == "en" else entry.source, test_fraction) == split
+        ):
             return entry
 
 
@@ -192,7 +195,9 @@ def offline_pairs(
     weights = [(kind_weights or {}).get(kind, 1.0) for kind in KINDS]
     samples = []
     for index in range(num_samples):
-        entries = [_pick(lang, split, test_fraction, rng, weights, into) for _ in range(rng.randint(low, high))]
+        entries = [
+            _pick(lang, split, test_fraction, rng, weights, into) for _ in range(rng.randint(low, high))
+        ]
         samples.append(
             {
                 "id": f"offline/{pair}/{split}/{index}",

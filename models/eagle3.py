@@ -228,10 +228,14 @@ def head_for_target(
     seed: int = 0,
 ) -> Eagle3Head:
     """A new head for `target`, in fp32 on the target's input device (the trained weights; a bf16 target's
-    features are cast by `project`): the layer initialised at
-    random (std `initializer_range`), the norm and the lm head from the target's final norm and lm head rows
-    of the draft vocabulary, so that the head starts by reading its output as the target reads its last
-    layer's."""
+    features are cast by `project`), initialised as the target reads its own last layer: `fc` passes the
+    highest feature layer's state through, the decoder layer's norms, feature half of q/k/v, o and MLP are
+    the target's last layer's (the token-embedding half of q/k/v small and random), the final norm and lm
+    head the target's final norm and its lm head's rows of the draft vocabulary. So the head starts by
+    computing the target's last layer on the feature (as EESD's exit layer starts from the target's last
+    layers) and learns the one-token shift from there, in fewer steps than from a random layer
+    (bench/results/eagle3_demo.md). A target whose last layer is not Llama-shaped (fused projections, another
+    MLP) keeps a random layer where the shapes differ."""
     config = layer_config(target.config, intermediate_size)
     text = target.config.get_text_config(decoder=True)
     problem = aux_layers_problem(aux_layers, text.num_hidden_layers)
@@ -240,6 +244,7 @@ def head_for_target(
     generator = torch.Generator().manual_seed(seed)
     head = Eagle3Head(config, text.hidden_size, aux_layers, draft_ids)
     std = getattr(text, "initializer_range", 0.02)
+    hidden = config.hidden_size
     with torch.no_grad():
         for parameter in head.parameters():
             if parameter.dim() == 2:
@@ -248,7 +253,36 @@ def head_for_target(
         norm = getattr(target.base_model, "norm", None)
         if norm is not None and getattr(norm, "weight", None) is not None:
             head.norm.weight.copy_(norm.weight.detach().float())
+        if text.hidden_size == hidden:
+            head.fc.weight.zero_()
+            head.fc.weight[:, -hidden:] = torch.eye(hidden)
+            copy_last_layer(head.layers[0], target.base_model.layers[-1])
     return head.to(target.get_input_embeddings().weight.device)
+
+
+def copy_last_layer(layer: Eagle3Layer, last: nn.Module) -> None:
+    """The target's last decoder layer's weights into the head's layer where their shapes agree (the
+    feature half of q/k/v; o, the MLP, the norms); whatever does not match stays as initialised."""
+    hidden = layer.input_layernorm.weight.shape[0]
+    pairs = [
+        (layer.hidden_norm.weight, getattr(last, "input_layernorm", None)),
+        (layer.post_attention_layernorm.weight, getattr(last, "post_attention_layernorm", None)),
+    ]
+    theirs = getattr(last, "self_attn", None)
+    for name in ("o_proj",):
+        pairs.append((getattr(layer.self_attn, name).weight, getattr(theirs, name, None)))
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        pairs.append((getattr(layer.mlp, name).weight, getattr(getattr(last, "mlp", None), name, None)))
+    for mine, module in pairs:
+        weight = getattr(module, "weight", None)
+        if weight is not None and weight.shape == mine.shape:
+            mine.copy_(weight.detach().float())
+    for name in ("q_proj", "k_proj", "v_proj"):
+        mine = getattr(layer.self_attn, name).weight
+        weight = getattr(getattr(theirs, name, None), "weight", None)
+        if weight is not None and weight.shape == mine[:, hidden:].shape:
+            mine[:, :hidden].mul_(0.1)
+            mine[:, hidden:] = weight.detach().float()
 
 
 # ----------------------------------------------------------------------------- the speculators format

@@ -282,8 +282,15 @@ def _eagle3(
     """One trainer per head: the whole frozen target forward over each row (its features), the head's
     layer and draft-vocabulary lm head forward and backward once per unrolled step (counted as
     `ttt_steps` layers and lm heads)."""
-    e = recipe.eagle3
+    e, d = recipe.eagle3, recipe.distill
     steps, vocab = e.ttt_steps, min(e.draft_vocab_size, target.vocab)
+    # the distilled rows at the temperatures the heads keep (the plan counts no open row)
+
+    def answers(temperatures: list[float]) -> int:
+        return (0.0 in temperatures) + d.samples_per_prompt * sum(t > 0 for t in temperatures)
+
+    row_tokens = mix_tokens / max(mix_rows, 1)
+    mix_tokens *= answers(list(e.temperatures or d.temperatures)) / max(1, answers(list(d.temperatures)))
     unrolled = Shape(target.hidden, steps, vocab * steps, e.intermediate_size or target.intermediate,
                      target.heads, target.kv_heads, target.head_dim, False)  # fmt: skip
     pairs = recipe.data.pairs or ["all"]
@@ -292,7 +299,7 @@ def _eagle3(
         heads.append(("multilingual", mix_tokens))
     return [
         _train(f"eagle3 {name}", plan, unrolled, target.params(), tokens * e.loop.epochs,
-               mix_tokens / max(mix_rows, 1), e.loop, gpus, 0, frozen_layers=target.layers, frozen_shape=target)
+               row_tokens, e.loop, gpus, 0, frozen_layers=target.layers, frozen_shape=target)
         for name, tokens in heads
     ]  # fmt: skip
 

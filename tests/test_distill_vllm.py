@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -142,6 +143,18 @@ RECORD_FIELDS = {
 """What the hf backend writes (`distill.store.RecordWriter`), token ids included."""
 
 
+def _group_alive(group: int) -> bool:
+    """Whether a running process (not a zombie waiting to be reaped) is in process group `group`."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        if int(fields[2]) == group and fields[0] != "Z":  # fields after the name: state, ppid, pgrp
+            return True
+    return False
+
+
 def _stage_process(spec_path, multiprocessing: bool) -> subprocess.Popen:
     code = "import sys; from tests.distill_setup import run_stage_from_json; run_stage_from_json(sys.argv[1])"
     return subprocess.Popen(
@@ -155,8 +168,10 @@ def _stage_process(spec_path, multiprocessing: bool) -> subprocess.Popen:
 
 
 def test_real_vllm_four_temperatures_kill_and_rerun_gives_every_record_once(tmp_path):
-    """The stage with the real engine in a subprocess (vLLM's engine core and worker in two more), the
-    whole process group killed with SIGKILL once some records are written, then rerun to completion."""
+    """The stage with the real engine in a subprocess (vLLM's engine core and worker in two more): once some
+    records are written, the stage's own process alone is killed with SIGKILL (not its group, as a
+    scheduler or a user's `kill -9` of polydraft does); within 30 s no process of the engine's group is
+    left (the engine core would otherwise keep its memory), and a rerun starts its engine and completes."""
     require_vllm()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -184,6 +199,7 @@ def test_real_vllm_four_temperatures_kill_and_rerun_gives_every_record_once(tmp_
                 [(0.0, 0), (0.3, 0), (0.3, 1), (0.7, 0), (0.7, 1), (1.0, 0), (1.0, 1)]}  # fmt: skip
 
     process = _stage_process(spec, multiprocessing=True)
+    engine = work / "engines" / "engine-0.pid"
     try:
         deadline = time.time() + 240
         while time.time() < deadline and process.poll() is None:
@@ -191,6 +207,13 @@ def test_real_vllm_four_temperatures_kill_and_rerun_gives_every_record_once(tmp_
                 break
             time.sleep(0.05)
         assert process.poll() is None, "the stage ended before it could be killed"
+        group = int(engine.read_text())  # the engine leads its own process group
+        process.kill()  # the stage's process only
+        process.wait()
+        gone = time.time() + 30
+        while time.time() < gone and _group_alive(group):
+            time.sleep(0.2)
+        assert not _group_alive(group), "vLLM processes outlived the killed stage"
     finally:
         stop_group(process, signal.SIGKILL)
     assert process.returncode == -signal.SIGKILL

@@ -262,3 +262,16 @@ def test_eagle3_heads_are_planned_with_the_whole_target_in_each_trainer_and_meas
     assert heads["measure"].tokens == pytest.approx(base["measure"].tokens + 2 * 2 * 2 * per_method)
     # mixed: ar, 3 drafters, routed, oracle; then 3 heads, routed, oracle
     assert mixed["measure"].tokens == pytest.approx(heads["measure"].tokens + 2 * 11 * per_method)
+
+
+def test_eagle3_keeps_the_distilled_rows_of_its_temperatures_at_their_length(tmp_path):
+    data, gpus = TWO_PAIRS, parse_gpus("2xA100-80GB")
+    stages = {}
+    for name, temperatures in (("all", None), ("greedy", [0.0])):
+        (tmp_path / name).mkdir()
+        recipe = small_recipe(
+            tmp_path / name, data=data, eagle3={"enabled": True, "temperatures": temperatures}
+        )
+        stages[name] = {s.name: s for s in estimate(recipe, gpus, distill_engines=1).stages}["eagle3 de-en"]
+    assert stages["greedy"].tokens == pytest.approx(stages["all"].tokens / 2)  # T=0 of T in {0, 1}
+    assert stages["greedy"].note.split(" x ")[-1] == stages["all"].note.split(" x ")[-1]  # same rows

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import random
 
 import pytest
 import torch
@@ -296,3 +297,31 @@ def test_resume_names_a_truncated_latest_checkpoint_and_falls_back_to_the_previo
     with pytest.raises(ValueError, match=f"no checkpoint under {root} can be loaded"):
         resume_checkpoint(accelerator, root)
     assert resume_checkpoint(accelerator, tmp_path / "none") is None
+
+
+def test_length_grouping_pads_less_and_keeps_every_row_once_per_epoch():
+    from polydraft.train.data import MixBatches
+
+    rng = random.Random(0)
+    examples = [{"input_ids": [1] * n, "labels": [1] * n} for n in (rng.randint(5, 200) for _ in range(640))]
+    plain = MixBatches(examples, 3, 4, 0, 1, 2, 0)
+    grouped = MixBatches(examples, 3, 4, 0, 1, 2, 0, group_by_length=True)
+
+    def padded(batches: MixBatches) -> tuple[int, list[int]]:
+        cells, seen = 0, []
+        for step in range(batches.steps_per_epoch):
+            for micro in batches.micro_batches(step):
+                cells += micro["input_ids"].numel()
+                seen += [int(n) for n in micro["attention_mask"].sum(1)]
+        return cells, sorted(seen)
+
+    (plain_cells, plain_rows), (grouped_cells, grouped_rows) = padded(plain), padded(grouped)
+    assert grouped_rows == plain_rows == sorted(len(e["input_ids"]) for e in examples)  # every row once
+    real = sum(grouped_rows)
+    assert grouped_cells < 1.05 * real < plain_cells / 1.4, (grouped_cells, real, plain_cells)
+    again = MixBatches(examples, 3, 4, 0, 1, 2, 0, group_by_length=True)  # a resumed run replays it
+    assert all(
+        torch.equal(a["input_ids"], b["input_ids"])
+        for step in (0, 17, 79)
+        for a, b in zip(grouped.micro_batches(step), again.micro_batches(step), strict=True)
+    )

@@ -97,6 +97,38 @@ def epoch_order(num_examples: int, seed: int, epoch: int) -> list[int]:
     return order
 
 
+def length_grouped(
+    order: list[int], lengths: Sequence[int], global_batch: int, window: int, seed: int, epoch: int
+) -> list[int]:
+    """`order` with each window of `window` global batches sorted by example length, then its global
+    batches shuffled (seeded by epoch and window): each step's rows are of similar length (less padding),
+    every epoch still holds every row once, and the order is a function of (seed, epoch) alone."""
+    size = window * global_batch
+    out: list[int] = []
+    for start in range(0, len(order), size):
+        chunk = sorted(order[start : start + size], key=lambda i: lengths[i])
+        batches = [chunk[i : i + global_batch] for i in range(0, len(chunk), global_batch)]
+        random.Random(f"{seed}/{epoch}/lengths/{start}").shuffle(batches)
+        out.extend(i for batch in batches for i in batch)
+    return out
+
+
+def example_lengths(examples: Sequence[dict[str, list[int]]]) -> list[int]:
+    """Token counts of encoded examples: from the Arrow column of a `datasets.Dataset` (no row is read),
+    else one example at a time."""
+    data = getattr(examples, "data", None)
+    if data is not None:
+        import pyarrow.compute as pc
+
+        return pc.list_value_length(data.column("input_ids")).to_pylist()
+    return [len(examples[i]["input_ids"]) for i in range(len(examples))]
+
+
+GROUP_WINDOW = 64
+"""Global batches per window of `length_grouped`: long enough to find rows of one length, short enough
+that a step is not always of the longest (or shortest) rows of the epoch."""
+
+
 def micro_batch_indices(
     order: Sequence[int],
     step_in_epoch: int,
@@ -155,11 +187,13 @@ class MixBatches:
         num_processes: int,
         grad_accum_steps: int,
         pad_id: int,
+        group_by_length: bool = False,
     ):
         self.examples, self.seed, self.per_device, self.pad_id = examples, seed, per_device, pad_id
         self.rank, self.world, self.accum = rank, num_processes, grad_accum_steps
         self.global_batch = per_device * num_processes * grad_accum_steps
         self.steps_per_epoch = len(examples) // self.global_batch
+        self.lengths = example_lengths(examples) if group_by_length else None
         self._epoch, self._order = -1, []
 
     def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
@@ -167,6 +201,10 @@ class MixBatches:
         epoch, index = divmod(step, self.steps_per_epoch)
         if epoch != self._epoch:
             self._epoch, self._order = epoch, epoch_order(len(self.examples), self.seed, epoch)
+            if self.lengths is not None:
+                self._order = length_grouped(
+                    self._order, self.lengths, self.global_batch, GROUP_WINDOW, self.seed, epoch
+                )
         out = []
         for micro in range(self.accum):
             indices = micro_batch_indices(

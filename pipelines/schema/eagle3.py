@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from polydraft.pipelines.schema.common import FieldError, StrictModel, Temperature, UniqueList
-from polydraft.pipelines.schema.train import MemoryLoop, OptimConfig
+from polydraft.pipelines.schema.train import MemoryLoop, MixRows, OptimConfig
 
 
 class Eagle3Optim(OptimConfig):
@@ -14,7 +14,7 @@ class Eagle3Optim(OptimConfig):
     lr: float = Field(default=1e-4, gt=0)
 
 
-class Eagle3Loop(MemoryLoop):
+class Eagle3Loop(MemoryLoop, MixRows):
     """SpecForge's EAGLE-3 examples: 4 rows per GPU, sequences of 2,048 tokens, 6 epochs (Qwen3 8B)."""
 
     epochs: float = Field(default=6.0, gt=0)

@@ -112,6 +112,16 @@ class TargetLayerLoop(MemoryLoop):
     memory, about one more forward of those layers per step); same loss and gradients."""
 
 
+class MixRows(StrictModel):
+    """A loop over the rows of the distill stage's mix (finetune, early_exit, heads, eagle3), whose lengths
+    vary."""
+
+    group_by_length: bool = False
+    """Each optimizer step takes rows of similar length (`train.data.length_grouped`: windows of 64 global
+    batches of the shuffled epoch sorted by length, their batches shuffled again), so a micro-batch pads
+    less; every epoch still sees every row once, and a resumed run the same batches."""
+
+
 class PretrainLoop(TargetLayerLoop):
     """One pass; `max_length` is the packed sequence length."""
 
@@ -119,7 +129,7 @@ class PretrainLoop(TargetLayerLoop):
     per_device_batch_size: int = Field(default=8, ge=1)
 
 
-class FinetuneLoop(TargetLayerLoop):
+class FinetuneLoop(TargetLayerLoop, MixRows):
     """Seed 003 App. F.3: batch 2 per device on 4 devices, max length 2048."""
 
     epochs: float | None = Field(default=None, gt=0)
@@ -127,7 +137,7 @@ class FinetuneLoop(TargetLayerLoop):
     loaded."""
 
 
-class EarlyExitLoop(TargetLayerLoop):
+class EarlyExitLoop(TargetLayerLoop, MixRows):
     """Table 9: batch 64 (per device x processes x accumulation), sequence 2k (13B) / 4k (70B) / 16k
     (CodeLlama), 4 epochs (13B) or 6 (70B)."""
 
@@ -308,7 +318,7 @@ class HeadsOptim(OptimConfig):
     warmup_ratio: float = Field(default=0.1, ge=0, le=1)
 
 
-class HeadsLoop(MemoryLoop):
+class HeadsLoop(MemoryLoop, MixRows):
     """Medusa-1: 2 epochs, 8 rows per device with 4 accumulation steps (128 rows a step on 4 GPUs)."""
 
     epochs: float = Field(default=2.0, gt=0)

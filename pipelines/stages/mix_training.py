@@ -60,7 +60,7 @@ def sized_batches(
     passes). StageFailed when the examples do not fill one global batch."""
     batches = MixBatches(
         examples, seed, loop.per_device_batch_size, accelerator.process_index, accelerator.num_processes,
-        accelerator.gradient_accumulation_steps, pad_id,
+        accelerator.gradient_accumulation_steps, pad_id, loop.group_by_length,
     )  # fmt: skip
     if batches.steps_per_epoch == 0:
         raise StageFailed(
