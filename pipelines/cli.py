@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shlex
 import sys
 import tempfile
 import traceback
 from pathlib import Path
 
-from polydraft.pipelines.nodes import NodeError, NodeLeader, follow, machines_of
+from polydraft.pipelines.nodes import Machines, NodeError, NodeLeader, follow, machines_of, slurm_machines
 from polydraft.pipelines.preflight import (
     OFFLINE,
     InputError,
@@ -245,9 +246,9 @@ def _run(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     run_dir = args.run_dir or default_run_dir(args.recipe)
     check_run_dir(run_dir)
-    nodes, rank = _node_rank(recipe, args.node_rank)
-    if rank > 0:
-        return _follow(run_dir, nodes, rank, args)
+    machines = _machines(recipe, args.node_rank)
+    if machines.rank > 0:
+        return _follow(run_dir, machines, args)
     target = resolve_target(recipe.target, recipe.data, show_progress=not args.quiet)
     findings = check_recipe(recipe, target)
     for finding in findings:
@@ -256,7 +257,7 @@ def _run(args: argparse.Namespace) -> int:
     raise_problems(findings)
     command = shlex.join(["polydraft", *sys.argv[1:]])
     claim_run_dir(run_dir, args.recipe, args.overrides, command, force=args.force)
-    leader = NodeLeader(run_dir, nodes) if nodes > 1 else None
+    leader = NodeLeader(run_dir, machines) if machines.nodes > 1 else None
     if leader is not None:
         try:
             leader.start(args.node_timeout)
@@ -291,32 +292,44 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _node_rank(recipe: Recipe, flag: int | None) -> tuple[int, int]:
-    """(nodes, this node's rank): the accelerate config's num_machines, and --node-rank or its machine_rank."""
-    nodes, config_rank = machines_of(resolve_accelerate_config(recipe.launch.accelerate_config))
-    rank = config_rank if flag is None else flag
-    if flag is not None and nodes == 1:
-        raise InputError(
-            f"--node-rank {flag}: launch.accelerate_config {recipe.launch.accelerate_config} has num_machines 1; "
-            "several nodes need a config with num_machines > 1 (see recipes/accelerate/multinode.yaml)"
-        )
+def _machines(recipe: Recipe, flag: int | None) -> Machines:
+    """This node among the run's nodes: a SLURM job's (`nodes.slurm_machines`), else the accelerate
+    config's num_machines; the rank --node-rank, else SLURM_NODEID or the config's machine_rank."""
+    try:
+        slurm = slurm_machines(dict(os.environ))
+    except NodeError as err:
+        raise InputError(str(err)) from err
+    if slurm is not None:
+        nodes, rank, where = slurm.nodes, slurm.rank, f"SLURM_NNODES {slurm.nodes}"
+    else:
+        nodes, rank = machines_of(resolve_accelerate_config(recipe.launch.accelerate_config))
+        where = f"num_machines {nodes} in the accelerate config"
+        if flag is not None and nodes == 1:
+            raise InputError(
+                f"--node-rank {flag}: launch.accelerate_config {recipe.launch.accelerate_config} has num_machines "
+                "1; several nodes need a config with num_machines > 1 (see recipes/accelerate/multinode.yaml) "
+                "or a SLURM job of several nodes"
+            )
+    rank = rank if flag is None else flag
     if not 0 <= rank < nodes:
-        raise InputError(
-            f"node rank {rank} is not in 0..{nodes - 1} (num_machines {nodes} in the accelerate config)"
-        )
-    return nodes, rank
+        raise InputError(f"node rank {rank} is not in 0..{nodes - 1} ({where})")
+    if slurm is not None:
+        return Machines(nodes, rank, slurm.main_ip, slurm.main_port)
+    return Machines(nodes, rank)
 
 
-def _follow(run_dir: Path, nodes: int, rank: int, args: argparse.Namespace) -> int:
+def _follow(run_dir: Path, machines: Machines, args: argparse.Namespace) -> int:
     """Another node than node 0: join node 0 through the shared run directory and each training launch."""
     try:
         launches = follow(
-            run_dir, rank, args.node_timeout,
-            lambda event: join_launch(event, run_dir, nodes, rank, args.quiet),
+            run_dir, machines.rank, args.node_timeout,
+            lambda event: join_launch(event, run_dir, machines, args.quiet),
         )  # fmt: skip
     except NodeError as err:
         raise StageFailed(str(err)) from err
-    print(f"\nnode {rank} of {nodes}: joined {launches} training launch(es) of node 0 in {run_dir}")
+    print(
+        f"\nnode {machines.rank} of {machines.nodes}: joined {launches} training launch(es) of node 0 in {run_dir}"
+    )
     return 0
 
 

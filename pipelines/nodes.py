@@ -1,7 +1,10 @@
 """Several nodes: node 0 runs the pipeline, every other node follows it and joins its training launches.
 
-When the recipe's accelerate config names `num_machines` > 1, `polydraft run` runs on every node with the
-same recipe and run directory, and `--node-rank R` (default: the config's `machine_rank`). Node 0 runs
+When the recipe's accelerate config names `num_machines` > 1, or a SLURM job holds several nodes
+(`slurm_machines`: their count, this node's rank and node 0's address come from SLURM's variables),
+`polydraft run` runs on every node with the same recipe and run directory, and `--node-rank R` (default: the
+config's `machine_rank`, or `SLURM_NODEID`). Every node starts `launch.num_processes` training processes (a
+count per node: accelerate's own `--num_processes` is the total, which polydraft passes as nodes x that). Node 0 runs
 the pipeline as on one node: the stages that do not train (distill, measure, export, ...) run there
 only, and each training launch is announced in `<run_dir>/nodes/leader.json`. Every other node starts
 the same `accelerate launch` with its own machine rank, so the training processes of all nodes meet at
@@ -26,6 +29,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +50,76 @@ def machines_of(config_file: Path) -> tuple[int, int]:
     """(num_machines, machine_rank) of an accelerate config file."""
     config = yaml.safe_load(config_file.read_text(encoding="utf-8")) or {}
     return int(config.get("num_machines", 1)), int(config.get("machine_rank", 0))
+
+
+@dataclass(frozen=True)
+class Machines:
+    """Where this node stands among the run's nodes, and where node 0 listens."""
+
+    nodes: int
+    rank: int
+    main_ip: str | None = None
+    """Node 0's address; None: the accelerate config's `main_process_ip`."""
+    main_port: int | None = None
+    """None: the accelerate config's `main_process_port`."""
+
+
+DEFAULT_PORT = 29500
+"""accelerate's and torchrun's default rendezvous port."""
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """SLURM's compressed host list (`gpu[001-003,007],login-1`) as host names, in order."""
+    hosts, part, depth = [], "", 0
+    for char in text + ",":
+        depth += char == "["
+        depth -= char == "]"
+        if char == "," and depth == 0:
+            if part:
+                hosts.extend(_expand_one(part))
+            part = ""
+        else:
+            part += char
+    return hosts
+
+
+def _expand_one(part: str) -> list[str]:
+    if "[" not in part:
+        return [part]
+    prefix, rest = part.split("[", 1)
+    ranges, suffix = rest.split("]", 1)
+    out = []
+    for item in ranges.split(","):
+        low, _, high = item.partition("-")
+        width = len(low)  # zero padding, as SLURM writes it (gpu[001-003])
+        for number in range(int(low), int(high or low) + 1):
+            out.extend(f"{prefix}{number:0{width}d}{tail}" for tail in _expand_one(suffix) or [""])
+    return out
+
+
+def slurm_machines(env: dict[str, str]) -> Machines | None:
+    """This node within a SLURM allocation of several nodes (`SLURM_NNODES`, `SLURM_NODEID`, node 0 the
+    first host of `SLURM_JOB_NODELIST`, the port `MASTER_PORT` if set), or None outside one."""
+    nodes = int(env.get("SLURM_NNODES") or env.get("SLURM_JOB_NUM_NODES") or 1)
+    if "SLURM_JOB_ID" not in env or nodes < 2:
+        return None
+    hosts = expand_hostlist(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "")
+    if not hosts or "SLURM_NODEID" not in env:
+        raise NodeError(
+            "a SLURM job of several nodes without SLURM_NODEID or SLURM_JOB_NODELIST: start one "
+            "`polydraft run` per node with `srun --ntasks-per-node=1`"
+        )
+    port = int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else None
+    return Machines(nodes, int(env["SLURM_NODEID"]), hosts[0], port)
+
+
+def processes_per_node(config_file: Path, recipe_count: int | None) -> int:
+    """Training processes on each node: `launch.num_processes`, else the accelerate config's
+    `num_processes` (accelerate's total over its `num_machines`) divided by its `num_machines`."""
+    if recipe_count is not None:
+        return recipe_count
+    config = yaml.safe_load(config_file.read_text(encoding="utf-8")) or {}
+    return max(1, int(config.get("num_processes", 1)) // max(1, int(config.get("num_machines", 1))))
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -72,9 +146,10 @@ def _not_shared(run_dir: Path, waited: float, what: str) -> str:
 class NodeLeader:
     """Node 0's side: acknowledges the other nodes, keeps a heartbeat, announces training launches."""
 
-    def __init__(self, run_dir: Path, nodes: int):
+    def __init__(self, run_dir: Path, machines: Machines):
         self.dir = Path(run_dir) / NODES_DIR
-        self.nodes = nodes
+        self.machines = machines
+        nodes = self.nodes = machines.nodes
         self.state: dict[str, Any] = {
             "launch_id": uuid.uuid4().hex, "nodes": nodes, "host": socket.gethostname(), "pid": os.getpid(),
             "heartbeat": 0, "joined": {}, "events": [],

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel
 
-from polydraft.pipelines.nodes import NodeLeader
+from polydraft.pipelines.nodes import Machines, NodeLeader, processes_per_node
 from polydraft.pipelines.schema import (
     LaunchConfig,
     LoopConfig,
@@ -179,14 +179,19 @@ def accelerate_command(
     num_processes: int | None,
     module: str,
     args: list[str],
-    machine: tuple[int, int] | None = None,
+    machines: Machines | None = None,
 ) -> list[str]:
-    """`accelerate launch` of `module`; `machine` = (num_machines, machine_rank) on several nodes."""
+    """`accelerate launch` of `module`: `num_processes` over all nodes (None: the config's); on several
+    nodes, this node's rank among them and node 0's address (else the config's)."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file)]
     if num_processes is not None:
         command += ["--num_processes", str(num_processes)]
-    if machine is not None:
-        command += ["--num_machines", str(machine[0]), "--machine_rank", str(machine[1])]
+    if machines is not None:
+        command += ["--num_machines", str(machines.nodes), "--machine_rank", str(machines.rank)]
+        if machines.main_ip is not None:
+            command += ["--main_process_ip", machines.main_ip]
+        if machines.main_port is not None:
+            command += ["--main_process_port", str(machines.main_port)]
     return [*command, "-m", module, *args]
 
 
@@ -236,8 +241,11 @@ def launch_training(
     """
     spec_path = spec_for(inputs, ctx).write(ctx.work_dir / "spec.json")
     config_file = resolve_accelerate_config(launch.accelerate_config)
-    machine = (ctx.leader.nodes, 0) if ctx.leader is not None else None
-    command = accelerate_command(config_file, launch.num_processes, module, [str(spec_path)], machine)
+    machines = ctx.leader.machines if ctx.leader is not None else None
+    total = launch.num_processes
+    if machines is not None:  # accelerate counts processes over all nodes: each node starts its share
+        total = processes_per_node(config_file, launch.num_processes) * machines.nodes
+    command = accelerate_command(config_file, total, module, [str(spec_path)], machines)
     error_file = ctx.work_dir / TRAINING_ERROR
     error_file.unlink(missing_ok=True)
     env = training_env(launch.cpu, launch.env, config_file, ctx.name)
@@ -245,7 +253,8 @@ def launch_training(
         ctx.leader.announce(
             {"kind": "launch", "stage": ctx.name, "module": module,
              "spec": spec_path.relative_to(ctx.run_dir).as_posix(), "config": launch.accelerate_config,
-             "num_processes": launch.num_processes, "cpu": launch.cpu, "env": launch.env}
+             "num_processes": total, "main_ip": machines.main_ip, "main_port": machines.main_port,
+             "cpu": launch.cpu, "env": launch.env}
         )  # fmt: skip
     log.info("[%s] launching: %s", ctx.name, " ".join(command))
     log_path = ctx.work_dir / f"{ctx.name}.log"
@@ -262,12 +271,15 @@ def launch_training(
     return json.loads(metrics.read_text(encoding="utf-8"))
 
 
-def join_launch(event: dict[str, Any], run_dir: Path, nodes: int, rank: int, quiet: bool) -> None:
+def join_launch(event: dict[str, Any], run_dir: Path, machines: Machines, quiet: bool) -> None:
     """This node's part of a training launch node 0 announced (`pipelines/nodes.py`): the same accelerate
-    config (resolved here), spec (in the shared run directory) and settings, with this node's rank."""
+    config (resolved here), spec (in the shared run directory), process count and node 0 address, with
+    this node's rank."""
     config_file = resolve_accelerate_config(event["config"])
     spec = str(run_dir / event["spec"])
-    command = accelerate_command(config_file, event["num_processes"], event["module"], [spec], (nodes, rank))
+    here = Machines(machines.nodes, machines.rank, event["main_ip"], event["main_port"])
+    command = accelerate_command(config_file, event["num_processes"], event["module"], [spec], here)
+    rank = machines.rank
     env = training_env(event["cpu"], event["env"], config_file, event["stage"])
     log_path = run_dir / "nodes" / f"node-{rank}-{event['stage']}.log"
     log.info("[%s] node %d launching: %s", event["stage"], rank, " ".join(command))

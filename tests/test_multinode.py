@@ -1,11 +1,13 @@
-"""Several nodes on one machine: two `polydraft run` processes, node ranks 0 and 1, whose training
-launches meet through accelerate's multi-machine launch on the loopback (gloo, one process per node),
-train exactly like one node with two processes; a node that does not see the other stops with an error
-that says why."""
+"""Several nodes on one machine: two `polydraft run` processes, node ranks 0 and 1 of a SLURM job (its
+variables set as `srun` sets them, node 0 on the loopback), whose training launches meet through
+accelerate's multi-machine launch (gloo, `launch.num_processes: 1` per node: two ranks in all), train
+exactly like one node with two processes; a node that does not see the other stops with an error that
+says why; the nodes and ranks come from an accelerate config as well."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -48,21 +50,36 @@ def _node(recipe, run_dir, config, rank: int, *extra: str) -> subprocess.Popen:
     )
 
 
-def test_two_nodes_train_like_one_node_with_two_processes(tmp_path):
+def _slurm_node(recipe, run_dir, rank: int, port: int) -> subprocess.Popen:
+    """`srun --ntasks-per-node=1 polydraft run ...` on node `rank` of a two-node job: no --node-rank, no
+    multi-node config, one training process per node."""
+    command = [sys.executable, "-m", "polydraft.pipelines.cli", "run", str(recipe), "--only", "pretrain",
+               "launch.accelerate_config=recipes/accelerate/ddp.yaml", "launch.num_processes=1",
+               "--run-dir", str(run_dir), "--quiet"]  # fmt: skip
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_NODEID": str(rank),
+             "SLURM_JOB_NODELIST": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+    return subprocess.Popen(
+        command, cwd=PROJECT_ROOT, env={**os.environ, **slurm}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def test_two_slurm_nodes_train_like_one_node_with_two_processes(tmp_path):
     recipe = _recipe(tmp_path)
     # the target is bootstrapped once, before the nodes start (each node would otherwise wait on it)
     assert main(["bootstrap", str(recipe), "--quiet"]) == 0
-    config = tmp_path / "multinode.yaml"
-    config.write_text(MULTINODE.format(port=free_port()))
-    nodes_dir = tmp_path / "nodes-run"
-    follower = _node(recipe, nodes_dir, config, 1)  # the other node may start first
-    leader = _node(recipe, nodes_dir, config, 0)
+    nodes_dir, port = tmp_path / "nodes-run", free_port()
+    follower = _slurm_node(recipe, nodes_dir, 1, port)  # the other node may start first
+    leader = _slurm_node(recipe, nodes_dir, 0, port)
     leader_out, _ = leader.communicate(timeout=540)
     follower_out, _ = follower.communicate(timeout=60)
     assert leader.returncode == 0, leader_out
     assert follower.returncode == 0, follower_out
     assert "node 1 of 2: joined 1 training launch(es)" in follower_out
     assert (nodes_dir / "nodes" / "node-1-pretrain.log").stat().st_size > 0  # node 1's own process ran
+    # two ranks in all (world size 2), one per node: node 0's process is rank 0, node 1's rank 1
+    ranks = sorted(p.name for p in (nodes_dir / "pretrain").rglob("random_states_*.pkl"))
+    assert ranks == ["random_states_0.pkl", "random_states_1.pkl"], ranks
 
     one_dir = tmp_path / "one-node"
     overrides = ["launch.accelerate_config=recipes/accelerate/ddp.yaml", "launch.num_processes=2"]

@@ -275,7 +275,9 @@ class LaunchConfig(StrictModel):
     """An accelerate config file (single process, DDP, FSDP, DeepSpeed ZeRO-2/3, multi-node).
     A relative path is looked up from the working directory, then from the package's recipes."""
     num_processes: int | None = Field(default=None, ge=1)
-    """Overrides the config file's `num_processes` when set."""
+    """Training processes on each node (one per GPU). Unset: the config file's `num_processes` (accelerate's
+    count over all its `num_machines`) divided by its `num_machines`. On N nodes polydraft starts N times
+    this many: accelerate's own `--num_processes` is the total, which polydraft computes."""
     cpu: bool = False
     """Train on the CPU even when a GPU exists. Multi-process CPU runs use gloo DDP."""
     env: dict[str, str] = Field(default_factory=dict)

@@ -1,0 +1,62 @@
+"""Where a node stands among several: SLURM's variables (its compressed host list), the process count per
+node, and the accelerate launch each node runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from polydraft.pipelines.nodes import Machines, NodeError, expand_hostlist, processes_per_node, slurm_machines
+from polydraft.pipelines.stage import accelerate_command
+
+
+def test_slurm_host_lists_expand_as_slurm_writes_them():
+    assert expand_hostlist("gpu[001-003,007],login-1") == ["gpu001", "gpu002", "gpu003", "gpu007", "login-1"]
+    assert expand_hostlist("node7") == ["node7"]
+    assert expand_hostlist("a[1-2]b[8-9]") == ["a1b8", "a1b9", "a2b8", "a2b9"]
+    assert expand_hostlist("10.0.0.1,10.0.0.2") == ["10.0.0.1", "10.0.0.2"]
+
+
+def test_a_slurm_job_of_several_nodes_gives_this_node_and_node_0():
+    env = {"SLURM_JOB_ID": "7", "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[04-05]"}
+    assert slurm_machines(env) == Machines(2, 1, "gpu04", None)
+    assert slurm_machines({**env, "MASTER_PORT": "29877"}) == Machines(2, 1, "gpu04", 29877)
+    assert slurm_machines({**env, "SLURM_NNODES": "1"}) is None  # one node: nothing to coordinate
+    assert slurm_machines({k: v for k, v in env.items() if k != "SLURM_JOB_ID"}) is None
+    with pytest.raises(NodeError, match="srun --ntasks-per-node=1"):
+        slurm_machines({k: v for k, v in env.items() if k != "SLURM_NODEID"})
+
+
+def test_each_node_starts_its_share_and_accelerate_gets_the_total(tmp_path):
+    config = tmp_path / "two.yaml"
+    config.write_text("num_machines: 2\nnum_processes: 16\n")
+    assert processes_per_node(config, None) == 8  # accelerate's 16 over 2 machines
+    assert processes_per_node(config, 4) == 4  # launch.num_processes is per node
+    ddp = Path(__file__).resolve().parent.parent / "recipes" / "accelerate" / "ddp.yaml"
+    assert processes_per_node(ddp, None) == 4
+    command = accelerate_command(config, 2 * 8, "m", ["spec"], Machines(2, 1, "gpu04", 29877))
+    text = " ".join(command)
+    assert "--num_processes 16 --num_machines 2 --machine_rank 1" in text
+    assert "--main_process_ip gpu04 --main_process_port 29877" in text
+    assert "--main_process_ip" not in " ".join(accelerate_command(config, 16, "m", [], Machines(2, 0)))
+
+
+def test_nodes_come_from_slurm_or_from_the_accelerate_config(tmp_path, monkeypatch):
+    from polydraft.pipelines.cli import InputError, _machines
+    from polydraft.pipelines.schema import Recipe
+
+    config = tmp_path / "two.yaml"
+    config.write_text("num_machines: 2\nmachine_rank: 1\nnum_processes: 16\n")
+    recipe = Recipe.model_validate({"target": {"path": "org/m"}, "data": {"pairs": ["de-en"]},
+                                    "launch": {"accelerate_config": str(config)}})  # fmt: skip
+    for key in ("SLURM_JOB_ID", "SLURM_NNODES", "SLURM_NODEID", "SLURM_JOB_NODELIST", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    assert _machines(recipe, None) == Machines(2, 1)  # the config's machine_rank, its address
+    assert _machines(recipe, 0) == Machines(2, 0)  # --node-rank wins
+    with pytest.raises(InputError, match="node rank 2 is not in 0..1"):
+        _machines(recipe, 2)
+    slurm = {"SLURM_JOB_ID": "1", "SLURM_NNODES": "4", "SLURM_NODEID": "3", "SLURM_JOB_NODELIST": "n[1-4]"}
+    for key, value in slurm.items():
+        monkeypatch.setenv(key, value)
+    assert _machines(recipe, None) == Machines(4, 3, "n1", None)  # SLURM's nodes win over the config's
