@@ -110,10 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = commands.add_parser(
         "check",
-        help="open every data source and model a recipe's enabled stages read, render one prompt; "
-        "report every problem at once (exit 2), run nothing",
+        help="open every data source and model a recipe's enabled stages read, render one prompt, check wandb "
+        "and the free disk; report every problem at once (exit 2), run nothing",
     )
     _common(check)
+    check.add_argument(
+        "--run-dir", type=Path, help="the run directory whose free space to check (default: as run)"
+    )
 
     plan = commands.add_parser(
         "plan",
@@ -250,7 +253,7 @@ def _run(args: argparse.Namespace) -> int:
     if machines.rank > 0:
         return _follow(run_dir, machines, args)
     target = resolve_target(recipe.target, recipe.data, show_progress=not args.quiet)
-    findings = check_recipe(recipe, target)
+    findings = check_recipe(recipe, target, run_dir)
     for finding in findings:
         if finding.status == OFFLINE:
             log.warning("%s (%s): %s", finding.key, finding.what, OFFLINE)
@@ -338,7 +341,7 @@ def _check(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.recipe, args.overrides)
     target = resolve_target(recipe.target, recipe.data, show_progress=not args.quiet)
-    findings = check_recipe(recipe, target)
+    findings = check_recipe(recipe, target, args.run_dir or default_run_dir(args.recipe))
     print(findings_table(findings))
     problems = sum(f.status == "problem" for f in findings)
     offline = sum(f.status == OFFLINE for f in findings)

@@ -8,15 +8,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import yaml
-
 from polydraft.decoding.measurement.inputs import extra_pair
+from polydraft.pipelines.nodes import processes_per_node
 from polydraft.pipelines.plan_model import (
     ANSWER_TOKENS,
+    CHECKPOINT_BYTES_PER_PARAM,
+    EXPORT_BYTES_PER_PARAM,
     GIB,
     HF_GENERATE_MFU,
     LOAD_BYTES_PER_S,
     MEMORY_HEADROOM,
+    MIX_CACHE_BYTES_PER_TOKEN,
+    RECORD_BYTES_PER_TOKEN,
     SOURCE_TOKENS,
     SPEC_SPEEDUP,
     STEP_OVERHEAD_S,
@@ -99,14 +102,13 @@ def answer_tokens(source: SourceConfig, max_new_tokens: int) -> int:
 
 
 def training_processes(recipe: Recipe, cluster: Cluster) -> int:
-    """Processes `accelerate launch` starts: launch.num_processes, else the config file's."""
-    if recipe.launch.num_processes is not None:
-        return recipe.launch.num_processes
+    """Processes `accelerate launch` starts over every node: launch.num_processes on each node (else the
+    config file's count per machine) times the nodes."""
     try:
-        config = yaml.safe_load(resolve_accelerate_config(recipe.launch.accelerate_config).read_text())
+        config_file = resolve_accelerate_config(recipe.launch.accelerate_config)
     except StageFailed as err:
         raise PlanError(str(err)) from err
-    return int(config.get("num_processes", 1))
+    return processes_per_node(config_file, recipe.launch.num_processes) * cluster.nodes
 
 
 def estimate(recipe: Recipe, cluster: Cluster, distill_engines: int | None = None) -> Plan:
@@ -412,3 +414,46 @@ def plan_table(plan: Plan) -> str:
     )
     lines += ["", *(f"warning: {w}" for w in plan.warnings)] if plan.warnings else []
     return "\n".join(lines)
+
+
+def disk_estimate(recipe: Recipe) -> dict[str, float]:
+    """Bytes the run will write, by what writes them: the distilled records and the mix, each trainer's
+    tokenized mix, its checkpoints (`keep_checkpoints` of them, each drafter's or head's), the exports.
+    PlanError when a source or the target cannot be sized."""
+    target = target_shape(recipe.target)
+    drafter = drafter_size(recipe.pretrain.drafter if recipe.pretrain.enabled else recipe.finetune.drafter,
+                           target.vocab)  # fmt: skip
+    d, out = recipe.distill, {}
+    per_prompt = (0.0 in d.temperatures) + d.samples_per_prompt * sum(t > 0 for t in d.temperatures)
+    tokens = 0.0
+    for source in recipe.data.distill if d.enabled else []:
+        requests = source_rows(source, recipe, "distill") / d.num_shards * per_prompt
+        tokens += requests * (prompt_tokens(source, recipe) + answer_tokens(source, d.max_new_tokens))
+    out["distill records and mix"] = tokens * RECORD_BYTES_PER_TOKEN * (2 + d.open_fraction)
+    pairs = len(recipe.data.pairs) or 1
+    trainers = []  # (stage, trained parameters per model, models, its loop)
+    if recipe.pretrain.enabled:
+        trainers.append(("pretrain", drafter.params(), 1, recipe.pretrain.loop))
+    if recipe.finetune.enabled:
+        trainers.append(
+            ("finetune", drafter.params(), pairs + recipe.finetune.multilingual, recipe.finetune.loop)
+        )
+    if recipe.early_exit.enabled:
+        e = recipe.early_exit
+        exit_layers = e.num_exit_layers * target.layer_params() + target.vocab * target.hidden
+        trainers.append(("early_exit", exit_layers, 1, e.loop))
+    if recipe.eagle3.enabled:
+        e = recipe.eagle3
+        head = (
+            4 * target.hidden * target.hidden
+            + target.layer_params()
+            + min(e.draft_vocab_size, target.vocab) * target.hidden
+        )
+        trainers.append(("eagle3", head, pairs + e.multilingual, e.loop))
+    for stage, params, models, loop in trainers:
+        out[f"{stage} checkpoints"] = params * models * CHECKPOINT_BYTES_PER_PARAM * loop.keep_checkpoints
+        if stage != "pretrain":
+            out[f"{stage} tokenized mix"] = tokens * (1 + d.open_fraction) * MIX_CACHE_BYTES_PER_TOKEN
+        if stage != "pretrain" or recipe.export.include_pretrained:
+            out[f"{stage} exports"] = params * models * EXPORT_BYTES_PER_PARAM * recipe.export.enabled
+    return out

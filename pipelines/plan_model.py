@@ -124,6 +124,18 @@ FROZEN_BYTES_PER_PARAM = 2
 MEMORY_HEADROOM = 0.9
 """Share of a GPU's memory an estimate may reach before the plan warns (CUDA context, fragmentation)."""
 
+RECORD_BYTES_PER_TOKEN = 14.4
+"""Bytes a distilled record (a JSONL line: texts, the answer's token ids, metadata) takes per prompt and
+answer token: 2,955,582 bytes for 204,778 tokens of a demo run's 1,600 records (bench/results/run_disk.md,
+`python -m bench.run_disk runs/demo/demo`)."""
+MIX_CACHE_BYTES_PER_TOKEN = 8.0
+"""The tokenized mix each trainer caches (`train.mix_cache`): int32 input ids and labels."""
+CHECKPOINT_BYTES_PER_PARAM = 12.0
+"""A training checkpoint per trained parameter: fp32 weights and AdamW's two fp32 moments (8,879,944 bytes
+for a demo drafter of 737,664 parameters, 12.04 a parameter, bench/results/run_disk.md)."""
+EXPORT_BYTES_PER_PARAM = 4.0
+"""An exported folder per parameter: fp32 safetensors (bf16 weights would take half)."""
+
 TEMPLATE_TOKENS = {"vicuna": 42, "chat_template": 20, "raw": 0}
 """ASSUMPTION: tokens of the prompt wrapper (Vicuna v1.1's system prompt and `USER: ... ASSISTANT:`
 is ~42 Llama tokens; a chat template's turn markers ~20)."""

@@ -247,7 +247,73 @@ def check_eagle3(recipe: Recipe, target: ResolvedTarget, tokenizer: Any) -> Find
     return Finding("eagle3", what, "ok", detail)
 
 
-def check_recipe(recipe: Recipe, target: ResolvedTarget) -> list[Finding]:
+WANDB_HOST = "api.wandb.ai"
+
+
+def wandb_credentials() -> str | None:
+    """Where wandb would find an API key: `WANDB_API_KEY`, or the netrc entry `wandb login` writes."""
+    import netrc
+
+    if os.environ.get("WANDB_API_KEY"):
+        return "WANDB_API_KEY"
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or f"https://{WANDB_HOST}").hostname or WANDB_HOST
+    path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
+    try:
+        found = netrc.netrc(path).authenticators(host)
+    except (FileNotFoundError, netrc.NetrcParseError):
+        found = None
+    return f"{path} ({host})" if found and found[2] else None
+
+
+def check_tracking(recipe: Recipe) -> Finding | None:
+    """`tracking.mode: online` needs an API key and the wandb server, from the start: wandb starts lazily,
+    so without them the first stage would fail at its end (after hours of distillation)."""
+    tracking = recipe.tracking
+    if tracking.mode != "online":
+        return None
+    what = f"wandb online, project {tracking.project}"
+    fix = "run `wandb login` (or set WANDB_API_KEY), or set tracking.mode=offline and `wandb sync` the run later"
+    credentials = wandb_credentials()
+    if credentials is None:
+        return Finding(
+            "tracking.mode", what, "problem", f"no wandb API key (WANDB_API_KEY or ~/.netrc): {fix}"
+        )
+    url = urlparse(os.environ.get("WANDB_BASE_URL") or f"https://{WANDB_HOST}")
+    host = url.hostname or WANDB_HOST
+    try:
+        socket.create_connection((host, url.port or 443), timeout=3).close()
+    except OSError:
+        return Finding("tracking.mode", what, "problem", f"{host} cannot be reached from this machine: {fix}")
+    return Finding("tracking.mode", what, "ok", f"API key from {credentials}; {host} answers")
+
+
+def check_disk(recipe: Recipe, run_dir: Path) -> Finding:
+    """The run directory's free space against what the plan says the run will write (`plan.disk_estimate`)."""
+    import shutil
+
+    from polydraft.pipelines.plan import disk_estimate
+    from polydraft.pipelines.plan_model import GIB, PlanError
+
+    existing = run_dir.resolve()
+    while not existing.exists():
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    what = f"free space for {run_dir}"
+    try:
+        needed = disk_estimate(recipe)
+    except PlanError as err:
+        return Finding(
+            "disk", what, "ok", f"{free / GIB:.1f} GiB free; the run's size is not estimated ({err})"
+        )
+    total = sum(needed.values())
+    largest = ", ".join(f"{k} {v / GIB:.1f}" for k, v in sorted(needed.items(), key=lambda i: -i[1])[:3])
+    detail = f"{free / GIB:.1f} GiB free at {existing}; the run will write about {total / GIB:.1f} GiB ({largest} GiB)"
+    if total > free:
+        return Finding("disk", what, "problem", f"{detail}: free some space or choose another --run-dir")
+    return Finding("disk", what, "ok", detail)
+
+
+def check_recipe(recipe: Recipe, target: ResolvedTarget, run_dir: Path | None = None) -> list[Finding]:
     """Every data source of every enabled stage peeked, every model reference loaded (config and
     tokenizer) and compared, one prompt rendered, the EAGLE-3 heads' layers and vocabulary checked against
     the target: all findings, problems included (nothing raises)."""
@@ -259,6 +325,11 @@ def check_recipe(recipe: Recipe, target: ResolvedTarget) -> list[Finding]:
         findings.append(check_prompt(recipe, target, tokenizer))
     if tokenizer is not None and recipe.eagle3.enabled:
         findings.append(check_eagle3(recipe, target, tokenizer))
+    tracking = check_tracking(recipe)
+    if tracking is not None:
+        findings.append(tracking)
+    if run_dir is not None:
+        findings.append(check_disk(recipe, run_dir))
     return findings
 
 

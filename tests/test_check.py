@@ -90,14 +90,14 @@ def test_every_problem_is_reported_at_once_with_the_columns_and_first_row(
     assert blocks == {
         "data.distill.0": "ok", "data.distill.1": "problem", "data.eval.0": "problem", "data.eval.1": "problem",
         "data.eval.2": "ok", "target.path": "ok", "measure.extra_drafters.small": "problem",
-        "distill.prompt_format": "ok",
+        "distill.prompt_format": "ok", "disk": "ok",
     }  # fmt: skip
     assert "row 0: field 'body' is missing or empty" in out
     assert "its columns: ['text']; its first row: {'text': 'Satz 0.'}" in out
     assert "'nope'" in out and "'main'" in out  # the config asked for and the ones that exist
     assert "validation" in out and "test" in out
     assert "vocabulary of 300 tokens but the target has 512" in out
-    assert "8 inputs: 4 problem(s), 0 not checked (offline)" in out
+    assert "9 inputs: 4 problem(s), 0 not checked (offline)" in out
 
 
 def test_an_unreachable_hub_reference_is_not_checked_and_not_an_error(tmp_path, tiny_target_dir, capsys):
@@ -216,3 +216,59 @@ def test_eagle3_layers_and_draft_vocabulary_are_checked_against_the_target(tmp_p
     )
     assert main(["check", str(recipe)]) == 0
     assert "ok       eagle3  feature layers [1, 2, 3], draft vocabulary 300" in capsys.readouterr().out
+
+
+def test_wandb_online_without_a_key_or_a_server_is_a_problem_with_its_fix(tmp_path, monkeypatch):
+    """Found before the first stage, not when a stage's wandb run starts after hours of distillation."""
+    import socket
+
+    from polydraft.pipelines.preflight import check_tracking
+    from polydraft.pipelines.schema import Recipe
+
+    recipe = Recipe.model_validate({"target": {"path": "org/m"}, "data": {"pairs": ["de-en"]},
+                                    "tracking": {"mode": "online"}})  # fmt: skip
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_BASE_URL", f"https://127.0.0.1:{server.getsockname()[1]}")
+    netrc = tmp_path / "netrc"
+    netrc.write_text("")
+    monkeypatch.setenv("NETRC", str(netrc))
+    missing = check_tracking(recipe)
+    assert missing.status == "problem" and "no wandb API key" in missing.detail
+    assert "`wandb login`" in missing.detail and "tracking.mode=offline" in missing.detail
+    netrc.write_text("machine 127.0.0.1\n  login user\n  password 0123456789abcdef\n")
+    found = check_tracking(recipe)
+    assert found.status == "ok" and str(netrc) in found.detail
+    server.close()  # the server is gone: a compute node without the internet
+    monkeypatch.setenv("WANDB_BASE_URL", "https://127.0.0.1:9")
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    unreachable = check_tracking(recipe)
+    assert unreachable.status == "problem" and "cannot be reached" in unreachable.detail
+    offline = recipe.model_copy(update={"tracking": recipe.tracking.model_copy(update={"mode": "offline"})})
+    assert check_tracking(offline) is None
+
+
+def test_a_run_directory_without_room_for_the_run_is_a_problem(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from polydraft.pipelines.plan import disk_estimate
+    from polydraft.pipelines.preflight import check_disk
+    from polydraft.pipelines.recipe import load_recipe
+    from polydraft.pipelines.stage import PROJECT_ROOT
+
+    recipe = load_recipe(PROJECT_ROOT / "recipes" / "vicuna-7b" / "en-de.yaml")
+    needed = disk_estimate(recipe)
+    assert {"distill records and mix", "finetune checkpoints", "eagle3 checkpoints", "eagle3 exports"} <= set(
+        needed
+    )
+    total = sum(needed.values())
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 * total, 0, 2 * total))
+    assert check_disk(recipe, tmp_path / "run").status == "ok"
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 * total, 0, total / 2))
+    short = check_disk(recipe, tmp_path / "run" / "deeper")
+    assert short.status == "problem" and "free some space or choose another --run-dir" in short.detail
+    assert f"at {tmp_path.resolve()}" in short.detail  # the nearest folder that exists

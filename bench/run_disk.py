@@ -1,0 +1,75 @@
+"""What a finished run wrote to disk, for the plan's disk constants (`pipelines/plan_model.py`): the bytes of
+the distilled records per prompt and answer token, and of one finetune checkpoint per trained parameter;
+beside them the plan's estimate of the whole run (`pipelines.plan.disk_estimate`) against the run
+directory's size. Counts files, so it is exact for the run given (no repetition needed).
+
+    python -m bench.run_disk runs/demo/demo --record bench/results/run_disk.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from bench.held_out import record
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run", type=Path)
+    parser.add_argument("--record", type=Path, default=None)
+    args = parser.parse_args()
+
+    from safetensors import safe_open
+
+    from polydraft.pipelines.plan import disk_estimate
+    from polydraft.pipelines.recipe import load_recipe
+
+    records = sorted((args.run / "distill" / "records").glob("*.jsonl"))
+    size = tokens = lines = 0
+    for path in records:
+        size += path.stat().st_size
+        for line in path.read_text(encoding="utf-8").splitlines():
+            row = json.loads(line)
+            tokens += row["prompt_tokens"] + row["response_tokens"]
+            lines += 1
+    checkpoint = next(iter(sorted((args.run / "finetune").glob("*.checkpoints/step-*"))), None)
+    table = [
+        "| quantity | value |",
+        "| --- | ---: |",
+        f"| distilled records | {lines:,} in {len(records)} files |",
+        f"| their bytes | {size:,} |",
+        f"| their prompt + answer tokens | {tokens:,} |",
+        f"| bytes per token | {size / max(tokens, 1):.2f} |",
+    ]
+    if checkpoint is not None:
+        folder = checkpoint.parent.name.removesuffix(".checkpoints")
+        params = 0
+        with safe_open(str(args.run / "finetune" / folder / "model.safetensors"), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                count = 1
+                for dim in handle.get_slice(key).get_shape():
+                    count *= dim
+                params += count
+        one = folder_bytes(checkpoint)
+        table += [
+            f"| finetune checkpoint `{checkpoint.relative_to(args.run)}` | {one:,} bytes |",
+            f"| the drafter's parameters | {params:,} |",
+            f"| checkpoint bytes per parameter | {one / params:.2f} |",
+        ]
+    recipe = load_recipe(args.run / "recipe.yaml")
+    estimate = sum(disk_estimate(recipe).values())
+    table += [
+        f"| the plan's estimate of the run (`disk_estimate`) | {estimate:,.0f} bytes |",
+        f"| the run directory | {folder_bytes(args.run):,} bytes |",
+    ]
+    record("run_disk", f"Run `{args.run}`.", table, args.record)
+
+
+if __name__ == "__main__":
+    main()
