@@ -63,6 +63,29 @@ def main() -> None:
             f"| checkpoint bytes per parameter | {one / params:.2f} |",
         ]
     recipe = load_recipe(args.run / "recipe.yaml")
+    mix = sorted((args.run / "distill" / "mix").glob("*/train.jsonl"))
+    if mix:  # what rank 0 does alone before the other ranks read the cache (`train.mix_cache`)
+        import contextlib
+        import tempfile
+        import time
+
+        from polydraft.models.loading import load_tokenizer
+        from polydraft.train.mix_cache import mix_examples
+
+        target = json.loads((args.run / "distill" / "manifest.json").read_text(encoding="utf-8"))["config"][
+            "target"
+        ]
+        tokenizer = load_tokenizer(target["path"], None, False)
+        mix_bytes = sum(p.stat().st_size for p in mix)
+        with tempfile.TemporaryDirectory() as cache:
+            start = time.perf_counter()
+            mix_examples(mix, tokenizer, split="train", temperatures=None, loss_on="response", max_length=2048,
+                         cache_dir=Path(cache), main_process_first=contextlib.nullcontext)  # fmt: skip
+            seconds = time.perf_counter() - start
+        table += [
+            f"| tokenizing the train mix ({mix_bytes:,} bytes), once | {seconds:.2f} s |",
+            f"| mix bytes tokenized per second | {mix_bytes / seconds:,.0f} |",
+        ]
     estimate = sum(disk_estimate(recipe).values())
     table += [
         f"| the plan's estimate of the run (`disk_estimate`) | {estimate:,.0f} bytes |",

@@ -133,6 +133,12 @@ MIX_CACHE_BYTES_PER_TOKEN = 8.0
 CHECKPOINT_BYTES_PER_PARAM = 12.0
 """A training checkpoint per trained parameter: fp32 weights and AdamW's two fp32 moments (8,879,944 bytes
 for a demo drafter of 737,664 parameters, 12.04 a parameter, bench/results/run_disk.md)."""
+TOKENIZE_BYTES_PER_S = 1.66e6
+"""Mix bytes (JSONL) rank 0 tokenizes per second into the trainers' cache (`train.mix_cache`), while the
+other ranks wait in a collective: 2,984,918 bytes in 1.80 s on these 2 CPU cores (bench/results/run_disk.md)."""
+COLLECTIVE_TIMEOUT_S = 1800.0
+"""The least collective timeout polydraft sets: torch's default for NCCL is 10 minutes, which a rank waiting
+for rank 0's work on a big mix can outlast."""
 EXPORT_BYTES_PER_PARAM = 4.0
 """An exported folder per parameter: fp32 safetensors (bf16 weights would take half)."""
 

@@ -111,6 +111,8 @@ class StageSpec:
     tracking: dict[str, Any]
     quiet: bool = False
     verbose: bool = False
+    collective_timeout_s: float | None = None
+    """torch.distributed's timeout for the training processes (`collective_timeout`); None: torch's."""
 
     def write(self, path: Path) -> Path:
         path.write_text(json.dumps(self.__dict__, indent=2), encoding="utf-8")
@@ -121,7 +123,7 @@ class StageSpec:
         return cls(**json.loads(Path(path).read_text(encoding="utf-8")))
 
 
-def spec_for(inputs: BaseModel, ctx: StageContext) -> StageSpec:
+def spec_for(inputs: BaseModel, ctx: StageContext, collective_timeout_s: float | None = None) -> StageSpec:
     return StageSpec(
         stage=ctx.name,
         run_dir=str(ctx.run_dir),
@@ -131,7 +133,24 @@ def spec_for(inputs: BaseModel, ctx: StageContext) -> StageSpec:
         tracking=ctx.tracking.model_dump(mode="json"),
         quiet=ctx.quiet,
         verbose=ctx.verbose,
+        collective_timeout_s=collective_timeout_s,
     )
+
+
+def collective_timeout(launch: LaunchConfig, upstream: dict[str, Path]) -> tuple[float, str]:
+    """(seconds, why) of the training processes' collective timeout: `launch.collective_timeout_s`, else the
+    longer of 30 minutes and 3 times rank 0's estimated time alone tokenizing the mix (`distill/mix/`)."""
+    from polydraft.pipelines.plan_model import COLLECTIVE_TIMEOUT_S, TOKENIZE_BYTES_PER_S
+
+    if launch.collective_timeout_s is not None:
+        return float(launch.collective_timeout_s), "launch.collective_timeout_s"
+    mix = Path(upstream["distill"]) / "mix" if "distill" in upstream else None
+    size = sum(p.stat().st_size for p in mix.glob("*/*.jsonl")) if mix is not None and mix.is_dir() else 0
+    alone = size / TOKENIZE_BYTES_PER_S
+    why = f"rank 0 alone tokenizes the {size / 1e6:.1f} MB mix in ~{alone:.0f} s"
+    if 3 * alone > COLLECTIVE_TIMEOUT_S:
+        return 3 * alone, f"3 times the longest step rank 0 takes alone: {why}"
+    return COLLECTIVE_TIMEOUT_S, f"at least 30 minutes ({why})"
 
 
 def tracker_for_spec(spec: StageSpec, is_main_process: bool) -> Tracker:
@@ -239,7 +258,9 @@ def launch_training(
     one process). The subprocess's output goes to the console and to `<work_dir>/<stage>.log`. A failed
     subprocess raises StageFailed with the reason it wrote (see `run_training_process`).
     """
-    spec_path = spec_for(inputs, ctx).write(ctx.work_dir / "spec.json")
+    timeout, why = collective_timeout(launch, ctx.upstream)
+    log.info("[%s] collective timeout %.0f s: %s", ctx.name, timeout, why)
+    spec_path = spec_for(inputs, ctx, timeout).write(ctx.work_dir / "spec.json")
     config_file = resolve_accelerate_config(launch.accelerate_config)
     machines = ctx.leader.machines if ctx.leader is not None else None
     total = launch.num_processes
@@ -333,7 +354,9 @@ def training_main(
     inputs = inputs_type.model_validate(spec.inputs)
     loop = loop_of(inputs)
     cuda = torch.cuda.is_available() and not inputs.launch.cpu
-    accelerator = make_accelerator(loop.grad_accum_steps, resolve_mixed_precision(loop.mixed_precision, cuda))
+    accelerator = make_accelerator(
+        loop.grad_accum_steps, resolve_mixed_precision(loop.mixed_precision, cuda), spec.collective_timeout_s
+    )
     tracker = tracker_for_spec(spec, accelerator.is_main_process)
     run_training_process(spec, accelerator, tracker, lambda: job(spec, inputs, accelerator, tracker))
 

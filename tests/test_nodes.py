@@ -60,3 +60,25 @@ def test_nodes_come_from_slurm_or_from_the_accelerate_config(tmp_path, monkeypat
     for key, value in slurm.items():
         monkeypatch.setenv(key, value)
     assert _machines(recipe, None) == Machines(4, 3, "n1", None)  # SLURM's nodes win over the config's
+
+
+def test_the_collective_timeout_outlasts_what_rank_0_does_alone(tmp_path):
+    from polydraft.pipelines.plan_model import COLLECTIVE_TIMEOUT_S, TOKENIZE_BYTES_PER_S
+    from polydraft.pipelines.schema import LaunchConfig
+    from polydraft.pipelines.stage import collective_timeout
+
+    mix = tmp_path / "distill" / "mix" / "de-en"
+    mix.mkdir(parents=True)
+    (mix / "train.jsonl").write_text("{}\n" * 10)
+    small, why = collective_timeout(LaunchConfig(), {"distill": tmp_path / "distill"})
+    assert small == COLLECTIVE_TIMEOUT_S and why.startswith("at least 30 minutes")
+    with open(mix / "train.jsonl", "r+b") as handle:  # a 4 GB mix (sparse: no byte written)
+        handle.truncate(4 * 10**9)
+    big, why = collective_timeout(LaunchConfig(), {"distill": tmp_path / "distill"})
+    assert big == pytest.approx(3 * 4 * 10**9 / TOKENIZE_BYTES_PER_S) and big > COLLECTIVE_TIMEOUT_S
+    assert "4000.0 MB mix" in why and why.startswith("3 times the longest step")
+    assert collective_timeout(LaunchConfig(collective_timeout_s=7200), {}) == (
+        7200.0,
+        "launch.collective_timeout_s",
+    )
+    assert collective_timeout(LaunchConfig(), {})[0] == COLLECTIVE_TIMEOUT_S  # no mix read: pretraining

@@ -119,6 +119,7 @@ def test_show_manifests_and_training_specs_print_the_same_complete_values(tiny_r
         config = json.loads((run_dir / stage / "manifest.json").read_text())["config"]
         spec = json.loads((run_dir / stage / "spec.json").read_text())
         assert spec["inputs"] == config  # what the training processes ran with
+        assert spec["collective_timeout_s"] == 1800.0  # a small mix: the least timeout
         assert config[block] == shown[block]  # every value resolved, none left for the stage to decide
     finetune = shown["finetune"]
     assert finetune["optim"]["lr"] == 3e-5 and finetune["loop"]["epochs"] == 3.0

@@ -51,18 +51,28 @@ def resolve_attn_implementation(choice: str, cuda: bool) -> str:
     return "flash_attention_2" if cuda and importlib.util.find_spec("flash_attn") else "sdpa"
 
 
-def make_accelerator(grad_accum_steps: int, mixed_precision: str) -> Any:
-    """An Accelerator whose LR scheduler is stepped by the trainer itself, once per optimizer step.
+def make_accelerator(
+    grad_accum_steps: int, mixed_precision: str, collective_timeout_s: float | None = None
+) -> Any:
+    """An Accelerator whose LR scheduler is stepped by the trainer itself, once per optimizer step, and
+    whose process group waits `collective_timeout_s` for a collective (None: torch's default).
 
     `step_scheduler_with_optimizer=False` stops accelerate from stepping a prepared scheduler once per
     *process* per step; trainers register their scheduler for checkpointing and step it themselves.
     """
-    from accelerate import Accelerator
+    import datetime
 
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    handlers = []
+    if collective_timeout_s is not None:
+        handlers.append(InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=collective_timeout_s)))
     return Accelerator(
         gradient_accumulation_steps=grad_accum_steps,
         mixed_precision=mixed_precision,
         step_scheduler_with_optimizer=False,
+        kwargs_handlers=handlers,
     )
 
 

@@ -278,6 +278,11 @@ class LaunchConfig(StrictModel):
     """Training processes on each node (one per GPU). Unset: the config file's `num_processes` (accelerate's
     count over all its `num_machines`) divided by its `num_machines`. On N nodes polydraft starts N times
     this many: accelerate's own `--num_processes` is the total, which polydraft computes."""
+    collective_timeout_s: int | None = Field(default=None, ge=60)
+    """How long a training process waits for the others in a collective (torch.distributed's timeout).
+    Unset: 30 minutes, or 3 times the work rank 0 does alone before the others go on (tokenizing the mix
+    into the cache they read: its bytes at `plan_model.TOKENIZE_BYTES_PER_S`), whichever is longer. Each
+    launch logs the value and why."""
     cpu: bool = False
     """Train on the CPU even when a GPU exists. Multi-process CPU runs use gloo DDP."""
     env: dict[str, str] = Field(default_factory=dict)
