@@ -1,5 +1,5 @@
 """Two real gloo DDP ranks (accelerate launch, recipes/accelerate/ddp.yaml) train exactly like one rank
-with the same global batch."""
+with the same global batch; in pretraining each reads its own half of the documents."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from polydraft.train.checkpoint import list_checkpoints, read_state
 from polydraft.train.steplog import read_log
 from tests.drafter_setup import context, run_stage, tiny_recipe, write_tiny_mix
 
@@ -100,3 +101,34 @@ def test_eagle3_heads_train_alike_on_two_ddp_ranks_and_on_one(tmp_path, tiny_tar
     assert one_weights.keys() == two_weights.keys()
     for key, value in one_weights.items():
         torch.testing.assert_close(two_weights[key], value, rtol=1e-4, atol=1e-6)
+
+
+def _pretrain(tmp_path, target_dir, name, **loop_and_launch):
+    launch = loop_and_launch.pop("launch", {})
+    loop = {"max_steps": 4, "per_device_batch_size": 2, "checkpoint_every": 4, **loop_and_launch}
+    recipe = tiny_recipe(target_dir, pretrain={"loop": loop}, launch=launch)
+    ctx = context(tmp_path / name, "pretrain")
+    run_stage("pretrain", recipe, ctx, target_dir)
+    [checkpoint] = list_checkpoints(ctx.work_dir / "model.checkpoints")
+    return read_state(checkpoint)["data"]
+
+
+def test_two_ddp_ranks_each_read_and_tokenize_half_of_the_pretraining_documents(tmp_path, tiny_target_dir):
+    """Each process reads its own share of the corpus: after the same 4 steps of the same global batch,
+    each of the 2 ranks has read about half the documents one rank read (with the whole stream read on
+    every rank and the sequences split, each would have read all of them), and the checkpoint keeps
+    both positions, each rank resuming from its own."""
+    [one] = _pretrain(tmp_path, tiny_target_dir, "one", grad_accum_steps=2)
+    two = _pretrain(
+        tmp_path, tiny_target_dir, "two",
+        launch={"accelerate_config": "recipes/accelerate/ddp.yaml", "num_processes": 2},
+    )  # fmt: skip
+    assert len(two) == 2
+
+    def read(state):
+        return sum(reader["documents"] for reader in state["stream"]["readers"])
+
+    assert read(one) > 8
+    for rank in two:  # packing carries a document's tail over: a share is half give or take a document
+        assert abs(read(rank) - read(one) / 2) <= 2, (read(rank), read(one))
+    assert two[0] != two[1]

@@ -43,10 +43,10 @@ def _listed(epochs: dict[int, list]):
     position after it."""
 
     def documents(start):
-        epoch, row = (start["epoch"], start["row"]) if start else (0, 0)
+        epoch, row = (start["readers"][0]["epoch"], start["readers"][0]["row"]) if start else (0, 0)
         while epoch in epochs:
             for index in range(row, len(epochs[epoch])):
-                yield epochs[epoch][index], {"epoch": epoch, "row": index + 1}
+                yield epochs[epoch][index], {"readers": [{"epoch": epoch, "row": index + 1}]}
             epoch, row = epoch + 1, 0
 
     return documents
@@ -83,10 +83,10 @@ def test_an_empty_corpus_is_an_error():
         next(texts([], 0, StreamPosition()))
 
 
-def _sources(tmp_path):
+def _sources(tmp_path, rows=(5, 3)):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    a.write_text("".join(json.dumps({"text": f"alpha {i} " * (i % 3 + 1)}) + "\n" for i in range(5)))
-    b.write_text("".join(json.dumps({"text": f"beta {i}"}) + "\n" for i in range(3)))
+    a.write_text("".join(json.dumps({"text": f"alpha {i} " * (i % 3 + 1)}) + "\n" for i in range(rows[0])))
+    b.write_text("".join(json.dumps({"text": f"beta {i}"}) + "\n" for i in range(rows[1])))
     return [reader_args(SourceConfig(kind="local", format="text", path=str(p)), 0, None) for p in (a, b)]
 
 
@@ -111,17 +111,51 @@ def test_the_stream_takes_sources_in_turn_and_resumes_without_reading_what_was_u
     assert len(read) == 9, "the resume read documents it had already used"
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_workers_tokenize_the_documents_in_order(tmp_path, tiny_tokenizer, workers):
-    sources = _sources(tmp_path)
-    expected = [
-        tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
-        for text, _ in itertools.islice(texts(sources, 3, StreamPosition()), 21)
-    ]
-    got = [
-        ids for ids, _ in itertools.islice(stream_documents(tiny_tokenizer, sources, 3, None, workers), 21)
-    ]
-    assert got == expected
+def test_every_rank_and_worker_reads_a_disjoint_share_whose_union_is_the_corpus(tmp_path):
+    from polydraft.train.stream import Shard
+
+    sources = _sources(tmp_path, rows=(40, 24))
+    whole = [text for text, _ in texts(sources, 3, StreamPosition(), epochs=1)]
+    shares = [[text for text, _ in texts(sources, 3, StreamPosition(), 1, Shard(s, 4))] for s in range(4)]
+    assert sorted(t for share in shares for t in share) == sorted(whole)  # every document once
+    assert all(abs(len(share) - len(whole) / 4) <= 2 for share in shares)  # a quarter each
+
+
+def test_two_ranks_of_two_workers_consume_their_shares_in_order_and_resume_their_own(
+    tmp_path, tiny_tokenizer
+):
+    """What the 4 readers (2 processes x 2 DataLoader workers) hand the packer: each reader's documents in
+    its share's order, none twice over all of them; a process resumed from its position after its k-th
+    document continues with exactly the documents that followed."""
+    from polydraft.train.stream import Shard
+
+    sources = _sources(tmp_path, rows=(40, 24))
+    shares = [[text for text, _ in texts(sources, 3, StreamPosition(), 1, Shard(s, 4))] for s in range(4)]
+
+    def decoded(ids):
+        return tiny_tokenizer.decode(ids)
+
+    seen = []
+    for rank in range(2):
+        got = list(itertools.islice(stream_documents(tiny_tokenizer, sources, 3, None, 2, rank, 2), 20))
+        texts_got = [decoded(ids) for ids, _ in got]
+        for worker in range(2):  # the DataLoader hands out its workers' documents in turn
+            mine = texts_got[worker::2]
+            expected = [
+                decoded(tiny_tokenizer(t, add_special_tokens=False)["input_ids"])
+                for t in shares[2 * rank + worker]
+            ]
+            assert mine == expected[: len(mine)]
+        seen += texts_got
+        position = got[11][1]  # after 12 documents, 6 of each worker
+        resumed = [
+            decoded(ids)
+            for ids, _ in itertools.islice(
+                stream_documents(tiny_tokenizer, sources, 3, position, 2, rank, 2), 8
+            )
+        ]
+        assert resumed == texts_got[12:20]
+    assert len(seen) == len(set(seen)) == 40  # the 40 consumed documents: none read by two readers
 
 
 def test_only_response_tokens_carry_loss(tiny_tokenizer):
@@ -325,3 +359,20 @@ def test_length_grouping_pads_less_and_keeps_every_row_once_per_epoch():
         for step in (0, 17, 79)
         for a, b in zip(grouped.micro_batches(step), again.micro_batches(step), strict=True)
     )
+
+
+def test_a_pretraining_checkpoint_of_another_process_count_or_an_older_version_is_refused():
+    from types import SimpleNamespace
+
+    from polydraft.train.data import PackedBatches
+    from polydraft.train.drafter import rank_state
+
+    two = [{"stream": None, "carry": []}, {"stream": None, "carry": [1]}]
+    assert rank_state(two, SimpleNamespace(num_processes=2, process_index=1)) == two[1]
+    with pytest.raises(ValueError, match="positions of 2 processes and this run has 3"):
+        rank_state(two, SimpleNamespace(num_processes=3, process_index=0))
+    batches = PackedBatches(lambda start: iter(()), 16, 0, 2, 1, 1)
+    batches.restore({"stream": None, "carry": []})  # a checkpoint at the very start
+    for older in ({"stream": {"epoch": 0, "row": 3}, "carry": []}, {"documents": 40, "carry": []}):
+        with pytest.raises(ValueError, match="older version"):
+            batches.restore(older)

@@ -225,12 +225,10 @@ class MixBatches:
 
 
 class PackedBatches:
-    """Pretraining batches: consecutive packed sequences, loss on every token.
-
-    Every process reads the same stream and keeps its share, so the global batch of a step does not
-    depend on the number of processes. The position (the document stream's, `train/stream.py`, and the
-    carried tokens) goes into checkpoints.
-    """
+    """Pretraining batches: consecutive packed sequences of this process's own share of the documents
+    (`train/stream.py`: each process reads and tokenizes a disjoint share), loss on every token. The
+    position (the process's document stream's and its carried tokens) goes into checkpoints, one per
+    process."""
 
     def __init__(
         self,
@@ -238,22 +236,20 @@ class PackedBatches:
         seq_len: int,
         eos_id: int,
         per_device: int,
-        rank: int,
         num_processes: int,
         grad_accum_steps: int,
     ):
         self.documents, self.seq_len, self.eos_id, self.per_device = documents, seq_len, eos_id, per_device
-        self.rank, self.world, self.accum = rank, num_processes, grad_accum_steps
+        self.accum = grad_accum_steps
         self.global_batch = per_device * num_processes * grad_accum_steps
         self.stream = PackedStream(documents, seq_len, eos_id)
 
     def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
         """This process's micro-batches of the next step (`step` is only for symmetry with MixBatches)."""
-        sequences = self.stream.take(self.global_batch)
+        sequences = self.stream.take(self.per_device * self.accum)
         out = []
         for micro in range(self.accum):
-            first = (micro * self.world + self.rank) * self.per_device
-            mine = sequences[first : first + self.per_device]
+            mine = sequences[micro * self.per_device : (micro + 1) * self.per_device]
             out.append(collate([{"input_ids": s, "labels": s} for s in mine], self.eos_id))
         return out
 
@@ -265,9 +261,10 @@ class PackedBatches:
         return asdict(self.stream.position)
 
     def restore(self, state: dict[str, Any]) -> None:
-        if "stream" not in state:
+        stream = state.get("stream", {})  # None: the start; a dict without readers: an older version's
+        if stream is not None and "readers" not in stream:
             raise ValueError(
-                "this checkpoint's data position is the older document count, which this version no longer "
-                "reads; delete the stage's .partial folder to pretrain from the start"
+                "this checkpoint's data position is of an older version (one stream read by every process), "
+                "which this version no longer reads; delete the stage's .partial folder to pretrain from the start"
             )
         self.stream = PackedStream(self.documents, self.seq_len, self.eos_id, PackPosition(**state))

@@ -55,6 +55,27 @@ class LoopSettings:
     gradient_checkpointing: bool = False
 
 
+def gathered(state: dict[str, Any], accelerator: Any) -> list[dict[str, Any]]:
+    """Every process's data position, in rank order (a collective: every process calls it). A position
+    is each process's own: it reads its own share of the pretraining documents."""
+    from accelerate.utils import gather_object
+
+    return gather_object([state]) if accelerator.num_processes > 1 else [state]
+
+
+def rank_state(saved: Any, accelerator: Any) -> dict[str, Any]:
+    """This process's data position from a checkpoint's; ValueError when the checkpoint was written by
+    another number of processes (each one's share of the documents would differ)."""
+    if isinstance(saved, dict):  # one position for every process: a checkpoint of an older version
+        saved = [saved] * accelerator.num_processes
+    if len(saved) != accelerator.num_processes:
+        raise ValueError(
+            f"the checkpoint holds the data positions of {len(saved)} processes and this run has "
+            f"{accelerator.num_processes}: resume with launch.num_processes as it was, or start over"
+        )
+    return saved[accelerator.process_index]
+
+
 def initial_drafter(
     arch: str,
     shape: dict[str, int | None],
@@ -186,7 +207,7 @@ def train_drafter(
     )  # fmt: skip
     saved = training.resume()
     if saved is not None:
-        data.restore(saved["data"])
+        data.restore(rank_state(saved["data"], accelerator))
     steplog = StepLog(
         tracker,
         log_path,
@@ -220,7 +241,7 @@ def train_drafter(
         one_step,
         steplog,
         evaluate=periodic_eval if evals else None,
-        state=lambda: {"data": data.state()},
+        state=lambda: {"data": gathered(data.state(), accelerator)},
         epoch=data.epoch,
     )
     final = {}

@@ -46,8 +46,10 @@ class PackedStream:
 
     @property
     def epoch(self) -> int:
-        """The pass over the corpus being read (0: the first)."""
-        return int(self.position.stream["epoch"]) if self.position.stream else 0
+        """The pass over the corpus being read (0: the first; its readers' least)."""
+        if not self.position.stream:
+            return 0
+        return min(int(reader["epoch"]) for reader in self.position.stream["readers"])
 
     def _next_document(self) -> Sequence[int]:
         if self._iterator is None:

@@ -1,16 +1,20 @@
-"""The pretraining document stream: sources read in turn, tokenized by DataLoader workers ahead of the
-training loop, and resumable from a saved position without reading the documents already used.
+"""The pretraining document stream: each training process, and each of its DataLoader workers, reads a
+disjoint share of the sources' rows, tokenizes it ahead of the training loop, and resumes from its own
+saved position without reading the documents already used.
 
-A position says, for the epoch being read, the next row of each source, which source reads next and
-which have run out (and for a streaming `hf` source, its `datasets` state). Every document comes with the
-position right after it, so the consumer saves the position of what it really used, not of what the
-workers prefetched. A resume opens each source at its saved row: a list source is sliced, a streaming
-`hf` source loads its `datasets` state (`IterableDataset.load_state_dict`: shards and offsets; its shuffle
-buffer is refilled from there, so the documents that were in it are not seen again).
+Shards: with `world` processes of `workers` workers each, reader s = rank x workers + worker of S = world
+x workers readers reads row j of a list source when j mod S = s (a slice: nothing else is opened), and of
+a streaming `hf` source the share `datasets.distributed.split_dataset_by_node(stream, s, S)` gives it
+(whole files when the source has a multiple of S of them, else every S-th example). So adding processes
+divides the rows each one reads and tokenizes, and their union is the sources' rows, each once.
 
-With `workers` > 0, every worker walks the same sequence of rows (reading is cheap) and tokenizes only
-its share, document i going to worker i mod workers; the DataLoader returns workers' items in turn, so
-the documents arrive in order. Each worker of a streaming source streams it too.
+A reader's position says, for the epoch being read, its next row of each source, which source reads next
+and which have run out (and for a streaming `hf` source, its `datasets` state). Every document comes with
+the position of every reader of the process right after it, so the consumer saves the positions of what
+it really used, not of what the workers prefetched. A resume opens each source at the reader's saved row:
+a list share is sliced, a streaming share loads its `datasets` state (`IterableDataset.load_state_dict`:
+shards and offsets; its shuffle buffer is refilled from there, so the documents that were in it are not
+seen again). The DataLoader returns its workers' items in turn, so a worker's documents stay in order.
 """
 
 from __future__ import annotations
@@ -41,20 +45,31 @@ class StreamPosition:
     """Documents of this epoch read so far."""
 
 
-def _open(source: dict[str, Any], seed: int, row: int, hf_state: dict[str, Any] | None) -> Any:
-    """Rows of one source from `row` on (a streaming `hf` source from its saved state); a streaming
-    source is returned as the `datasets.IterableDataset` itself, to read its state as it goes."""
+@dataclass(frozen=True)
+class Shard:
+    """Reader `index` of `count`: a disjoint share of every source's rows."""
+
+    index: int = 0
+    count: int = 1
+
+
+def _open(source: dict[str, Any], seed: int, row: int, hf_state: dict[str, Any] | None, shard: Shard) -> Any:
+    """The shard's rows of one source from its `row`-th on (a streaming `hf` source from its saved state);
+    a streaming source is returned as the `datasets.IterableDataset` itself, to read its state as it goes."""
     from polydraft.distill.sources import read_source
 
     if not (source["kind"] == "hf" and source["streaming"]):
-        return iter(read_source(**{**source, "seed": seed}).rows[row:])
+        return iter(read_source(**{**source, "seed": seed}).rows[shard.index :: shard.count][row:])
     import datasets
+    from datasets.distributed import split_dataset_by_node
 
     stream = datasets.load_dataset(
         source["path"], source["name"], split=source["split"], revision=source["revision"], streaming=True
     ).shuffle(seed=seed, buffer_size=10_000)
     if source["limit"] is not None:
         stream = stream.take(source["limit"])
+    if shard.count > 1:
+        stream = split_dataset_by_node(stream, rank=shard.index, world_size=shard.count)
     if hf_state is not None:
         stream.load_state_dict(hf_state)
     return stream
@@ -72,11 +87,15 @@ def _normalised(source: dict[str, Any], index: int, raw: dict[str, Any]) -> dict
 
 
 def texts(
-    sources: list[dict[str, Any]], seed: int, start: StreamPosition, epochs: int | None = None
+    sources: list[dict[str, Any]],
+    seed: int,
+    start: StreamPosition,
+    epochs: int | None = None,
+    shard: Shard = Shard(),
 ) -> Iterator[tuple[str | None, StreamPosition]]:
-    """(document text, position after it) from `start` on, source after source in turn, epoch after
-    epoch (sources shuffled with `seed + epoch`), `epochs` of them or without end. None stands for a row
-    skipped as invalid. ValueError when two whole epochs in a row yield no document."""
+    """(document text, position after it) of the shard's rows from `start` on, source after source in
+    turn, epoch after epoch (sources shuffled with `seed + epoch`), `epochs` of them or without end. None
+    stands for a row skipped as invalid. ValueError when two whole epochs in a row yield no document."""
     position = copy.deepcopy(start)
     empty_epochs = 0
     while epochs is None or position.epoch < epochs:
@@ -85,7 +104,7 @@ def texts(
             position.rows, position.done = [0] * count, [False] * count
             position.hf_states = [None] * count
         readers = [
-            _open(s, seed + position.epoch, position.rows[i], position.hf_states[i])
+            _open(s, seed + position.epoch, position.rows[i], position.hf_states[i], shard)
             for i, s in enumerate(sources)
         ]
         streaming = [s["kind"] == "hf" and s["streaming"] for s in sources]
@@ -109,55 +128,78 @@ def texts(
             yield (None if row is None else document_text(row, source["format"])), copy.deepcopy(position)
         empty_epochs = empty_epochs + 1 if position.documents == read_before else 0
         if empty_epochs >= 2:
-            raise ValueError("the pretraining corpus yields no documents")
+            where = f" for reader {shard.index} of {shard.count}" if shard.count > 1 else ""
+            raise ValueError(f"the pretraining corpus yields no documents{where}")
         position = StreamPosition(epoch=position.epoch + 1)
 
 
 class DocumentStream(IterableDataset):
-    """Token ids of the documents (None for a skipped row) with the position after each, as dicts."""
+    """Token ids of one process's documents (None for a skipped row), each with the positions of the
+    process's readers after it (`{"readers": [StreamPosition as a dict, ...]}`, one per worker)."""
 
     def __init__(
         self,
         tokenizer: Any,
         sources: list[dict[str, Any]],
         seed: int,
-        start: StreamPosition,
+        starts: list[StreamPosition],
         epochs: int | None = None,
         chunk: int = 64,
+        rank: int = 0,
+        world: int = 1,
     ):
         self.tokenizer, self.sources, self.seed = tokenizer, sources, seed
-        self.start, self.epochs, self.chunk = start, epochs, chunk
+        self.starts, self.epochs, self.chunk, self.rank, self.world = starts, epochs, chunk, rank, world
 
-    def __iter__(self) -> Iterator[tuple[list[int] | None, dict[str, Any]]]:
+    def __iter__(self) -> Iterator[tuple[list[int] | None, int, dict[str, Any]]]:
         info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        worker = info.id if info is not None else 0
+        readers = len(self.starts)
+        shard = Shard(self.rank * readers + worker, self.world * readers)
         batch: list[tuple[str | None, StreamPosition]] = []
-        for index, item in enumerate(texts(self.sources, self.seed, self.start, self.epochs)):
-            if index % workers == worker:
-                batch.append(item)
+        for item in texts(self.sources, self.seed, self.starts[worker], self.epochs, shard):
+            batch.append(item)
             if len(batch) == self.chunk:
-                yield from self._encoded(batch)
+                yield from self._encoded(batch, worker)
                 batch = []
-        yield from self._encoded(batch)
+        yield from self._encoded(batch, worker)
 
-    def _encoded(self, batch: list[tuple[str | None, StreamPosition]]) -> Iterator[Any]:
+    def _encoded(self, batch: list[tuple[str | None, StreamPosition]], worker: int) -> Iterator[Any]:
         present = [text for text, _ in batch if text is not None]
         encoded = iter(self.tokenizer(present, add_special_tokens=False)["input_ids"] if present else [])
         for text, position in batch:
-            yield (None if text is None else list(next(encoded))), asdict(position)
+            yield (None if text is None else list(next(encoded))), worker, asdict(position)
 
 
 def documents(
-    tokenizer: Any, sources: list[dict[str, Any]], seed: int, start: dict[str, Any] | None, workers: int
+    tokenizer: Any,
+    sources: list[dict[str, Any]],
+    seed: int,
+    start: dict[str, Any] | None,
+    workers: int,
+    rank: int = 0,
+    world: int = 1,
 ) -> Iterator[tuple[list[int] | None, dict[str, Any]]]:
-    """The stream from a saved position (None: the beginning), tokenized by `workers` DataLoader worker
-    processes (0: in this process)."""
-    position = StreamPosition(**start) if start else StreamPosition()
-    stream = DocumentStream(tokenizer, sources, seed, position)
-    if workers == 0:
-        return iter(stream)
-    loader = DataLoader(stream, batch_size=None, num_workers=workers, collate_fn=_as_is)
-    return iter(loader)
+    """Process `rank` of `world`'s documents from a saved position (None: the beginning), read and
+    tokenized by `workers` DataLoader worker processes (0: by this process), each with the position of
+    every reader after it."""
+    readers = max(1, workers)
+    positions = [StreamPosition(**p) for p in start["readers"]] if start else [StreamPosition()] * readers
+    if len(positions) != readers:
+        raise ValueError(
+            f"the saved data position has {len(positions)} readers per process, pretrain.data_workers gives "
+            f"{readers}: resume with the same data_workers"
+        )
+    stream = DocumentStream(tokenizer, sources, seed, positions, rank=rank, world=world)
+    items = (
+        iter(stream)
+        if workers == 0
+        else iter(DataLoader(stream, batch_size=None, num_workers=workers, collate_fn=_as_is))
+    )
+    current = [asdict(p) for p in positions]
+    for ids, worker, after in items:
+        current[worker] = after
+        yield ids, {"readers": [dict(p) for p in current]}
 
 
 def _as_is(item: Any) -> Any:
@@ -165,6 +207,6 @@ def _as_is(item: Any) -> Any:
 
 
 def corpus_tokens(tokenizer: Any, sources: list[dict[str, Any]], seed: int) -> int:
-    """Tokens of one epoch, each document followed by its separator."""
-    stream = DocumentStream(tokenizer, sources, seed, StreamPosition(), epochs=1)
-    return sum(len(ids) + 1 for ids, _ in stream if ids is not None)
+    """Tokens of one epoch of every reader, each document followed by its separator."""
+    stream = DocumentStream(tokenizer, sources, seed, [StreamPosition()], epochs=1)
+    return sum(len(ids) + 1 for ids, _, _ in stream if ids is not None)

@@ -218,8 +218,9 @@ class PretrainConfig(StrictModel):
     loop: PretrainLoop = Field(default_factory=PretrainLoop)
     data_workers: int = Field(default=1, ge=0)
     """DataLoader worker processes per training process that read and tokenize the corpora ahead of the
-    training loop (`train/stream.py`); 0 does it in the training process, between steps. Each worker
-    reads every row and tokenizes its share; each streams a streaming `hf` source on its own."""
+    training loop (`train/stream.py`); 0 does it in the training process, between steps. Every worker of
+    every process reads a disjoint share of the rows (of a streaming `hf` source, its share of the files);
+    a resume needs the same number of processes and workers."""
 
 
 class FinetuneConfig(StrictModel):

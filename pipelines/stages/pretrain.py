@@ -90,14 +90,16 @@ def pretrain(spec: StageSpec, inputs: PretrainInputs, accelerator: Any, tracker:
     sources = [reader_args(s, inputs.data_seed, inputs.offline) for s in inputs.corpora]
 
     def documents(start: dict[str, Any] | None) -> Any:
-        return document_stream(tokenizer, sources, inputs.data_seed, start, block.data_workers)
+        return document_stream(
+            tokenizer, sources, inputs.data_seed, start, block.data_workers,
+            accelerator.process_index, accelerator.num_processes,
+        )  # fmt: skip
 
     batches = PackedBatches(
         documents,
         loop.max_length,
         tokenizer.eos_token_id,
         loop.per_device_batch_size,
-        accelerator.process_index,
         accelerator.num_processes,
         accelerator.gradient_accumulation_steps,
     )
