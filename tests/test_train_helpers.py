@@ -156,6 +156,11 @@ def test_two_ranks_of_two_workers_consume_their_shares_in_order_and_resume_their
         ]
         assert resumed == texts_got[12:20]
     assert len(seen) == len(set(seen)) == 40  # the 40 consumed documents: none read by two readers
+    prefix = [
+        decoded(tiny_tokenizer(t, add_special_tokens=False)["input_ids"])
+        for t, _ in itertools.islice(texts(sources, 3, StreamPosition()), 40)
+    ]
+    assert sorted(seen) == sorted(prefix)  # and together the stream's first 40, as one reader reads them
 
 
 def test_only_response_tokens_carry_loss(tiny_tokenizer):
