@@ -14,9 +14,18 @@ parent died, even by `kill -9` of polydraft's main process alone, kills its grou
 its parent), so no engine core is left holding GPU memory for the rerun to fail on (vLLM's own
 `PR_SET_PDEATHSIG` covers the process it is set in, not the engine core it spawns).
 
+On several nodes (`pipelines/nodes.py`) node 0 deals the requests over every node's engines, as many on
+each node as on node 0: it starts its own, announces the others, and each other node starts its share
+(`run_share`) on its own GPUs, writing into the shared run directory. While they run, that node rewrites
+`node-R.alive` every second and writes each engine's exit status to `engine-E.exit` when it ends; node 0
+waits for every engine, and a node whose heartbeat stands still for the node timeout (killed, lost) fails
+the stage with the records of every engine kept, so a rerun deals out only what is missing. A node stops
+its engines as soon as node 0 no longer waits for them.
+
 Files of engine E in `<work_dir>/engines/`: `engine-E.json` (its settings), `engine-E.requests.jsonl` (its
 requests), `engine-E.pid`, `engine-E.progress` (records written so far), `engine-E.log` (its output) and
-`engine-E.result.json` (what it wrote and which samples failed), all rewritten by each run.
+`engine-E.result.json` (what it wrote and which samples failed), `engine-E.exit` (an other node's engine's
+exit status), all rewritten by each run.
 """
 
 from __future__ import annotations
@@ -121,7 +130,7 @@ def deal(requests: list[Request], engines: int) -> list[list[Request]]:
 
 def _paths(work_dir: Path, index: int) -> dict[str, Path]:
     root = work_dir / ENGINES_DIR
-    names = ("json", "requests.jsonl", "pid", "progress", "log", "result.json")
+    names = ("json", "requests.jsonl", "pid", "progress", "log", "result.json", "exit")
     return {name: root / f"engine-{index}.{name}" for name in names}
 
 
@@ -147,48 +156,86 @@ def _log_tail(path: Path, lines: int = 15) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def _start(spec: EngineSpec, env: dict[str, str]) -> subprocess.Popen:
+    """Start engine `spec.index` (its spec and requests already written) in a process group of its own."""
+    paths = _paths(Path(spec.work_dir), spec.index)
+    with open(paths["log"], "w", encoding="utf-8") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "polydraft.distill.engines", str(paths["json"])],
+            env={**os.environ, **env},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # the engine's group: its engine core and workers join it
+        )
+    paths["pid"].write_text(str(process.pid))
+    log.info("distill: engine %d (pid %d, %s) started", spec.index, process.pid, env)
+    return process
+
+
+class _Remote:
+    """An engine another node runs, seen from node 0: ended when its `engine-E.exit` appears; lost (exit
+    status None, `lost` set) when its node's `node-R.alive` stands still for `timeout` seconds."""
+
+    def __init__(self, spec: EngineSpec, node: int, timeout: float):
+        self.paths = _paths(Path(spec.work_dir), spec.index)
+        self.alive = self.paths["json"].parent / f"node-{node}.alive"
+        self.node, self.timeout = node, timeout
+        self.returncode: int | None = None
+        self.lost = False
+        self.beat, self.seen = None, time.monotonic()
+        self.pid = f"node {node}"
+
+    def poll(self) -> int | None:
+        if self.paths["exit"].exists():
+            self.returncode = int(self.paths["exit"].read_text() or 1)
+            return self.returncode
+        beat = self.alive.read_text() if self.alive.exists() else None
+        if beat != self.beat:
+            self.beat, self.seen = beat, time.monotonic()
+        self.lost = time.monotonic() - self.seen > self.timeout
+        return -1 if self.lost else None
+
+
 def run_engines(
     specs: list[EngineSpec],
     shares: list[list[Request]],
     envs: list[dict[str, str]],
     progress: Callable[[int], None],
+    announce: Callable[[dict[str, Any]], None] | None = None,
+    node_timeout: float = 600.0,
 ) -> list[EngineResult]:
-    """Start one process per spec, report records written as they land (`progress(n)` with the new ones),
-    wait for all of them, and return their results. An engine that fails lets the others finish (their
-    records are kept), then raises EngineError naming it and the end of its log."""
-    processes: list[subprocess.Popen] = []
+    """Start this node's engines (the first `len(envs)` specs), report records written as they land
+    (`progress(n)` with the new ones), wait for all of them, and return their results. The other specs
+    are the other nodes' engines, `len(envs)` per node in order: they are announced with `announce` and
+    waited for through the shared folder. An engine that fails (or a node lost) lets the others finish
+    (their records are kept), then raises EngineError naming it and the end of its log."""
+    local = len(envs)
+    for spec, share in zip(specs, shares, strict=True):
+        paths = _paths(Path(spec.work_dir), spec.index)
+        paths["json"].parent.mkdir(parents=True, exist_ok=True)
+        for name in ("progress", "result.json", "exit"):
+            paths[name].unlink(missing_ok=True)
+        _write_atomic(paths["json"], json.dumps(asdict(spec)))
+        lines = (
+            json.dumps({"item": asdict(r.item), "temperature": r.temperature, "samples": r.sample_indices})
+            for r in share
+        )
+        _write_atomic(paths["requests.jsonl"], "".join(line + "\n" for line in lines))
+        log.info("distill: engine %d answers %d requests", spec.index, len(share))
+    processes: list[Any] = []
     seen = [0] * len(specs)
     try:
-        for spec, share, env in zip(specs, shares, envs, strict=True):
-            paths = _paths(Path(spec.work_dir), spec.index)
-            paths["json"].parent.mkdir(parents=True, exist_ok=True)
-            for name in ("progress", "result.json"):
-                paths[name].unlink(missing_ok=True)
-            _write_atomic(paths["json"], json.dumps(asdict(spec)))
-            lines = (
-                json.dumps(
-                    {"item": asdict(r.item), "temperature": r.temperature, "samples": r.sample_indices}
-                )
-                for r in share
-            )
-            _write_atomic(paths["requests.jsonl"], "".join(line + "\n" for line in lines))
-            with open(paths["log"], "w", encoding="utf-8") as out:
-                process = subprocess.Popen(
-                    [sys.executable, "-m", "polydraft.distill.engines", str(paths["json"])],
-                    env={**os.environ, **env},
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,  # the engine's group: its engine core and workers join it
-                )
-            processes.append(process)
-            paths["pid"].write_text(str(process.pid))
-            log.info(
-                "distill: engine %d (pid %d, %s) answers %d requests",
-                spec.index,
-                process.pid,
-                env,
-                len(share),
-            )
+        for spec, env in zip(specs[:local], envs, strict=True):
+            processes.append(_start(spec, env))
+        if len(specs) > local:
+            assert announce is not None, "engines of other nodes need an announcement"
+            root = Path(specs[0].work_dir) / ENGINES_DIR
+            for node in range(1, len(specs) // local):
+                (root / f"node-{node}.alive").unlink(missing_ok=True)
+            announce({"kind": "engines", "engines_dir": str(root), "per_node": local, "engines": len(specs)})
+            processes += [
+                _Remote(spec, i // local, node_timeout) for i, spec in enumerate(specs) if i >= local
+            ]
         while True:
             running = [p.poll() is None for p in processes]
             for spec in specs:
@@ -201,24 +248,67 @@ def run_engines(
                 break
             time.sleep(POLL_SECONDS)
     except BaseException:
-        for process in processes:
+        for process in processes[:local]:
             _stop(process)
         raise
     results, failed = [], []
     for spec, process in zip(specs, processes, strict=True):
         paths = _paths(Path(spec.work_dir), spec.index)
-        if process.returncode != 0 or not paths["result.json"].exists():
+        if getattr(process, "lost", False):
             failed.append(
-                f"engine {spec.index} (pid {process.pid}) exited with {process.returncode}; "
+                f"engine {spec.index} on node {process.node}: the node stopped answering (its heartbeat "
+                f"{process.alive} stood still for {node_timeout:.0f} s); is its `polydraft run` still running?"
+            )
+        elif process.returncode != 0 or not paths["result.json"].exists():
+            failed.append(
+                f"engine {spec.index} ({process.pid}) exited with {process.returncode}; "
                 f"the end of {paths['log']}:\n{_log_tail(paths['log'])}"
             )
-            continue
-        raw = json.loads(paths["result.json"].read_text())
-        failures = {(p, float(t), int(s)): why for p, t, s, why in raw["failures"]}
-        results.append(EngineResult(raw["written"], raw["response_tokens"], failures))
+        else:
+            raw = json.loads(paths["result.json"].read_text())
+            failures = {(p, float(t), int(s)): why for p, t, s, why in raw["failures"]}
+            results.append(EngineResult(raw["written"], raw["response_tokens"], failures))
     if failed:
         raise EngineError("\n".join(failed))
     return results
+
+
+def run_share(event: dict[str, Any], rank: int, gone: Callable[[], str | None]) -> None:
+    """Node `rank`'s share of node 0's engines (an `engines` announcement): start them on this node's
+    GPUs, beat `node-R.alive` while they run, write each one's exit status to `engine-E.exit` as it ends.
+    When `gone()` says why node 0 no longer waits for them, stop them and return."""
+    root, per = Path(event["engines_dir"]), int(event["per_node"])
+    indices = list(range(rank * per, (rank + 1) * per))
+    if indices[-1] >= int(event["engines"]):
+        raise EngineError(f"node {rank}: node 0 dealt {event['engines']} engines, none to this node")
+    specs = [EngineSpec(**json.loads((root / f"engine-{i}.json").read_text())) for i in indices]
+    alive, beat = root / f"node-{rank}.alive", 0
+    try:
+        gpus = visible_gpus()
+        envs = engine_envs(per, specs[0].engine["tensor_parallel_size"], gpus)
+    except EngineError as err:  # node 0 reports it with the end of each engine's log
+        for spec in specs:
+            _paths(root.parent, spec.index)["log"].write_text(f"node {rank}: {err}\n")
+            _write_atomic(_paths(root.parent, spec.index)["exit"], "1")
+        return
+    processes = [_start(spec, env) for spec, env in zip(specs, envs, strict=True)]
+    written = [False] * per
+    try:
+        while not all(written):
+            beat += 1
+            _write_atomic(alive, str(beat))
+            for k, process in enumerate(processes):
+                if not written[k] and process.poll() is not None:
+                    _write_atomic(_paths(root.parent, specs[k].index)["exit"], str(process.returncode))
+                    written[k] = True
+            if not all(written) and (why := gone()) is not None:
+                log.warning("distill: node %d stops engines %s: %s", rank, indices, why)
+                return
+            time.sleep(POLL_SECONDS)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                _stop(process)
 
 
 # ----------------------------------------------------------------------------- inside an engine process

@@ -10,8 +10,11 @@ import shlex
 import sys
 import tempfile
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from polydraft.distill.engines import run_share
 from polydraft.pipelines.nodes import Machines, NodeError, NodeLeader, follow, machines_of, slurm_machines
 from polydraft.pipelines.preflight import (
     OFFLINE,
@@ -322,17 +325,20 @@ def _machines(recipe: Recipe, flag: int | None) -> Machines:
 
 
 def _follow(run_dir: Path, machines: Machines, args: argparse.Namespace) -> int:
-    """Another node than node 0: join node 0 through the shared run directory and each training launch."""
+    """Another node than node 0: join node 0 through the shared run directory, then each training launch
+    and each distillation it announces (this node's engines)."""
+
+    def join(event: dict[str, Any], gone: Callable[[], str | None]) -> None:
+        if event["kind"] == "engines":
+            run_share(event, machines.rank, gone)
+        else:
+            join_launch(event, run_dir, machines, args.quiet)
+
     try:
-        launches = follow(
-            run_dir, machines.rank, args.node_timeout,
-            lambda event: join_launch(event, run_dir, machines, args.quiet),
-        )  # fmt: skip
+        launches = follow(run_dir, machines.rank, args.node_timeout, join)
     except NodeError as err:
         raise StageFailed(str(err)) from err
-    print(
-        f"\nnode {machines.rank} of {machines.nodes}: joined {launches} training launch(es) of node 0 in {run_dir}"
-    )
+    print(f"\nnode {machines.rank} of {machines.nodes}: joined {launches} launch(es) of node 0 in {run_dir}")
     return 0
 
 

@@ -5,8 +5,9 @@ When the recipe's accelerate config names `num_machines` > 1, or a SLURM job hol
 `polydraft run` runs on every node with the same recipe and run directory, and `--node-rank R` (default: the
 config's `machine_rank`, or `SLURM_NODEID`). Every node starts `launch.num_processes` training processes (a
 count per node: accelerate's own `--num_processes` is the total, which polydraft passes as nodes x that). Node 0 runs
-the pipeline as on one node: the stages that do not train (distill, measure, export, ...) run there
-only, and each training launch is announced in `<run_dir>/nodes/leader.json`. Every other node starts
+the pipeline as on one node: the stages that do not train (measure, export, ...) run there only,
+except distillation's vLLM engines, which every node runs (`distill/engines.py`), and each training
+launch or engine start is announced in `<run_dir>/nodes/leader.json`. Every other node starts
 the same `accelerate launch` with its own machine rank, so the training processes of all nodes meet at
 the config's `main_process_ip:main_process_port`, and waits for the next announcement.
 
@@ -154,6 +155,8 @@ class NodeLeader:
             "launch_id": uuid.uuid4().hex, "nodes": nodes, "host": socket.gethostname(), "pid": os.getpid(),
             "heartbeat": 0, "joined": {}, "events": [],
         }  # fmt: skip
+        self.timeout = 600.0
+        """Seconds without a sign of a node before it counts as lost (`--node-timeout`)."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="polydraft-node-leader", daemon=True)
@@ -161,6 +164,7 @@ class NodeLeader:
     def start(self, timeout: float) -> None:
         """Publish leader.json (old node files are removed: a live node writes its own again) and wait
         until every other node has joined."""
+        self.timeout = timeout
         self.dir.mkdir(parents=True, exist_ok=True)
         for old in self.dir.glob("node-*.json"):
             old.unlink(missing_ok=True)
@@ -189,7 +193,8 @@ class NodeLeader:
             self._publish()
 
     def announce(self, event: dict[str, Any]) -> None:
-        """An event the other nodes act on: `launch` (join this accelerate launch), `finished`, `failed`."""
+        """An event the other nodes act on: `launch` (join this accelerate launch), `engines` (start your
+        share of the distillation engines, `distill/engines.py`), `finished`, `failed`."""
         with self._lock:
             self.state["events"].append(event)
         self._publish()
@@ -202,9 +207,35 @@ class NodeLeader:
             self._thread.join()
 
 
-def follow(run_dir: Path, rank: int, timeout: float, launch: Callable[[dict[str, Any]], None]) -> int:
-    """Another node's side: join node 0, then run `launch(event)` for each training launch it announces,
-    in order, until it finishes. Returns the number of launches joined."""
+def _gone(directory: Path, seen: int, launch_id: str, timeout: float) -> Callable[[], str | None]:
+    """Why node 0 no longer waits for the work of its `seen`-th event (None while it does): a later event
+    (it finished or failed), another run, or a heartbeat standing still for `timeout` seconds."""
+    beat: list[Any] = [None, time.monotonic()]
+
+    def gone() -> str | None:
+        leader = _read_json(directory / LEADER_FILE)
+        if leader is None:
+            return None
+        if leader["launch_id"] != launch_id or len(leader["events"]) > seen:
+            return "node 0 moved on (it finished, failed or started another run)"
+        if leader["heartbeat"] != beat[0]:
+            beat[:] = [leader["heartbeat"], time.monotonic()]
+        if time.monotonic() - beat[1] > timeout:
+            return f"node 0's heartbeat stood still for {timeout:.0f} s"
+        return None
+
+    return gone
+
+
+def follow(
+    run_dir: Path,
+    rank: int,
+    timeout: float,
+    launch: Callable[[dict[str, Any], Callable[[], str | None]], None],
+) -> int:
+    """Another node's side: join node 0, then run `launch(event, gone)` for each launch it announces (a
+    training launch, or distillation engines), in order, until it finishes; `gone()` says why node 0 no
+    longer waits for that launch (None while it does). Returns the number of launches joined."""
     directory = Path(run_dir) / NODES_DIR
     directory.mkdir(parents=True, exist_ok=True)
     mine = directory / f"node-{rank}.json"
@@ -235,8 +266,8 @@ def follow(run_dir: Path, rank: int, timeout: float, launch: Callable[[dict[str,
                 return launches
             if event["kind"] == "failed":
                 raise NodeError(f"node 0 failed: {event['error']}")
-            log.info("nodes: joining %s (launch %d)", event["stage"], launches + 1)
-            launch(event)
+            log.info("nodes: joining %s (launch %d)", event.get("stage", event["kind"]), launches + 1)
+            launch(event, _gone(directory, seen, launch_id, timeout))
             launches += 1
             beat_seen = time.monotonic()
         if time.monotonic() - beat_seen > timeout:

@@ -112,7 +112,7 @@ def training_processes(recipe: Recipe, cluster: Cluster) -> int:
 
 
 def estimate(recipe: Recipe, cluster: Cluster, distill_engines: int | None = None) -> Plan:
-    """The plan of every enabled stage. `distill_engines`: vLLM engines running at once (default: the
+    """The plan of every enabled stage. `distill_engines`: vLLM engines running at once on each node (default: the
     recipe's `distill.vllm.data_parallel`, None there meaning every GPU of a node divided by
     `tensor_parallel_size`, as the distill stage does)."""
     plan = Plan(cluster)
@@ -233,10 +233,14 @@ def _distill(
         raise PlanError(
             f"distill: {count} engines x tensor_parallel_size {tp} exceed the {cluster.per_node} GPUs of a node"
         )
-    seconds = flops / (count * tp * cluster.peak_flops * VLLM_MFU) + VLLM_STARTUP_S
+    # as many engines on every node as on node 0 (distill/engines.py)
+    seconds = flops / (count * tp * cluster.nodes * cluster.peak_flops * VLLM_MFU) + VLLM_STARTUP_S
+    gpus *= cluster.nodes
     # vLLM claims gpu_memory_utilization of each GPU; the weights must leave room for a KV cache in it
     peak = cluster.memory_gib * d.vllm.gpu_memory_utilization
-    note = f"vLLM, {count} engine(s) x TP {tp}"
+    note = f"vLLM, {count} engine(s) x TP {tp}" + (
+        f" on each of {cluster.nodes} nodes" if cluster.nodes > 1 else ""
+    )
     if weights_gib / tp > peak * MEMORY_HEADROOM:
         peak = weights_gib / tp
         note += f": {weights_gib:.0f} GiB of weights over {tp} GPU(s)"

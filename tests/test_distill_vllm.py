@@ -5,7 +5,6 @@ stand-in engine, the install message; and the real CPU build of vLLM on the demo
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
 from polydraft.distill.engines import EngineError, deal, engine_count, engine_envs
 from polydraft.distill.plan import PromptItem, Request, request_seed
@@ -284,69 +284,95 @@ def _progress(work, index: int) -> int:
     return int(path.read_text() or 0) if path.exists() else 0
 
 
-def test_two_real_vllm_engines_one_killed_then_rerun_give_every_record_once(tmp_path):
-    """The stage with two CPU engines, each on one core and half of the requests. One engine is killed
-    with SIGKILL once it has written records: the stage fails after the other finishes, keeping what both
-    wrote; the rerun generates exactly the missing records. The greedy records equal a one-engine run's."""
+def _node(recipe: Path, run_dir: Path, config: Path, rank: int, log: Path) -> subprocess.Popen:
+    """`polydraft run RECIPE --only distill` as node `rank` of two (loopback), its output in `log`."""
+    command = [sys.executable, "-m", "polydraft.pipelines.cli", "run", str(recipe), "--only", "distill",
+               f"launch.accelerate_config={config}", "--run-dir", str(run_dir), "--node-rank", str(rank),
+               "--node-timeout", "30", "--quiet"]  # fmt: skip
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            command, cwd=PROJECT_ROOT, env=engine_env(False), stdout=out, stderr=out, start_new_session=True
+        )
+
+
+def test_two_nodes_distill_with_an_engine_each_one_node_killed_then_rerun_give_every_record_once(tmp_path):
+    """Two loopback nodes (`polydraft run --node-rank 0/1` on one shared run directory), one CPU engine
+    each, half of the requests each. Node 1's `polydraft run` is killed with SIGKILL (its process only)
+    once its engine has written records: its engine dies with it, node 0's engine finishes its share, and
+    node 0 fails saying node 1 stopped answering, keeping every record. The rerun of both nodes generates
+    exactly the missing ones, on both nodes; the greedy records equal a one-node run's."""
     require_vllm()
+    from polydraft.pipelines.recipe import dump_recipe
+    from tests.distill_setup import free_port
+    from tests.test_multinode import MULTINODE
+
     target = demo_target()
     data = translation_file(tmp_path, 10)
     temperatures = [0.0, 0.7]
-
-    def recipe(engines: int):
-        vllm = {"max_model_len": 512, "submit_size": 2, "cpu_kv_cache_gib": 0.25, "data_parallel": engines}
-        return make_recipe(
-            target, [local_source(data)], backend="vllm", temperatures=temperatures, samples_per_prompt=1, max_new_tokens=24,
-            batch_size=1, vllm=vllm,
-        )  # fmt: skip
-
-    def spec(engines: int, work) -> str:
-        path = tmp_path / f"spec{engines}.json"
-        path.write_text(json.dumps({"recipe": recipe(engines).model_dump(mode="json"), "target": str(target),
-                                    "work": str(work)}))  # fmt: skip
-        return path
-
+    vllm = {"max_model_len": 512, "submit_size": 2, "cpu_kv_cache_gib": 0.25, "data_parallel": 1}
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(dump_recipe(make_recipe(
+        target, [local_source(data)], backend="vllm", temperatures=temperatures, samples_per_prompt=1,
+        max_new_tokens=24, batch_size=1, vllm=vllm,
+    )))  # fmt: skip
+    config = tmp_path / "multinode.yaml"
+    config.write_text(MULTINODE.format(port=free_port()))
     expected = {(f"0:local:{data}/train/{i}", t, 0) for i in range(10) for t in temperatures}
-    work = tmp_path / "two" / "distill"
-    process = _stage_process(spec(2, work), multiprocessing=False)
+    run_dir = tmp_path / "run"
+    work = run_dir / "distill.partial"
+
+    nodes = [_node(recipe, run_dir, config, rank, tmp_path / f"node{rank}.log") for rank in (0, 1)]
     try:
-        deadline = time.time() + 240
-        while time.time() < deadline and process.poll() is None and _progress(work, 1) < 2:
+        deadline = time.time() + 300
+        while time.time() < deadline and nodes[0].poll() is None and _progress(work, 1) < 2:
             time.sleep(0.05)
-        assert process.poll() is None and _progress(work, 1) >= 2, "engine 1 wrote nothing to kill"
-        pid = int((work / "engines" / "engine-1.pid").read_text())
-        os.kill(pid, signal.SIGKILL)
-        assert process.wait(timeout=240) != 0, "the stage ignored its killed engine"
+        assert nodes[0].poll() is None and _progress(work, 1) >= 2, (tmp_path / "node0.log").read_text()
+        group = int((work / "engines" / "engine-1.pid").read_text())
+        nodes[1].kill()  # node 1's polydraft process only: its engine must go with it
+        gone = time.time() + 30
+        while time.time() < gone and _group_alive(group):
+            time.sleep(0.2)
+        assert not _group_alive(group), "node 1's engine outlived its node"
+        assert nodes[0].wait(timeout=300) != 0, "node 0 ignored the lost node"
     finally:
-        stop_group(process, signal.SIGKILL)
+        for node in nodes:
+            stop_group(node, signal.SIGKILL)
+    out = (tmp_path / "node0.log").read_text()
+    assert "engine 1 on node 1: the node stopped answering" in out, out
+    assert "The records written are kept" in out
     RecordStore(work, 0, 1).repair()
     before = [record_key(r) for r in iter_records(work)]
     assert len(before) == len(set(before)) and 0 < len(before) < len(expected)
     engine0 = {
         record_key(r) for p in record_files(work) if "-engine00-" in p.name for r in iter_records_of(p)
     }
-    assert len(engine0) == len(expected) // 2, "engine 0 did not finish its share after engine 1 died"
+    assert len(engine0) == len(expected) // 2, "node 0's engine did not finish its share"
 
-    rerun = _stage_process(spec(2, work), multiprocessing=False)
+    sizes = {p.name: p.stat().st_size for p in record_files(work)}
+    nodes = [_node(recipe, run_dir, config, rank, tmp_path / f"rerun{rank}.log") for rank in (0, 1)]
     try:
-        assert rerun.wait(timeout=300) == 0
+        assert nodes[0].wait(timeout=300) == 0, (tmp_path / "rerun0.log").read_text()
+        assert nodes[1].wait(timeout=60) == 0, (tmp_path / "rerun1.log").read_text()
     finally:
-        stop_group(rerun)
-    keys = [record_key(r) for r in iter_records(work)]
+        for node in nodes:
+            stop_group(node, signal.SIGKILL)
+    done = run_dir / "distill"
+    keys = [record_key(r) for r in iter_records(done)]
     assert len(keys) == len(set(keys)), "a record was written twice"
     assert set(keys) == expected, "a record is missing"
-    assert {p.name.split("-part")[0] for p in record_files(work)} == {
-        "shard00000-engine00",
-        "shard00000-engine01",
-    }
+    grown = {p.name.split("-part")[0] for p in record_files(done) if p.stat().st_size > sizes.get(p.name, 0)}
+    assert grown == {"shard00000-engine00", "shard00000-engine01"}, "the rerun did not use both nodes"
 
     single = tmp_path / "one" / "distill"
-    one = _stage_process(spec(1, single), multiprocessing=False)
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"recipe": yaml.safe_load(recipe.read_text()), "target": str(target),
+                                "work": str(single)}))  # fmt: skip
+    one = _stage_process(spec, multiprocessing=False)
     try:
         assert one.wait(timeout=300) == 0
     finally:
         stop_group(one)
-    greedy = {record_key(r): r["token_ids"] for r in iter_records(work) if r["temperature"] == 0.0}
+    greedy = {record_key(r): r["token_ids"] for r in iter_records(done) if r["temperature"] == 0.0}
     assert greedy == {record_key(r): r["token_ids"] for r in iter_records(single) if r["temperature"] == 0.0}
 
 

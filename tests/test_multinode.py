@@ -75,7 +75,7 @@ def test_two_slurm_nodes_train_like_one_node_with_two_processes(tmp_path):
     follower_out, _ = follower.communicate(timeout=60)
     assert leader.returncode == 0, leader_out
     assert follower.returncode == 0, follower_out
-    assert "node 1 of 2: joined 1 training launch(es)" in follower_out
+    assert "node 1 of 2: joined 1 launch(es)" in follower_out
     assert (nodes_dir / "nodes" / "node-1-pretrain.log").stat().st_size > 0  # node 1's own process ran
     # two ranks in all (world size 2), one per node: node 0's process is rank 0, node 1's rank 1
     ranks = sorted(p.name for p in (nodes_dir / "pretrain").rglob("random_states_*.pkl"))

@@ -130,6 +130,10 @@ def test_idle_gpus_are_reported(tmp_path):
     assert not any(w.startswith("distill:") for w in every.warnings)
     work = [plan.stages[0].hours * 3600 - VLLM_STARTUP_S for plan in (one, every)]
     assert work[1] == pytest.approx(work[0] / 8)
+    # on two nodes every node runs as many engines: twice the GPUs, half the time
+    two = estimate(recipe, parse_gpus("8xA100-80GB", nodes=2), distill_engines=8)
+    assert two.stages[0].gpus == 16
+    assert two.stages[0].hours * 3600 - VLLM_STARTUP_S == pytest.approx(work[1] / 2)
 
 
 def test_small_batches_are_reported(tmp_path):

@@ -313,7 +313,8 @@ def generate_with_engines(
     sampling: dict[str, Any],
 ) -> dict[str, int]:
     """The vllm backend: `distill.vllm.data_parallel` engine processes (`distill/engines.py`), each on
-    its own GPU group and its share of the requests; what they write is counted into `writer`."""
+    its own GPU group and its share of the requests, as many on every other node of the run as here;
+    what they write is counted into `writer`."""
     if importlib.util.find_spec("vllm") is None:
         raise StageFailed(INSTALL_HINT)
     cfg, target, v = inputs.distill, inputs.target, inputs.distill.vllm
@@ -323,6 +324,7 @@ def generate_with_engines(
         envs = engine_envs(engines, v.tensor_parallel_size, gpus)
     except EngineError as err:
         raise StageFailed(str(err)) from err
+    nodes = ctx.leader.machines.nodes if ctx.leader is not None else 1
     engine = {
         "path": target.path, "revision": target.revision, "dtype": target.dtype,
         "trust_remote_code": target.trust_remote_code, "tensor_parallel_size": v.tensor_parallel_size,
@@ -342,11 +344,18 @@ def generate_with_engines(
             meta=writer.meta,
             seed=cfg.seed,
         )  # fmt: skip
-        for i in range(engines)
+        for i in range(engines * nodes)
     ]
-    log.info("distill: %d vLLM engine(s) of %d GPU(s) each", engines, v.tensor_parallel_size if gpus else 0)
+    log.info(
+        "distill: %d vLLM engine(s) of %d GPU(s) each on each of %d node(s)",
+        engines, v.tensor_parallel_size if gpus else 0, nodes,
+    )  # fmt: skip
+    leader = ctx.leader
     try:
-        results = run_engines(specs, deal(requests, engines), envs, writer.bar.update)
+        results = run_engines(
+            specs, deal(requests, len(specs)), envs, writer.bar.update,
+            leader.announce if leader is not None else None, leader.timeout if leader is not None else 600.0,
+        )  # fmt: skip
     except EngineError as err:
         writer.absorb(writer.store.keys(), {}, 0, 0)
         raise StageFailed(
@@ -360,7 +369,7 @@ def generate_with_engines(
         sum(r.written for r in results),
         sum(r.response_tokens for r in results),
     )
-    return {"engines": engines}
+    return {"engines": len(specs)}
 
 
 def run(inputs: DistillInputs, ctx: StageContext) -> StageResult:
