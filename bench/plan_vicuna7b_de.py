@@ -1,6 +1,7 @@
 """The plan of recipes/vicuna-7b/de.yaml on one 8xA100-80GB node, before and after issue 28: `polydraft plan`
 with the recipe as it was (one vLLM engine; 4 training processes; batch 2 per GPU; 480 prompts decoded by
-every seed) and as it ships now. An estimate from pipelines/plan_model.py's constants, not a measurement.
+every seed) and as it ships now, on one node and on two. An estimate from pipelines/plan_model.py's
+constants, not a measurement.
 
     python -m bench.plan_vicuna7b_de        # writes bench/results/plan_vicuna7b_de.md
 """
@@ -46,7 +47,11 @@ def main_bench() -> None:
     parts = [
         f"## {datetime.date.today()} - `python -m bench.plan_vicuna7b_de` (an estimate: no GPU ran)\n",
     ]
-    for title, args in (("Before issue 28", BEFORE), ("After issue 28", AFTER)):
+    for title, args in (
+        ("Before issue 28", BEFORE),
+        ("As shipped, one node", AFTER),
+        ("As shipped, two nodes", ["--nodes", "2"]),
+    ):
         command, output = plan_of(args)
         print(f"$ {command}\n{output}")
         parts.append(f"### {title}\n\n```\n$ {command}\n```\n\n{output}")

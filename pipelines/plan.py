@@ -24,6 +24,7 @@ from polydraft.pipelines.plan_model import (
     SPEC_SPEEDUP,
     STEP_OVERHEAD_S,
     TEMPLATE_TOKENS,
+    TOKENIZE_BYTES_PER_S,
     TRAIN_MFU,
     VLLM_MFU,
     VLLM_PREFIX_CACHED,
@@ -31,6 +32,7 @@ from polydraft.pipelines.plan_model import (
     Cluster,
     PlanError,
     Shape,
+    assumptions,
     decode_latency,
     drafter_size,
     target_shape,
@@ -40,6 +42,7 @@ from polydraft.pipelines.schema import Recipe, SourceConfig
 from polydraft.pipelines.schema.train import MemoryLoop, TargetLayerLoop
 from polydraft.pipelines.stage import StageFailed, resolve_accelerate_config
 from polydraft.train.metrics import train_flops_per_token
+from polydraft.train.mix_cache import PARALLEL_BYTES, TOKENIZE_PROCESSES
 
 SPEC_DECODERS = ("sd", "rsd_c", "rsd_s", "assisted")
 """Measure decoders run once per standalone drafter (and eval set it is measured on)."""
@@ -167,6 +170,7 @@ def estimate(recipe: Recipe, cluster: Cluster, distill_engines: int | None = Non
         )  # fmt: skip
     if recipe.eagle3.enabled:
         plan.stages.extend(_eagle3(recipe, plan, target, mix_tokens, mix_rows, train_gpus))
+    _tokenizing(plan, mix_tokens)
     if recipe.calibrate.enabled:
         plan.stages.append(_calibrate(recipe, cluster, target, mix_tokens / max(mix_rows, 1)))
     if recipe.measure.enabled:
@@ -184,6 +188,23 @@ def estimate(recipe: Recipe, cluster: Cluster, distill_engines: int | None = Non
                 f"{cluster.gpu} ({stage.note or 'see the stage'})"
             )
     return plan
+
+
+MIX_TRAINED = ("finetune", "early_exit", "heads", "eagle3")
+
+
+def _tokenizing(plan: Plan, mix_tokens: float) -> None:
+    """Each stage that trains on the mix first tokenizes it on rank 0 while the other ranks wait
+    (`train.mix_cache`): its bytes at TOKENIZE_BYTES_PER_S a process (TOKENIZE_PROCESSES of them for a
+    big mix: a GPU node has the cores), added to the stage's first row."""
+    mix_bytes = mix_tokens * RECORD_BYTES_PER_TOKEN
+    processes = TOKENIZE_PROCESSES if mix_bytes > PARALLEL_BYTES else 1
+    hours = mix_bytes / (TOKENIZE_BYTES_PER_S * processes) / 3600
+    for name in MIX_TRAINED:
+        first = next((s for s in plan.stages if s.name.split(" ")[0] == name), None)
+        if first is not None and hours > 0:
+            first.hours += hours
+            first.note += f" + {hours * 60:.1f} min tokenizing the mix ({processes} process(es) of rank 0)"
 
 
 def _engines(recipe: Recipe, cluster: Cluster, given: int | None) -> int:
@@ -417,6 +438,11 @@ def plan_table(plan: Plan) -> str:
         f"| **total** | | **{plan.hours:.2f}** | | {gpu_hours:.1f} of {plan.hours * plan.cluster.total:.1f} | | |"
     )
     lines += ["", *(f"warning: {w}" for w in plan.warnings)] if plan.warnings else []
+    assumed = ", ".join(f"{name} {value:g}" for name, value in assumptions().items())
+    lines += [
+        "",
+        f"assumed, not measured (pipelines/plan_model.py; replace with your GPUs' figures): {assumed}",
+    ]
     return "\n".join(lines)
 
 

@@ -152,6 +152,26 @@ ANSWER_TOKENS = {"translation": 45, "chat": 300, "prompts": 200, "text": 256}
 """ASSUMPTION: tokens a target answers before its end of sequence (a translation ~ its source's length),
 capped by max_new_tokens."""
 
+
+def assumptions() -> dict[str, float]:
+    """The constants above marked ASSUMPTION (not measured, no public figure pins them), by name: the
+    plan prints them with its table."""
+    return {
+        "VLLM_MFU": VLLM_MFU,
+        "VLLM_STARTUP_S": VLLM_STARTUP_S,
+        "HF_GENERATE_MFU": HF_GENERATE_MFU,
+        "TRAIN_MFU": TRAIN_MFU,
+        "STEP_OVERHEAD_S": STEP_OVERHEAD_S,
+        "HF_DECODE_BANDWIDTH_SHARE": HF_DECODE_BANDWIDTH_SHARE,
+        "HF_LAYER_OVERHEAD_S": HF_LAYER_OVERHEAD_S,
+        "SPEC_SPEEDUP": SPEC_SPEEDUP,
+        "LOAD_BYTES_PER_S": LOAD_BYTES_PER_S,
+        **{f"TEMPLATE_TOKENS[{k}]": v for k, v in TEMPLATE_TOKENS.items()},
+        **{f"SOURCE_TOKENS[{k}]": v for k, v in SOURCE_TOKENS.items()},
+        **{f"ANSWER_TOKENS[{k}]": v for k, v in ANSWER_TOKENS.items()},
+    }
+
+
 # ----------------------------------------------------------------------------- model shapes
 
 

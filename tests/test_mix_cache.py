@@ -83,3 +83,17 @@ def test_a_mix_without_a_distilled_row_is_refused_for_finetuning(tmp_path, tiny_
         ValueError, match=r"train.jsonl: no distilled row at temperatures \[0.0\] \(1 open rows"
     ):
         cached(tmp_path, tiny_tokenizer, tmp_path / "cache", temperatures=[0.0], need_distilled=True)
+
+
+def test_a_big_mix_tokenized_by_several_processes_gives_the_same_examples_in_order(
+    tmp_path, tiny_tokenizer, monkeypatch
+):
+    distill = write_tiny_mix(tmp_path / "distill", ["de-en", "fr-en"], train_rows=24, eval_rows=4)
+    one = cached(distill, tiny_tokenizer, tmp_path / "one")
+    monkeypatch.setattr(mix_cache, "PARALLEL_BYTES", 0)  # every mix counts as big
+    monkeypatch.setattr(mix_cache.os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    assert mix_cache.tokenize_processes(1) == 3
+    several = cached(distill, tiny_tokenizer, tmp_path / "several")
+    assert len(several.examples.cache_files) == 3  # three shards, one per process
+    assert several.examples.to_list() == one.examples.to_list()
+    assert (several.rows, several.dropped) == (one.rows, one.dropped)

@@ -10,7 +10,9 @@ import pytest
 from polydraft.pipelines.cli import EXIT_BAD_INPUT, main
 from polydraft.pipelines.plan import estimate, plan_table
 from polydraft.pipelines.plan_model import (
+    RECORD_BYTES_PER_TOKEN,
     STEP_OVERHEAD_S,
+    TOKENIZE_BYTES_PER_S,
     TRAIN_MFU,
     VLLM_MFU,
     VLLM_STARTUP_S,
@@ -115,9 +117,19 @@ def test_arithmetic_of_a_small_recipe(tmp_path):
     compute = 4 * 132 * per_token / (312e12 * TRAIN_MFU)
     steps = 200 * 132 / (4 * 132 * 2)
     assert steps == 25
-    assert finetune.hours == pytest.approx(steps * (compute + STEP_OVERHEAD_S) / 3600)
+    # + rank 0 tokenizing the mix first (one process: a small mix), the other ranks waiting
+    tokenizing = 200 * 132 * RECORD_BYTES_PER_TOKEN / TOKENIZE_BYTES_PER_S
+    assert finetune.hours == pytest.approx((steps * (compute + STEP_OVERHEAD_S) + tokenizing) / 3600)
+    assert "tokenizing the mix (1 process(es)" in finetune.note
     assert finetune.gpus == 2 and finetune.gpu_hours == pytest.approx(2 * finetune.hours)
     assert plan.hours == pytest.approx(distill.hours + finetune.hours)
+
+
+def test_the_plan_names_every_assumed_constant(tmp_path):
+    table = plan_table(estimate(small_recipe(tmp_path), parse_gpus("2xA100-80GB"), distill_engines=1))
+    assumed = table.split("assumed, not measured")[1]
+    for name in ("VLLM_MFU 0.25", "TRAIN_MFU 0.3", "HF_LAYER_OVERHEAD_S 0.00035", "ANSWER_TOKENS[chat] 300"):
+        assert name in assumed
 
 
 def test_idle_gpus_are_reported(tmp_path):
