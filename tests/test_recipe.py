@@ -198,3 +198,20 @@ def test_gpu_only_accelerate_configs_are_flagged_on_a_cpu():
         "deepspeed_zero2": True,
         "deepspeed_zero3": True,
     }
+
+
+def test_the_readme_recipe_for_a_new_language_loads_and_plans(tmp_path):
+    """The README's dozen-line recipe is a working one: it loads (extends the shipped base) and plans its
+    stages, the EAGLE-3 head among them."""
+    import re
+
+    from polydraft.pipelines.plan import estimate
+    from polydraft.pipelines.plan_model import parse_gpus
+
+    block = re.search(r"```yaml\n(# my-en-de.yaml.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert block is not None, "the README lost its recipe"
+    text = block[1].replace("extends: recipes/", f"extends: {ROOT}/recipes/")
+    recipe = load_recipe(write(tmp_path, "my-en-de.yaml", text))
+    assert recipe.data.pairs == ["en-de"] and recipe.eagle3.enabled
+    stages = [stage.name for stage in estimate(recipe, parse_gpus("8xA100-80GB")).stages]
+    assert stages == ["distill", "pretrain", "finetune en-de", "eagle3 en-de", "measure", "export"]

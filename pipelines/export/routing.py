@@ -1,7 +1,7 @@
 """`routing.json`, the export stage's routing table: which exported drafter serves which language.
 
 A serving process reads it with `decoding.measurement.routing.load_router(folder)` and calls
-`router.route(text)` per request (the README shows a deployment behind an OpenAI-compatible router).
+`router.route(text)` per request (docs/serving.md shows a deployment behind an OpenAI-compatible router).
 """
 
 from __future__ import annotations
