@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 import yaml
@@ -224,7 +223,9 @@ def test_cli_reports_recipe_errors_with_exit_code_2(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
-def test_cli_rejects_unknown_arguments(tmp_path):
-    with pytest.raises(SystemExit):
+def test_cli_rejects_unknown_arguments(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
         main(["run", str(tmp_path / "r.yaml"), "--frobnicate"])
-    assert Path(tmp_path).exists()
+    assert exit_info.value.code == 2  # argparse's usage error, before anything runs
+    assert "unrecognized arguments: --frobnicate" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # no run directory, nothing written

@@ -76,7 +76,7 @@ class ResultRow(BaseModel):
     max_new_tokens: int
     size_ratio: float | None
     """Drafter parameters / target parameters; None for `ar`."""
-    # metrics (decoding.metrics.summarize)
+    # metrics (decoding.measurement.metrics.summarize)
     prompts: int
     new_tokens: int
     target_calls: int

@@ -214,7 +214,7 @@ def _one_temperature(
 
 
 def _main() -> None:
-    """`python -m decoding.vllm_measure < request.json`: the keyword arguments of `measure_in_vllm` as a
+    """`python -m polydraft.decoding.measurement.vllm_measure < request.json`: the keyword arguments of `measure_in_vllm` as a
     JSON object on stdin, the result as one JSON line on stdout (a process of its own, as it needs)."""
     import json
     import sys

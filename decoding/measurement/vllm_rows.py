@@ -41,7 +41,7 @@ def vllm_unavailable() -> str | None:
 
 
 def measure_subprocess(request: dict[str, Any], timeout: float | None = None) -> list[dict[str, Any]]:
-    """`decoding.vllm_measure.measure_in_vllm(**request)` in a fresh Python process (engine core in that
+    """`decoding.measurement.vllm_measure.measure_in_vllm(**request)` in a fresh Python process (engine core in that
     process: VLLM_ENABLE_V1_MULTIPROCESSING=0); VllmMeasureFailed when it fails."""
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     done = subprocess.run(

@@ -317,7 +317,7 @@ def vllm_generation_check(
     method: str = "draft_model",
 ) -> Check:
     """vLLM's greedy output with the drafter as draft model equals the target's alone, in a subprocess
-    (`python -m pipelines.smoke`).
+    (`python -m polydraft.pipelines.export.smoke`).
 
     `target`: path, revision, trust_remote_code. `mode`: export.vllm_check. `method`: vLLM's speculative
     method, `draft_model` for a drafter folder, `medusa` for a heads folder (`models.heads.add_vllm_medusa`),
