@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import shlex
 import sys
 import tempfile
@@ -15,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from polydraft.distill.engines import run_share
-from polydraft.pipelines.nodes import Machines, NodeError, NodeLeader, follow, machines_of, slurm_machines
+from polydraft.pipelines.nodes import Machines, NodeError, NodeLeader, follow, this_node
 from polydraft.pipelines.preflight import (
     OFFLINE,
     InputError,
@@ -26,12 +25,10 @@ from polydraft.pipelines.preflight import (
 )
 from polydraft.pipelines.recipe import RecipeError, dump_recipe, load_recipe
 from polydraft.pipelines.rundir import RunDirTaken, claim_run_dir, default_run_dir
-from polydraft.pipelines.schema import Recipe
 from polydraft.pipelines.stage import (
     StageFailed,
     configure_logging,
     join_launch,
-    resolve_accelerate_config,
 )
 
 log = logging.getLogger("polydraft.pipelines.cli")
@@ -252,7 +249,10 @@ def _run(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     run_dir = args.run_dir or default_run_dir(args.recipe)
     check_run_dir(run_dir)
-    machines = _machines(recipe, args.node_rank)
+    try:
+        machines = this_node(recipe, args.node_rank)
+    except NodeError as err:
+        raise InputError(str(err)) from err
     if machines.rank > 0:
         return _follow(run_dir, machines, args)
     target = resolve_target(recipe.target, recipe.data, show_progress=not args.quiet)
@@ -296,32 +296,6 @@ def _run(args: argparse.Namespace) -> int:
     if results:
         print(f"\n{results}")
     return 0
-
-
-def _machines(recipe: Recipe, flag: int | None) -> Machines:
-    """This node among the run's nodes: a SLURM job's (`nodes.slurm_machines`), else the accelerate
-    config's num_machines; the rank --node-rank, else SLURM_NODEID or the config's machine_rank."""
-    try:
-        slurm = slurm_machines(dict(os.environ))
-    except NodeError as err:
-        raise InputError(str(err)) from err
-    if slurm is not None:
-        nodes, rank, where = slurm.nodes, slurm.rank, f"SLURM_NNODES {slurm.nodes}"
-    else:
-        nodes, rank = machines_of(resolve_accelerate_config(recipe.launch.accelerate_config))
-        where = f"num_machines {nodes} in the accelerate config"
-        if flag is not None and nodes == 1:
-            raise InputError(
-                f"--node-rank {flag}: launch.accelerate_config {recipe.launch.accelerate_config} has num_machines "
-                "1; several nodes need a config with num_machines > 1 (see recipes/accelerate/multinode.yaml) "
-                "or a SLURM job of several nodes"
-            )
-    rank = rank if flag is None else flag
-    if not 0 <= rank < nodes:
-        raise InputError(f"node rank {rank} is not in 0..{nodes - 1} ({where})")
-    if slurm is not None:
-        return Machines(nodes, rank, slurm.main_ip, slurm.main_port)
-    return Machines(nodes, rank)
 
 
 def _follow(run_dir: Path, machines: Machines, args: argparse.Namespace) -> int:

@@ -32,9 +32,12 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
+
+if TYPE_CHECKING:
+    from polydraft.pipelines.schema import Recipe
 
 log = logging.getLogger(__name__)
 
@@ -274,3 +277,29 @@ def follow(
             raise NodeError(f"node 0 stopped answering: its heartbeat in {directory / LEADER_FILE} stood "
                             f"still for {timeout:.0f} s")  # fmt: skip
         time.sleep(POLL_SECONDS)
+
+
+def this_node(recipe: Recipe, flag: int | None) -> Machines:
+    """This node among the run's nodes: a SLURM job's (`nodes.slurm_machines`), else the accelerate
+    config's num_machines; the rank --node-rank (`flag`), else SLURM_NODEID or the config's machine_rank.
+    NodeError for a rank or a config that does not make sense."""
+    from polydraft.pipelines.stage import resolve_accelerate_config
+
+    slurm = slurm_machines(dict(os.environ))
+    if slurm is not None:
+        nodes, rank, where = slurm.nodes, slurm.rank, f"SLURM_NNODES {slurm.nodes}"
+    else:
+        nodes, rank = machines_of(resolve_accelerate_config(recipe.launch.accelerate_config))
+        where = f"num_machines {nodes} in the accelerate config"
+        if flag is not None and nodes == 1:
+            raise NodeError(
+                f"--node-rank {flag}: launch.accelerate_config {recipe.launch.accelerate_config} has num_machines "
+                "1; several nodes need a config with num_machines > 1 (see recipes/accelerate/multinode.yaml) "
+                "or a SLURM job of several nodes"
+            )
+    rank = rank if flag is None else flag
+    if not 0 <= rank < nodes:
+        raise NodeError(f"node rank {rank} is not in 0..{nodes - 1} ({where})")
+    if slurm is not None:
+        return Machines(nodes, rank, slurm.main_ip, slurm.main_port)
+    return Machines(nodes, rank)

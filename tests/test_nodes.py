@@ -43,7 +43,7 @@ def test_each_node_starts_its_share_and_accelerate_gets_the_total(tmp_path):
 
 
 def test_nodes_come_from_slurm_or_from_the_accelerate_config(tmp_path, monkeypatch):
-    from polydraft.pipelines.cli import InputError, _machines
+    from polydraft.pipelines.nodes import this_node
     from polydraft.pipelines.schema import Recipe
 
     config = tmp_path / "two.yaml"
@@ -52,14 +52,14 @@ def test_nodes_come_from_slurm_or_from_the_accelerate_config(tmp_path, monkeypat
                                     "launch": {"accelerate_config": str(config)}})  # fmt: skip
     for key in ("SLURM_JOB_ID", "SLURM_NNODES", "SLURM_NODEID", "SLURM_JOB_NODELIST", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
-    assert _machines(recipe, None) == Machines(2, 1)  # the config's machine_rank, its address
-    assert _machines(recipe, 0) == Machines(2, 0)  # --node-rank wins
-    with pytest.raises(InputError, match="node rank 2 is not in 0..1"):
-        _machines(recipe, 2)
+    assert this_node(recipe, None) == Machines(2, 1)  # the config's machine_rank, its address
+    assert this_node(recipe, 0) == Machines(2, 0)  # --node-rank wins
+    with pytest.raises(NodeError, match="node rank 2 is not in 0..1"):
+        this_node(recipe, 2)
     slurm = {"SLURM_JOB_ID": "1", "SLURM_NNODES": "4", "SLURM_NODEID": "3", "SLURM_JOB_NODELIST": "n[1-4]"}
     for key, value in slurm.items():
         monkeypatch.setenv(key, value)
-    assert _machines(recipe, None) == Machines(4, 3, "n1", None)  # SLURM's nodes win over the config's
+    assert this_node(recipe, None) == Machines(4, 3, "n1", None)  # SLURM's nodes win over the config's
 
 
 def test_the_collective_timeout_outlasts_what_rank_0_does_alone(tmp_path):

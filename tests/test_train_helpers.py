@@ -147,14 +147,14 @@ def test_two_ranks_of_two_workers_consume_their_shares_in_order_and_resume_their
             ]
             assert mine == expected[: len(mine)]
         seen += texts_got
-        position = got[11][1]  # after 12 documents, 6 of each worker
+        position = got[10][1]  # after 11 documents: worker 1's turn
         resumed = [
             decoded(ids)
             for ids, _ in itertools.islice(
-                stream_documents(tiny_tokenizer, sources, 3, position, 2, rank, 2), 8
+                stream_documents(tiny_tokenizer, sources, 3, position, 2, rank, 2), 9
             )
         ]
-        assert resumed == texts_got[12:20]
+        assert resumed == texts_got[11:20]
     assert len(seen) == len(set(seen)) == 40  # the 40 consumed documents: none read by two readers
     prefix = [
         decoded(tiny_tokenizer(t, add_special_tokens=False)["input_ids"])
@@ -381,3 +381,31 @@ def test_a_pretraining_checkpoint_of_another_process_count_or_an_older_version_i
     for older in ({"stream": {"epoch": 0, "row": 3}, "carry": []}, {"documents": 40, "carry": []}):
         with pytest.raises(ValueError, match="older version"):
             batches.restore(older)
+
+
+def test_a_streaming_hf_source_is_shared_by_two_ranks_of_two_workers_and_resumes(tmp_path):
+    """A streaming `datasets` source (a local folder of 8 JSONL files, read as the hub's are) over 2 ranks
+    x 2 DataLoader workers: one epoch's 40 rows read once each (datasets would otherwise split each
+    reader's share again by worker), and a rank resumed after an odd count of documents goes on with
+    the same documents in the same order."""
+    from polydraft.models.tiny import train_tokenizer
+
+    data = tmp_path / "corpus" / "data"
+    data.mkdir(parents=True)
+    rows = [f"shard {s} row {r}" for s in range(8) for r in range(5)]
+    for s in range(8):
+        (data / f"train-{s:05d}.jsonl").write_text(
+            "".join(json.dumps({"text": t}) + "\n" for t in rows[s * 5 : (s + 1) * 5])
+        )
+    tokenizer = train_tokenizer(rows * 5, vocab_size=300)
+    sources = [
+        reader_args(SourceConfig(kind="hf", format="text", path=str(data.parent), streaming=True), 0, None)
+    ]
+    read = {
+        rank: list(itertools.islice(stream_documents(tokenizer, sources, 5, None, 2, rank, 2), 20))
+        for rank in (0, 1)
+    }
+    names = sorted(tokenizer.decode(ids) for rank in read for ids, _ in read[rank])
+    assert names == sorted(rows)  # every row of the epoch once over the 4 readers
+    resumed = list(itertools.islice(stream_documents(tokenizer, sources, 5, read[1][10][1], 2, 1, 2), 9))
+    assert [ids for ids, _ in resumed] == [ids for ids, _ in read[1][11:]]

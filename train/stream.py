@@ -14,7 +14,9 @@ the position of every reader of the process right after it, so the consumer save
 it really used, not of what the workers prefetched. A resume opens each source at the reader's saved row:
 a list share is sliced, a streaming share loads its `datasets` state (`IterableDataset.load_state_dict`:
 shards and offsets; its shuffle buffer is refilled from there, so the documents that were in it are not
-seen again). The DataLoader returns its workers' items in turn, so a worker's documents stay in order.
+seen again). The DataLoader returns its workers' items in turn, so a worker's documents stay in order,
+and the position also says whose turn is next: a resumed process hands out the same documents in the same
+order as one never stopped.
 """
 
 from __future__ import annotations
@@ -75,6 +77,14 @@ def _open(source: dict[str, Any], seed: int, row: int, hf_state: dict[str, Any] 
     return stream
 
 
+def _rows(stream: Any) -> Iterator[dict[str, Any]]:
+    """The rows of a streaming share one at a time. `IterableDataset.iter` and not `iter(stream)`: inside a
+    DataLoader worker the latter splits the share again by worker (datasets' own worker sharding), so a
+    reader would miss rows, read others' and fail to load its saved state."""
+    for batch in stream.iter(batch_size=1):
+        yield {key: values[0] for key, values in batch.items()}
+
+
 def _normalised(source: dict[str, Any], index: int, raw: dict[str, Any]) -> dict[str, Any] | None:
     from polydraft.distill.sources import describe, normalise
 
@@ -108,7 +118,7 @@ def texts(
             for i, s in enumerate(sources)
         ]
         streaming = [s["kind"] == "hf" and s["streaming"] for s in sources]
-        iterators = [iter(r) for r in readers]
+        iterators = [_rows(r) if stream else r for r, stream in zip(readers, streaming, strict=True)]
         read_before = position.documents
         while not all(position.done):
             i = position.turn
@@ -182,7 +192,7 @@ def documents(
 ) -> Iterator[tuple[list[int] | None, dict[str, Any]]]:
     """Process `rank` of `world`'s documents from a saved position (None: the beginning), read and
     tokenized by `workers` DataLoader worker processes (0: by this process), each with the position of
-    every reader after it."""
+    every reader after it and the worker whose document comes next (`turn`)."""
     readers = max(1, workers)
     positions = [StreamPosition(**p) for p in start["readers"]] if start else [StreamPosition()] * readers
     if len(positions) != readers:
@@ -197,9 +207,17 @@ def documents(
         else iter(DataLoader(stream, batch_size=None, num_workers=workers, collate_fn=_as_is))
     )
     current = [asdict(p) for p in positions]
+    # the DataLoader hands out its workers' documents in turn from worker 0 on; a process that stopped
+    # after worker `turn - 1`'s document goes on with worker `turn`'s, so documents wait for their turn
+    turn = start.get("turn", 0) if start else 0
+    waiting: list[list[Any]] = [[] for _ in range(readers)]
     for ids, worker, after in items:
-        current[worker] = after
-        yield ids, {"readers": [dict(p) for p in current]}
+        waiting[worker].append((ids, after))
+        while waiting[turn]:
+            ids, after = waiting[turn].pop(0)
+            current[turn] = after
+            turn = (turn + 1) % readers
+            yield ids, {"readers": [dict(p) for p in current], "turn": turn}
 
 
 def _as_is(item: Any) -> Any:

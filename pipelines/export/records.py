@@ -3,11 +3,14 @@ its model card) and `export.json` (the index `polydraft publish` and the run sum
 
 from __future__ import annotations
 
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from polydraft.decoding.measurement.results import DrafterKind, Engine, ResultRow
+from polydraft.decoding.measurement.routing import RoutingTable
+from polydraft.pipelines.manifest import write_json_atomic
 from polydraft.train.results import CalibrationScores, DraftVocab
 
 RESULTS_FORMAT = "polydraft-export-results/1"
@@ -278,3 +281,53 @@ class ExportMetrics(Record):
     routing: dict[str, str] | None = None
     """`routing.json`'s language -> drafter folder (`fallback`: its fallback, when it has one); None when
     no pair drafter was exported (no table is written)."""
+
+
+def write_index(work_dir: Path, names: list[str], target: PublicTarget) -> ExportIndex:
+    """`export.json`: one record per exported folder, read by `polydraft publish` and the run summary."""
+    items = []
+    for name in names:
+        info = ExportResults.model_validate_json((work_dir / name / RESULTS_FILE).read_text(encoding="utf-8"))
+        m = info.measurement
+        items.append(
+            ExportRecord(
+                name=name,
+                kind=info.kind,
+                folder=name,
+                pair=info.pair,
+                repo_name=info.repo_name,
+                smoke_passed=info.smoke.passed,
+                measured=m.measured,
+                best_draft_length=m.best_draft_length,
+                headline=m.headline,
+            )
+        )
+    index = ExportIndex(target=target, items=items)
+    write_json_atomic(work_dir / INDEX_FILE, index.model_dump(mode="json"))
+    return index
+
+
+def stage_metrics(index: ExportIndex, table: RoutingTable | None = None) -> dict[str, Any]:
+    items = {
+        item.name: ExportedItemMetrics(
+            smoke_passed=item.smoke_passed,
+            best_k=item.best_draft_length,
+            speedup=item.headline.speedup.mean if item.headline else None,
+            block_efficiency=item.headline.block_efficiency.mean if item.headline else None,
+        )
+        for item in index.items
+    }
+    return ExportMetrics(
+        exported=len(index.items),
+        smoke_failed=[i.name for i in index.items if not i.smoke_passed],
+        unmeasured=[i.name for i in index.items if not i.measured],
+        items=items,
+        routing=None
+        if table is None
+        else {
+            **table.drafters,
+            **({"fallback": table.fallback} if table.fallback else {}),
+            **{f"eagle3 {language}": folder for language, folder in table.heads.items()},
+            **({"eagle3 fallback": table.heads_fallback} if table.heads_fallback else {}),
+        },
+    ).model_dump()

@@ -40,7 +40,6 @@ from typing import Any
 from polydraft.decoding.measurement.inputs import DrafterSource, discover_drafters
 from polydraft.decoding.measurement.results import RESULTS_FILE as MEASURE_RESULTS
 from polydraft.decoding.measurement.results import ResultsError, read_rows
-from polydraft.decoding.measurement.routing import RoutingTable
 from polydraft.pipelines.export.cards import render_card
 from polydraft.pipelines.export.eagle3 import eagle3_checks, eagle3_facts, stage_eagle3
 from polydraft.pipelines.export.info import (
@@ -58,13 +57,8 @@ from polydraft.pipelines.export.info import (
 )
 from polydraft.pipelines.export.records import (
     CARD_FILE,
-    INDEX_FILE,
     RESULTS_FILE,
     ArchitectureCard,
-    ExportedItemMetrics,
-    ExportIndex,
-    ExportMetrics,
-    ExportRecord,
     ExportResults,
     GitState,
     Measurement,
@@ -73,6 +67,8 @@ from polydraft.pipelines.export.records import (
     SmokeCheck,
     SmokeResult,
     TrainingCard,
+    stage_metrics,
+    write_index,
 )
 from polydraft.pipelines.export.routing import export_routing_table
 from polydraft.pipelines.export.smoke import Check, drafter_checks, head_checks, passed, vllm_generation_check
@@ -472,56 +468,6 @@ def architecture_facts(config: dict[str, Any], folder: Path) -> ArchitectureCard
 def default_repo_id(repo_prefix: str | None, info: ExportResults) -> str:
     """The repo id the card's snippets name before `polydraft publish` picks the real one."""
     return f"{repo_prefix or 'ORG/'}{info.repo_name}"
-
-
-def write_index(work_dir: Path, names: list[str], target: PublicTarget) -> ExportIndex:
-    """`export.json`: one record per exported folder, read by `polydraft publish` and the run summary."""
-    items = []
-    for name in names:
-        info = ExportResults.model_validate_json((work_dir / name / RESULTS_FILE).read_text(encoding="utf-8"))
-        m = info.measurement
-        items.append(
-            ExportRecord(
-                name=name,
-                kind=info.kind,
-                folder=name,
-                pair=info.pair,
-                repo_name=info.repo_name,
-                smoke_passed=info.smoke.passed,
-                measured=m.measured,
-                best_draft_length=m.best_draft_length,
-                headline=m.headline,
-            )
-        )
-    index = ExportIndex(target=target, items=items)
-    write_json_atomic(work_dir / INDEX_FILE, index.model_dump(mode="json"))
-    return index
-
-
-def stage_metrics(index: ExportIndex, table: RoutingTable | None = None) -> dict[str, Any]:
-    items = {
-        item.name: ExportedItemMetrics(
-            smoke_passed=item.smoke_passed,
-            best_k=item.best_draft_length,
-            speedup=item.headline.speedup.mean if item.headline else None,
-            block_efficiency=item.headline.block_efficiency.mean if item.headline else None,
-        )
-        for item in index.items
-    }
-    return ExportMetrics(
-        exported=len(index.items),
-        smoke_failed=[i.name for i in index.items if not i.smoke_passed],
-        unmeasured=[i.name for i in index.items if not i.measured],
-        items=items,
-        routing=None
-        if table is None
-        else {
-            **table.drafters,
-            **({"fallback": table.fallback} if table.fallback else {}),
-            **{f"eagle3 {language}": folder for language, folder in table.heads.items()},
-            **({"eagle3 fallback": table.heads_fallback} if table.heads_fallback else {}),
-        },
-    ).model_dump()
 
 
 def flat_summary(measurement: Measurement) -> list[dict[str, Any]]:
