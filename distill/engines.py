@@ -328,14 +328,17 @@ class _ProgressFile:
 WATCH_SECONDS = 0.2
 
 
-def _die_with_parent() -> None:
-    """When the stage that started this engine dies, even by `kill -9`, the engine kills its process group
-    (itself, vLLM's engine core and workers): a daemon thread watches the parent; on Linux the kernel also
+def die_with_parent() -> None:
+    """When the process that started this one dies, even by `kill -9`, this one kills its process group
+    (itself and what it spawned: vLLM's engine core and workers); it must lead that group
+    (`start_new_session=True`): a daemon thread watches the parent; on Linux the kernel also
     sends SIGTERM at once (`PR_SET_PDEATHSIG`), which this handler turns into the same group kill."""
     parent = os.getppid()
 
     def kill_group(*_: Any) -> None:
-        os.killpg(os.getpgid(0), signal.SIGKILL)
+        if os.getpgid(0) == os.getpid():  # leading its group: its children go with it
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -352,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     from polydraft.distill.store import RecordStore, RecordWriter
     from polydraft.distill.vllm_backend import engine_kwargs, generate_vllm, import_vllm, on_cpu
 
-    _die_with_parent()
+    die_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     spec = EngineSpec(**json.loads(Path((argv or sys.argv[1:])[0]).read_text()))
     paths = _paths(Path(spec.work_dir), spec.index)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from polydraft.distill.engines import visible_gpus
 from polydraft.distill.sources import abridged, describe, peek_source
 from polydraft.models.folders import ModelFolderError, check_model_folder, is_local, mirrored
 from polydraft.pipelines.schema import Recipe, ResolvedTarget
@@ -313,6 +314,22 @@ def check_disk(recipe: Recipe, run_dir: Path) -> Finding:
     return Finding("disk", what, "ok", detail)
 
 
+def check_launch(recipe: Recipe, gpus: int) -> Finding | None:
+    """`launch.num_processes` against this node's `gpus` (None without a GPU or a count): it counts the
+    training processes of one node (accelerate's own --num_processes is the total over the nodes), so a
+    count above the node's GPUs is a problem, most likely a total written for accelerate."""
+    count = recipe.launch.num_processes
+    if gpus == 0 or count is None:
+        return None
+    what = f"{count} training processes per node, {gpus} GPUs on this node"
+    if count > gpus:
+        return Finding("launch.num_processes", what, "problem", (
+            f"{what}: launch.num_processes counts the processes of one node (polydraft passes accelerate the "
+            f"total over the nodes); set it to at most {gpus}, one per GPU"
+        ))  # fmt: skip
+    return Finding("launch.num_processes", what, "ok")
+
+
 def check_recipe(recipe: Recipe, target: ResolvedTarget, run_dir: Path | None = None) -> list[Finding]:
     """Every data source of every enabled stage peeked, every model reference loaded (config and
     tokenizer) and compared, one prompt rendered, the EAGLE-3 heads' layers and vocabulary checked against
@@ -328,6 +345,9 @@ def check_recipe(recipe: Recipe, target: ResolvedTarget, run_dir: Path | None = 
     tracking = check_tracking(recipe)
     if tracking is not None:
         findings.append(tracking)
+    launch = check_launch(recipe, len(visible_gpus()))
+    if launch is not None:
+        findings.append(launch)
     if run_dir is not None:
         findings.append(check_disk(recipe, run_dir))
     return findings

@@ -272,3 +272,20 @@ def test_a_run_directory_without_room_for_the_run_is_a_problem(tmp_path, monkeyp
     short = check_disk(recipe, tmp_path / "run" / "deeper")
     assert short.status == "problem" and "free some space or choose another --run-dir" in short.detail
     assert f"at {tmp_path.resolve()}" in short.detail  # the nearest folder that exists
+
+
+def test_more_training_processes_per_node_than_its_gpus_is_a_problem():
+    """`launch.num_processes` counts one node's processes: a total over two 8-GPU nodes written as 16 (what
+    accelerate's own flag means) would start 32; on an 8-GPU node the check says so."""
+    from polydraft.pipelines.preflight import check_launch
+    from polydraft.pipelines.schema import Recipe
+
+    def recipe(count):
+        return Recipe.model_validate({"target": {"path": "org/m"}, "data": {"pairs": ["de-en"]},
+                                      "launch": {"num_processes": count}})  # fmt: skip
+
+    problem = check_launch(recipe(16), 8)
+    assert problem.status == "problem" and "set it to at most 8" in problem.detail
+    assert check_launch(recipe(8), 8).status == "ok"
+    assert check_launch(recipe(16), 0) is None  # no GPU: the CPU runs gloo ranks, any count
+    assert check_launch(recipe(None), 8) is None

@@ -379,3 +379,46 @@ def test_two_nodes_distill_with_an_engine_each_one_node_killed_then_rerun_give_e
 def iter_records_of(path):
     with open(path, "rb") as handle:
         yield from (json.loads(line) for line in handle)
+
+
+LIFETIME_CHILD = """
+import subprocess, sys, time
+from polydraft.distill.engines import die_with_parent
+die_with_parent()
+grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+print(grandchild.pid, flush=True)
+time.sleep(120)
+"""
+LIFETIME_PARENT = """
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], start_new_session=True, stdout=subprocess.PIPE,
+                         text=True)
+print(child.pid, child.stdout.readline().strip(), flush=True)
+child.wait()
+"""
+
+
+def test_a_process_that_dies_with_its_parent_takes_its_children_along():
+    """What every vLLM process polydraft starts (distill's engines, measure's and the export's vLLM runs)
+    does: its parent killed with SIGKILL, it kills its group, the processes it spawned included (vLLM's
+    engine core); the kernel's PR_SET_PDEATHSIG alone would take the process and leave its children."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", LIFETIME_PARENT, LIFETIME_CHILD], cwd=PROJECT_ROOT, env=engine_env(),
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    child, grandchild = (int(pid) for pid in parent.stdout.readline().split())
+    parent.kill()
+    parent.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline and (_alive(child) or _alive(grandchild)):
+        time.sleep(0.1)
+    assert not _alive(child) and not _alive(grandchild)
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"

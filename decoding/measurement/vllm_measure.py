@@ -219,6 +219,9 @@ def _main() -> None:
     import json
     import sys
 
+    from polydraft.distill.engines import die_with_parent
+
+    die_with_parent()  # no vLLM process outlives a killed measure stage
     request = json.loads(sys.stdin.read())
     request["batch_sizes"] = tuple(request.get("batch_sizes", (1, 8, 32)))
     print(json.dumps(measure_in_vllm(**request)), flush=True)

@@ -50,6 +50,7 @@ def measure_subprocess(request: dict[str, Any], timeout: float | None = None) ->
         capture_output=True,
         text=True,
         env=env,
+        start_new_session=True,  # its own group: it kills it when polydraft dies (die_with_parent)
         timeout=timeout,
     )
     if done.returncode != 0:

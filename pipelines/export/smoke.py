@@ -391,6 +391,7 @@ def vllm_generation(
             capture_output=True,
             text=True,
             env=env,
+            start_new_session=True,  # its own group: it kills it when polydraft dies (die_with_parent)
             timeout=VLLM_TIMEOUT_S,
         )
     except subprocess.TimeoutExpired:
@@ -405,6 +406,9 @@ def vllm_generation(
 def _vllm_main() -> None:
     """Subprocess side: read the request on stdin, generate greedily with the target alone and with the
     drafter, print one JSON line (the outputs, or the error that stopped vLLM from loading)."""
+    from polydraft.distill.engines import die_with_parent
+
+    die_with_parent()  # no vLLM process outlives a killed export stage
     import gc
 
     import vllm
