@@ -199,11 +199,10 @@ def feature_capture(model: nn.Module, aux_layers: list[int]) -> Iterator[list[to
     layer's states (a 7B target's 33 of them are 2 GiB at 4 x 2048 tokens). Hooks on the layers before
     (on the embeddings for id 0), removed at exit."""
     decoder = model.base_model
-    layers = decoder.layers
     grabbed: dict[int, torch.Tensor] = {}
     handles = []
     for i in aux_layers:
-        module = layers[i - 1] if i > 0 else decoder.get_input_embeddings()
+        module = decoder.layers[i - 1] if i > 0 else decoder.get_input_embeddings()
 
         def keep(_module: nn.Module, _args: Any, output: Any, i: int = i) -> None:
             grabbed[i] = output[0] if isinstance(output, tuple) else output

@@ -226,6 +226,10 @@ KNOWN_TARGETS: dict[str, Shape] = {
 def shape_of_config(config: dict) -> Shape:
     """A Shape from a transformers config.json (text_config of a multimodal one)."""
     config = config.get("text_config", config)
+    missing = [k for k in ("num_attention_heads", "hidden_size", "num_hidden_layers", "vocab_size",
+                           "intermediate_size") if k not in config]  # fmt: skip
+    if missing:
+        raise PlanError(f"its config.json has no {', '.join(missing)}")
     heads = config["num_attention_heads"]
     return Shape(
         hidden=config["hidden_size"],

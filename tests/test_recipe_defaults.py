@@ -36,6 +36,7 @@ EXPLICIT: dict[tuple[str, ...], list[Any]] = {
     ("distill", "openai", "endpoint"): [],  # `chat` needs prompt_format chat_template (a cross-field rule)
     ("distill", "prompt_format"): ["chat_template"],
     ("launch", "accelerate_config"): ["recipes/accelerate/ddp.yaml"],
+    ("launch", "collective_timeout_s"): [3600],  # at least a minute
     ("measure", "medusa_tree"): [[[0], [0, 0]]],
     ("measure", "rsd_c_trees"): [[[2, 2]]],
     ("measure", "rsd_s_trees"): [[[2, 3]]],

@@ -25,6 +25,8 @@ data:
   pairs: [de-en]
 heads:
   enabled: true
+eagle3:
+  enabled: true
 tracking:
   mode: disabled
 """
@@ -104,11 +106,12 @@ def test_config_change_reruns_that_stage_and_downstream_only(setup):
 
 
 DOWNSTREAM = {
-    "distill": ["distill", "finetune", "early_exit", "heads", "calibrate", "measure", "export"],
+    "distill": ["distill", "finetune", "early_exit", "heads", "eagle3", "calibrate", "measure", "export"],
     "pretrain": ["pretrain", "finetune", "calibrate", "measure", "export"],
     "finetune": ["finetune", "calibrate", "measure", "export"],
     "early_exit": ["early_exit", "calibrate", "measure", "export"],
     "heads": ["heads", "measure", "export"],
+    "eagle3": ["eagle3", "measure", "export"],
     "calibrate": ["calibrate", "measure", "export"],
     "measure": ["measure", "export"],
     "export": ["export"],
@@ -123,6 +126,7 @@ RERUNS = [
     ("finetune.kd_weight=0.5", DOWNSTREAM["finetune"]),
     ("early_exit.kl_weight=0.5", DOWNSTREAM["early_exit"]),
     ("heads.num_heads=3", DOWNSTREAM["heads"]),
+    ("eagle3.ttt_steps=2", DOWNSTREAM["eagle3"]),
     ("calibrate.num_positions=7", DOWNSTREAM["calibrate"]),
     ("measure.num_prompts=7", DOWNSTREAM["measure"]),
     ("data.eval=[{kind: offline, format: translation, pair: de-en, split: test}]", DOWNSTREAM["measure"]),
@@ -130,7 +134,7 @@ RERUNS = [
     ("export.license=mit", DOWNSTREAM["export"]),
     (
         "launch.num_processes=2",
-        ["pretrain", "finetune", "early_exit", "heads", "calibrate", "measure", "export"],
+        ["pretrain", "finetune", "early_exit", "heads", "eagle3", "calibrate", "measure", "export"],
     ),
     # values a stage does not read leave it alone (calibrate runs as one process whatever launch says)
     ("tracking.project=elsewhere", []),
@@ -154,6 +158,7 @@ def test_calibrate_ignores_the_launch_config_it_overrides(setup):
     off = (
         "early_exit.enabled=false",
         "heads.enabled=false",
+        "eagle3.enabled=false",
         "finetune.enabled=false",
         "pretrain.enabled=false",
     )
@@ -209,6 +214,7 @@ def test_failed_stage_leaves_no_complete_folder_and_rerun_resumes(setup, monkeyp
         "finetune",
         "early_exit",
         "heads",
+        "eagle3",
         "calibrate",
         "measure",
         "export",
@@ -240,7 +246,7 @@ def test_killed_stage_leaves_no_manifest_and_rerun_resumes_from_partial(setup):
     assert (run_dir / "distill" / "manifest.json").exists()  # completed before the kill, kept
     ran(log)
     outcomes = run(recipe_path, run_dir)
-    assert ran(log) == ["early_exit", "heads", "calibrate", "measure", "export"]
+    assert ran(log) == ["early_exit", "heads", "eagle3", "calibrate", "measure", "export"]
     assert [o.metrics["resumed"] for o in outcomes if o.name == "early_exit"] == [True]
 
 
@@ -324,13 +330,13 @@ def test_reuse_takes_each_stage_from_the_donor_that_has_its_key(setup):
     first, second = run_dir.with_name("first"), run_dir.with_name("second")
     run(recipe_path, first)
     assert reuse(recipe_path, second, [first], "finetune.kd_weight=0.5", "measure.num_prompts=7") == [
-        "distill", "pretrain", "early_exit", "heads"
+        "distill", "pretrain", "early_exit", "heads", "eagle3"
     ]  # fmt: skip
     run(recipe_path, second, "finetune.kd_weight=0.5", "measure.num_prompts=7")
     ran(log)
     # finetune as in `second`, measure as in neither: everything but measure and export is copied
     copied = reuse(recipe_path, run_dir, [first, second], "finetune.kd_weight=0.5")
-    assert copied == ["distill", "pretrain", "finetune", "early_exit", "heads", "calibrate"]
+    assert copied == ["distill", "pretrain", "finetune", "early_exit", "heads", "eagle3", "calibrate"]
     run(recipe_path, run_dir, "finetune.kd_weight=0.5")
     assert ran(log) == ["measure", "export"]
 

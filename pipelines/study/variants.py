@@ -97,9 +97,9 @@ def _finetune_fraction(recipe: Recipe, fraction: float) -> tuple[str, ...]:
     return (f"finetune.loop.epochs={loop.epochs * fraction:g}",)
 
 
-OFF = (
-    "early_exit.enabled=false", "heads.enabled=false", "calibrate.enabled=false", "export.enabled=false",
-    "finetune.multilingual=false",
+OFF = (  # the EAGLE-3 heads too: no finding reads them (measured by the demo and bench/eagle3_goals.py)
+    "early_exit.enabled=false", "heads.enabled=false", "eagle3.enabled=false", "calibrate.enabled=false",
+    "export.enabled=false", "finetune.multilingual=false",
 )  # fmt: skip
 MEASURE_ONLY = ("distill.enabled=false", "pretrain.enabled=false", "finetune.enabled=false", *OFF)
 
@@ -216,8 +216,8 @@ def decoders(recipe: Recipe) -> list[Variant]:
         HEADS,
         "the recipe's heads (Medusa or BPD), alone and rescored by each pair's P-F drafter, T = 0, 0.7, 1",
         (
-            "early_exit.enabled=false", "calibrate.enabled=false", "heads.enabled=true", "export.enabled=false",
-            "finetune.multilingual=false",  # the rescorers are the pair drafters of `pf_s0_x1`, reused
+            "early_exit.enabled=false", "calibrate.enabled=false", "heads.enabled=true", "eagle3.enabled=false",
+            "export.enabled=false", "finetune.multilingual=false",  # the rescorers are the pair drafters of `pf_s0_x1`, reused
             _measure(decoders=["ar", "bpd", "medusa", "bpd+rescore", "medusa+rescore"],
                      temperatures=RESCORE_TEMPERATURES),
         ),
@@ -229,8 +229,8 @@ def self_speculative(recipe: Recipe) -> list[Variant]:
     """EESD heads: with and without the exit layer, and at more shared layers N, every training seed."""
     k = recipe.measure.eesd_k
     base = (
-        "pretrain.enabled=false", "finetune.enabled=false", "heads.enabled=false", "early_exit.enabled=true",
-        "export.enabled=false",
+        "pretrain.enabled=false", "finetune.enabled=false", "heads.enabled=false", "eagle3.enabled=false",
+        "early_exit.enabled=true", "export.enabled=false",
     )  # fmt: skip
     sweep = [s for s in K_SWEEP if s != k]
     n0 = recipe.early_exit.num_shared_layers
