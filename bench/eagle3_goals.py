@@ -80,6 +80,7 @@ def goals(values: dict) -> list[str]:
         "| English-answer head on its own pair | own / that |",
         "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
     ]
+    table = len(lines)
     for pair in pairs:
         source, answer = pair.split("-")
         if answer == "en" or source != "en":
@@ -97,6 +98,8 @@ def goals(values: dict) -> list[str]:
             f"| {pair} | {cells[0]} | {cells[1]} (`{other}`) | {cells[2]} | {cells[3]} | {cells[4]} | "
             f"{mean_std(home_be)} (`{home}` on {english}) | {ratio:.2f} ({ratio - 1:+.0%}) |"
         )
+    if len(lines) == table:  # say so rather than leave an empty table
+        lines[table - 2 :] = ["No pair en-X with its own head and X-en's head was measured in these runs."]
     return lines
 
 
