@@ -1,6 +1,6 @@
 """The demo's headline table from several fresh clones: each run's measure outputs kept, the table their median.
 
-    python -m bench.demo_runs [--runs 3] [--out bench/results/demo_runs] [--tables-only]
+    python -m bench.demo_runs [--runs 3] [--start 1] [--out bench/results/demo_runs] [--tables-only]
 
 Each run clones the committed HEAD of this repository into a temporary folder and runs the demo recipe
 there (`polydraft run recipes/demo/demo.yaml`, every stage from scratch; the bootstrap target is the
@@ -217,23 +217,29 @@ def main() -> int:
         action="store_true",
         help="run nothing: rewrite <out>.md from the runs already in <out>",
     )
+    parser.add_argument(
+        "--start",
+        type=int,
+        default=1,
+        help="run runs <start>..<runs> only, reading the earlier ones from <out> (a session too short for all)",
+    )
     args = parser.parse_args()
     out = ROOT / args.out
-    if args.tables_only:
-        records = [json.loads((out / f"run-{i}" / "run.json").read_text()) for i in range(1, args.runs + 1)]
-    else:
-        records = [clone_and_run(i, args.recipe, out) for i in range(1, args.runs + 1)]
+    first = args.runs + 1 if args.tables_only else args.start
+    records = [json.loads((out / f"run-{i}" / "run.json").read_text()) for i in range(1, first)]
+    records += [clone_and_run(i, args.recipe, out) for i in range(first, args.runs + 1)]
     runs = [per_run_means(out / f"run-{i}" / "results.jsonl") for i in range(1, args.runs + 1)]
     folders = [out / f"run-{i}" for i in range(1, args.runs + 1)]
     recipe = load_recipe(ROOT / args.recipe)
     stage_seconds = ", ".join(f"{sum(r['stages'].values()):.0f}" for r in records)
+    commits = ", ".join(dict.fromkeys(r["commit"][:7] for r in records))
     walls = ", ".join(f"{r['wall_s']:.0f}" for r in records)
     text = "\n".join(
         [
             f"## {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}Z - `python -m bench.demo_runs "
             f"--runs {args.runs}` ({platform.machine()}, {os.cpu_count()} cores)",
             "",
-            f"{args.runs} fresh clones of {records[0]['commit'][:7]}, each running `polydraft run {args.recipe}` "
+            f"{args.runs} fresh clones of {commits}, each running `polydraft run {args.recipe}` "
             f"from scratch: {stage_seconds} s of stages "
             f"({walls} s wall clock). Each cell: the median over the "
             "runs of each run's mean over its repetitions (min-max over the runs), T=0; `predicted`: the latency "

@@ -255,7 +255,7 @@ def test_relative_paths_resolve_against_the_recipe_file_not_the_working_director
     mine = str(tmp_path / "recipes" / "mine")
     assert models.measure.extra_drafters == {"hub": "org/other", "mine": mine}  # a hub id stays as written
     demo = load_recipe(Path(__file__).resolve().parent.parent / "recipes" / "demo" / "demo.yaml")
-    assert (Path(demo.target.bootstrap.cache_dir) / "bdb8f257ea236e49").is_dir()  # the committed build
+    assert (Path(demo.target.bootstrap.cache_dir) / "659066c489eb7c49").is_dir()  # the committed build
 
 
 def test_merge_shards_on_a_folder_that_is_not_a_shard_exits_2(tmp_path, capsys):
