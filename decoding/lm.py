@@ -28,6 +28,7 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from polydraft.models.decoder_layers import cache_kwargs
 from polydraft.models.eagle3 import feature_capture
 from polydraft.models.placement import input_device
 
@@ -97,8 +98,8 @@ class CachedLM:
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                past_key_values=self.cache,
                 use_cache=True,
+                **cache_kwargs(self.decoder, self.cache),
             )
         if self.aux_layers:
             self.features = torch.cat(states, dim=-1)[0].to(self.device)

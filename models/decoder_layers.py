@@ -21,6 +21,19 @@ from polydraft.models.partial_load import TargetLayoutError
 from polydraft.models.placement import execution_device
 
 
+def cache_kwargs(function: Any, cache: Any) -> dict[str, Any]:
+    """The KV cache as the keyword `function` (a transformers forward or mask function, or a module) takes:
+    `cache` from the releases that renamed it (5.2x: `past_key_values` there is deprecated, to be removed
+    in 5.40), `past_key_values` before."""
+    return {_cache_keyword(function.forward if isinstance(function, nn.Module) else function): cache}
+
+
+@functools.cache
+def _cache_keyword(function: Any) -> str:
+    """Asked once per function: decoding runs layers on every draft step."""
+    return "cache" if "cache" in inspect.signature(function).parameters else "past_key_values"
+
+
 def _mask_functions() -> dict[str, Any]:
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
@@ -63,9 +76,9 @@ def attention_masks(
             config=config,
             inputs_embeds=hidden,
             attention_mask=attention_mask,
-            past_key_values=cache,
             position_ids=position_ids,
             layer_idx=slots[types.index(kind)],
+            **cache_kwargs(functions[kind], cache),
         )
         for kind in dict.fromkeys(types)
     }
@@ -121,9 +134,9 @@ def run_layers(
             hidden,
             attention_mask=mask,
             position_ids=position_ids,
-            past_key_values=cache,
             use_cache=cache is not None,
             position_embeddings=rope,
+            **cache_kwargs(layer, cache),
         )
         hidden = out[0] if isinstance(out, tuple) else out
     return hidden

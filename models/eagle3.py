@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from polydraft.models.decoder_layers import cache_kwargs
+
 SPECULATORS_VERSION = "0.3.0"
 """The speculators format version written (the field vLLM's loader does not read; kept for the tool)."""
 WEIGHTS_FILE = "model.safetensors"
@@ -118,7 +120,7 @@ class Eagle3Layer(nn.Module):
             hidden_states=joined,
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
-            past_key_values=cache,
+            **cache_kwargs(self.self_attn, cache),
         )
         hidden = hidden + attended
         return hidden + self.mlp(self.post_attention_layernorm(hidden))

@@ -57,6 +57,11 @@ def test_measure_writes_rows_summary_and_plots_and_resumes(tmp_path, tiny_target
     }
     for row in rows:
         assert row["prompts"] == 2 and row["group_rows"] == 13
+        # each prompt kept, in the group's order, for comparisons paired by prompt
+        assert len(row["per_prompt"]) == 2
+        assert sum(p["new_tokens"] for p in row["per_prompt"]) == row["new_tokens"]
+        assert sum(p["target_calls"] for p in row["per_prompt"]) == row["target_calls"]
+        assert sum(p["wall_seconds"] for p in row["per_prompt"]) == pytest.approx(row["wall_seconds"])
         assert row["hardware"] and row["date"] and row["device"] == "cpu"
         if row["temperature"] == 0:
             assert row["matches_ar"] is True, row["method"]

@@ -320,20 +320,20 @@ def test_finetuned_drafters_cards_say_which_mixed_traffic_choice_won(
 ):
     from polydraft.decoding.measurement.mixed import write_group
     from polydraft.pipelines.stage import StageFailed
-    from tests.test_mixed_traffic import _groups
+    from tests.test_mixed_traffic import _groups, _seconds
 
     templates = build_templates(tmp_path / "templates", tiny_tokenizer, tiny_target_dir)
-    for group in _groups([1.6, 1.7, 1.8], [1.2, 1.3, 1.4]):
+    for group in _groups(_seconds([1.6, 1.7, 1.8]), _seconds([1.2, 1.3, 1.4])):
         write_group(templates / "measure", group)
     run_export(export_recipe(tiny_target_dir), tmp_path / "run", templates, tiny_target_dir)
     decision = (
         "The routed per-language drafters won (routed 1.70 ± 0.10x vs multilingual 1.30 ± 0.10x over 3 "
-        "repetitions at T=0: difference +0.40, beyond the noise 0.20)."
+        "repetitions at T=0; per request +0.400 [+0.400, +0.400] at 95% over 12 requests, which excludes 0)."
     )
     for name in ("de-en", "fr-en"):
         card = (tmp_path / "run" / "export" / name / "README.md").read_text(encoding="utf-8")
         assert "## Mixed-language traffic" in card and f"- {decision}" in card
-        assert "Decision rule: the overall speedup of one choice must exceed" in card
+        assert "Decision rule: each request's speedup over `ar` with the routed choice minus" in card
         assert "| routed | 2.00 ± 0.00 | 1.70 ± 0.10 |" in card
         assert results(tmp_path / "run", name)["mixed_traffic"]["decisions"] == [
             decision[0].lower() + decision[1:-1]

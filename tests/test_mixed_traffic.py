@@ -22,6 +22,7 @@ from polydraft.decoding.measurement.mixed import (
     mixed_traffic,
     read_groups,
 )
+from polydraft.decoding.measurement.results import PromptResult
 from polydraft.decoding.measurement.routing import LanguageRouter
 from polydraft.pipelines.schema import DataConfig, MeasureConfig, Recipe, SourceConfig, TargetConfig
 from polydraft.pipelines.stage import StageFailed
@@ -81,33 +82,57 @@ def test_rows_per_pair_use_that_pairs_share_of_the_same_generations(tmp_path):
     assert rows["de-en", "de-en"].matches_ar and not rows["de-en", "fr-en"].matches_ar
     assert not rows["de-en", "all"].matches_ar and rows["ar", "all"].matches_ar
     assert rows["de-en", "fr-en"].prompts == 2 and rows["de-en", "all"].draft_length == 4
+    french = rows["de-en", "fr-en"].per_prompt  # that pair's requests, in order
+    assert french is not None and [(p.target_calls, p.wall_seconds) for p in french] == [(4, 2.0), (4, 2.0)]
 
 
-def _groups(routed: list[float], multilingual: list[float]) -> list[MixedGroup]:
-    def row(method: str, speedup: float) -> MixedRow:
+def _groups(routed: list[list[float]], multilingual: list[list[float]]) -> list[MixedGroup]:
+    """One group per repetition; per request of it, the seconds each choice took for 4 tokens (`ar`: 1 s)."""
+
+    def row(method: str, seconds: list[float] | None) -> MixedRow:
+        per_prompt = (
+            None
+            if seconds is None
+            else [PromptResult(new_tokens=4, target_calls=2, wall_seconds=t) for t in seconds]
+        )
+        speedup = 1.0 if seconds is None else len(seconds) / sum(seconds)
         return MixedRow(
             method=method, traffic="all", temperature=0.0, seed=0, draft_length=4, prompts=4, new_tokens=4,
-            block_efficiency=2.0, token_rate=1.0, speedup=speedup, matches_ar=True,
+            block_efficiency=2.0, token_rate=1.0, speedup=speedup, matches_ar=True, per_prompt=per_prompt,
         )  # fmt: skip
 
     return [
-        MixedGroup(temperature=0.0, seed=seed, requests=[], router_accuracy=1.0, rows=[row("routed", r), row("multilingual", m)])
+        MixedGroup(temperature=0.0, seed=seed, requests=[], router_accuracy=1.0,
+                   rows=[row("ar", None if r is None else [1.0] * len(r)), row("routed", r), row("multilingual", m)])
         for seed, (r, m) in enumerate(zip(routed, multilingual, strict=True))
     ]  # fmt: skip
 
 
-def test_the_decision_needs_a_difference_beyond_twice_the_pooled_std():
-    (won,) = decisions(_groups([1.6, 1.7, 1.8], [1.2, 1.3, 1.4]))
-    # pooled std of two groups of std 0.1 is 0.1: noise 0.2 < difference 0.4
-    assert won.winner == "routed" and won.noise == pytest.approx(0.2) and won.difference == pytest.approx(0.4)
-    assert "routed per-language drafters won" in won.text() and "beyond the noise 0.20" in won.text()
-    (tie,) = decisions(_groups([1.45, 1.6, 1.75], [1.3, 1.45, 1.6]))
-    assert tie.winner is None and tie.noise == pytest.approx(0.3) and "within the noise" in tie.text()
-    (lost,) = decisions(_groups([1.0, 1.1, 1.2], [1.5, 1.55, 1.6]))
+def _seconds(speedups: list[float]) -> list[list[float]]:
+    """Four requests per repetition, each at that repetition's speedup."""
+    return [[1 / s] * 4 for s in speedups]
+
+
+def test_the_decision_pairs_each_request_under_both_choices():
+    # routed 2x on every request, multilingual 1.25x-2x: request by request routed is never slower
+    (won,) = decisions(_groups([[0.5] * 8] * 3, [[0.5, 0.8, 0.6, 0.7, 0.5, 0.8, 0.6, 0.7]] * 3))
+    assert won.winner == "routed" and won.interval is not None and won.interval.low > 0
+    assert won.interval.prompts == 24 and "routed per-language drafters won" in won.text()
+    # a request fast under one choice is slow under the other: the same overall speedups, nothing decided
+    fast, slow = [0.5, 0.8] * 4, [0.8, 0.5] * 4
+    (tie,) = decisions(_groups([fast] * 3, [slow] * 3))
+    assert tie.winner is None and tie.interval is not None and tie.interval.low < 0 < tie.interval.high
+    assert "holds 0" in tie.text() and f"{tie.interval.detectable:.3f}" in tie.text()
+    # repetitions far apart (2x, 1.1x, 3.3x) but routed a little faster on every request: the spread of
+    # the repetitions' speedups (twice its pooled std is ~2.2) hides a difference the pairs show
+    walls = [[0.5] * 8, [0.9] * 8, [0.3] * 8]
+    (paired,) = decisions(_groups(walls, [[t + 0.02 for t in rep] for rep in walls]))
+    assert paired.winner == "routed" and paired.interval is not None and paired.interval.low > 0
+    (lost,) = decisions(_groups([[0.8] * 8] * 2, [[0.5] * 7 + [0.6]] * 2))
     assert lost.winner == "multilingual" and "the multilingual drafter won" in lost.text()
-    (single,) = decisions(_groups([2.0], [1.0]))
-    assert single.winner is None and single.noise is None and "too few repetitions" in single.text()
-    assert decisions(_groups([1.0], [1.0])[:0]) == []
+    (old,) = decisions(_groups([None], [None]))  # groups measured before per-request values were kept
+    assert old.winner is None and old.interval is None and "no per-request speedups" in old.text()
+    assert decisions(_groups([[1.0]], [[1.0]])[:0]) == []
 
 
 def test_a_recipe_with_mixed_traffic_needs_two_eval_pairs(tmp_path):
@@ -196,7 +221,7 @@ def test_mixed_traffic_without_pair_drafters_fails_the_stage(tmp_path, tiny_targ
 
 
 def test_the_summary_reports_each_pair_and_the_overall_cells():
-    text = markdown(_groups([1.6, 1.7, 1.8], [1.2, 1.3, 1.4]))
+    text = markdown(_groups(_seconds([1.6, 1.7, 1.8]), _seconds([1.2, 1.3, 1.4])))
     assert "| routed | 2.00 ± 0.00 | 1.70 ± 0.10 |" in text
     assert "- the routed per-language drafters won" in text
 
@@ -211,7 +236,7 @@ def test_the_run_summary_prints_the_mixed_traffic_section(tmp_path):
         "".join(r.model_dump_json() + "\n" for r in measure_rows())
     )
     assert "Mixed-language traffic" not in results_summary(tmp_path)
-    for group in _groups([1.6, 1.7, 1.8], [1.2, 1.3, 1.4]):
+    for group in _groups(_seconds([1.6, 1.7, 1.8]), _seconds([1.2, 1.3, 1.4])):
         write_group(tmp_path / "measure", group)
     text = results_summary(tmp_path)
     assert "## Mixed-language traffic" in text and "| routed | 2.00 ± 0.00 | 1.70 ± 0.10 |" in text

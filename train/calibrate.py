@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from polydraft.models.calibration import acceptance_labels
+from polydraft.models.decoder_layers import cache_kwargs
 from polydraft.train.data import epoch_order, micro_batch_indices
 from polydraft.train.loop import LoopPlan, TrainingLoop
 from polydraft.train.losses import IGNORE_INDEX, scale_for_step
@@ -56,7 +57,7 @@ def hf_forward(model: torch.nn.Module) -> Forward:
 
     def forward(input_ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = decoder(
-            input_ids=input_ids, past_key_values=cache, use_cache=cache is not None
+            input_ids=input_ids, use_cache=cache is not None, **cache_kwargs(decoder, cache)
         ).last_hidden_state
         return head(hidden), hidden
 

@@ -23,7 +23,7 @@ from polydraft.decoding.lm import CachedLM, parameter_count
 from polydraft.decoding.measurement.inputs import EAGLE3_PREFIX, DrafterSource, EvalSet
 from polydraft.decoding.measurement.latency import RoundCost, predicted_speedup
 from polydraft.decoding.measurement.metrics import summarize
-from polydraft.decoding.measurement.results import MeasureMetrics, MethodHeadline, ResultRow
+from polydraft.decoding.measurement.results import MeasureMetrics, MethodHeadline, ResultRow, prompt_results
 
 log = logging.getLogger(__name__)
 
@@ -277,6 +277,7 @@ def group_rows(
                 if method.cost and target_step
                 else None,
                 matches_ar=matches,
+                per_prompt=prompt_results(method.generations),
                 **context,
                 group_rows=len(methods),
             )

@@ -16,9 +16,10 @@ prompt index, the router's language, confidence, choice and time) and a row per 
 (`all`, then each pair's share of the same generations), with block efficiency and the speedup over
 `ar` on the same prompts.
 
-Which choice won is decided by the rule for a strict claim (`decoding.measurement.claims`, which the
-study's verdicts use too): the difference of the overall speedups' means over the repetitions must
-exceed twice their pooled sample std; otherwise neither won on this traffic.
+Which choice won is decided per prompt (`decoding.measurement.claims.paired_interval`): both choices decoded
+the same requests, so each request's speedup over `ar` under one choice is paired with its speedup under
+the other, and one choice won when the interval of the mean difference excludes zero; otherwise neither
+won on this traffic, and the decision says the smallest difference those requests could have shown.
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from polydraft.decoding.measurement.claims import noise_of, outcome_of
+from polydraft.decoding.measurement.claims import LEVEL, POWER, PairedInterval, paired_interval
 from polydraft.decoding.measurement.inputs import EvalSet, repetition_prompts
 from polydraft.decoding.measurement.measure import Method
 from polydraft.decoding.measurement.metrics import format_cell, mean_std, summarize
+from polydraft.decoding.measurement.results import PromptResult, prompt_results
 
 MIXED_DIR = "mixed"
 ROUTED = "routed"
@@ -110,6 +112,8 @@ class MixedRow(BaseModel):
     """Token rate over `ar`'s on the same requests of the same group."""
     matches_ar: bool | None
     """At temperature 0: every output equals `ar`'s (None at T > 0)."""
+    per_prompt: list[PromptResult] | None = None
+    """Each request of the traffic in order (None in groups written before this field)."""
 
 
 class MixedGroup(BaseModel):
@@ -157,6 +161,7 @@ def group_of(
                     matches_ar=all(g.tokens == a.tokens for g, a in zip(chosen, ar_chosen, strict=True))
                     if temperature == 0
                     else None,
+                    per_prompt=prompt_results(chosen),
                 )
             )
     correct = sum(r.drafter == r.pair for r in requests)
@@ -206,13 +211,13 @@ class Decision:
 
     temperature: float
     routed: tuple[float, float, int]
-    """Mean, sample std and repetitions of the routed speedup."""
+    """Mean, sample std and repetitions of the routed overall speedup."""
     multilingual: tuple[float, float, int]
-    difference: float
-    noise: float | None
-    """Twice the pooled std (None with fewer than 2 repetitions each)."""
+    interval: PairedInterval | None
+    """Of the per-request difference of speedups, routed - multilingual (None without per-request values
+    in every group, or with fewer than 2 requests)."""
     winner: str | None
-    """The routed or the multilingual method's name, or None (within the noise, or too few repetitions)."""
+    """The routed or the multilingual method's name, or None (the interval holds zero, or no interval)."""
     names: tuple[str, str] = CHOICES[0]
     """(routed, multilingual) method names."""
 
@@ -223,23 +228,30 @@ class Decision:
         routed, single = self.names
         numbers = (
             f"{routed} {cell(self.routed)}x vs {single} {cell(self.multilingual)}x over "
-            f"{self.routed[2]} repetitions at T={self.temperature:g}: difference {self.difference:+.2f}"
+            f"{self.routed[2]} repetitions at T={self.temperature:g}"
         )
-        if self.noise is None:
-            return f"no winner ({numbers}, too few repetitions for a noise)"
+        if self.interval is None:
+            return f"no winner ({numbers}; no per-request speedups to pair)"
+        i = self.interval
+        paired = f"per request {i.mean:+.3f} [{i.low:+.3f}, {i.high:+.3f}] at {i.level:.0%} over {i.prompts} requests"
         if self.winner is None:
-            return f"no winner ({numbers}, within the noise {self.noise:.2f})"
+            return (
+                f"no winner ({numbers}; {paired}, which holds 0: the smallest difference these requests "
+                f"would show at {POWER:.0%} power is {i.detectable:.3f})"
+            )
         heads = routed.startswith("eagle3")
         what = ("per-language EAGLE-3 heads", "multilingual EAGLE-3 head") if heads else (
             "per-language drafters", "multilingual drafter"
         )  # fmt: skip
         name = f"the routed {what[0]}" if self.winner == routed else f"the {what[1]}"
-        return f"{name} won ({numbers}, beyond the noise {self.noise:.2f})"
+        return f"{name} won ({numbers}; {paired}, which excludes 0)"
 
 
 RULE = (
-    "the overall speedup of one choice must exceed the other's by more than twice the pooled sample std "
-    "of the two over the repetitions (the study's rule for a strict claim); otherwise neither won"
+    "each request's speedup over `ar` with the routed choice minus its speedup with the multilingual one "
+    f"(both decoded the same requests); a choice won when the {LEVEL:.0%} interval of the mean difference "
+    "(a bootstrap over the requests, `decoding.measurement.claims.paired_interval`) excludes zero; otherwise "
+    "neither won"
 )
 
 
@@ -258,22 +270,35 @@ def decisions(groups: list[MixedGroup]) -> list[Decision]:
                 continue
             (rm, rs), (mm, ms) = mean_std(routed), mean_std(single)
             assert rm is not None and rs is not None and mm is not None and ms is not None
-            noise, difference = noise_of(routed, single), rm - mm
-            winner = None  # the one ahead wins when its lead is a strict claim that holds
-            if noise is not None and outcome_of(">", abs(difference), noise) == "holds":
-                winner = names[0] if difference > 0 else names[1]
+            members = [g for g in groups if g.temperature == temperature]
+            interval = _paired(members, names)
+            winner = None
+            if interval is not None and interval.outcome(">") == "holds":
+                winner = names[0]
+            elif interval is not None and interval.outcome(">") == "contradicted":
+                winner = names[1]
             out.append(
-                Decision(
-                    temperature,
-                    (rm, rs, len(routed)),
-                    (mm, ms, len(single)),
-                    difference,
-                    noise,
-                    winner,
-                    names,
-                )
+                Decision(temperature, (rm, rs, len(routed)), (mm, ms, len(single)), interval, winner, names)
             )
     return out
+
+
+def _paired(groups: list[MixedGroup], names: tuple[str, str]) -> PairedInterval | None:
+    """The interval of routed - multilingual per request, a request's speedup being its token rate over
+    `ar`'s on the same request; None when a group lacks per-request values."""
+    differences: dict[tuple[int, int], list[float]] = {}
+    for group in groups:
+        rows = {r.method: r.per_prompt for r in group.rows if r.traffic == ALL}
+        ar, routed, single = rows.get("ar"), rows.get(names[0]), rows.get(names[1])
+        if ar is None or routed is None or single is None:
+            return None
+        for i, (a, r, m) in enumerate(zip(ar, routed, single, strict=True)):
+            differences[group.seed, i] = [_speedup(r, a) - _speedup(m, a)]
+    return paired_interval({0: differences})
+
+
+def _speedup(method: PromptResult, ar: PromptResult) -> float:
+    return (method.new_tokens / method.wall_seconds) / (ar.new_tokens / ar.wall_seconds)
 
 
 def markdown(groups: list[MixedGroup]) -> str:

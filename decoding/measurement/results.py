@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
+
+from polydraft.decoding.engine import Generation
 
 RESULTS_FILE = "results.jsonl"
 
@@ -34,6 +37,25 @@ class BatchRate(BaseModel):
     without_drafter: float
     with_drafter: float
     speedup: float
+
+
+class PromptResult(BaseModel):
+    """One prompt of a row: what comparisons paired by prompt need (`decoding.measurement.claims`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    new_tokens: int
+    target_calls: int
+    wall_seconds: float
+
+    @property
+    def block_efficiency(self) -> float:
+        return self.new_tokens / max(self.target_calls, 1)
+
+
+def prompt_results(generations: Sequence[Generation]) -> list[PromptResult]:
+    """Each generation of a row, in the group's prompt order."""
+    return [PromptResult(new_tokens=len(g.tokens), target_calls=g.target_calls, wall_seconds=g.wall_seconds) for g in generations]  # fmt: skip
 
 
 class ResultRow(BaseModel):
@@ -118,6 +140,9 @@ class ResultRow(BaseModel):
     matches_ar: bool | None
     """Temperature 0: identical tokens to `ar`'s on every prompt (for `vllm`: to vLLM's target alone);
     None otherwise."""
+    per_prompt: list[PromptResult] | None = None
+    """polydraft's rows: each prompt in the group's order (every row of a group decoded the same prompts,
+    so the rows pair by position); None for `vllm` rows and rows written before this field."""
     # context
     target: str
     device: str

@@ -1,0 +1,71 @@
+"""The paired-difference rule (`decoding.measurement.claims.paired_interval`) on simulated studies: how often
+it finds no effect where there is none (at most its level), and how often it finds the effect it says it
+can detect (at least its stated power). Each simulation is seeded: the rates are fixed numbers, and the
+bounds leave room for their Monte-Carlo error only (2,000 studies: a rate of 5% has a std of 0.5%)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from polydraft.decoding.measurement.claims import LEVEL, POWER, paired_interval
+
+PROMPTS = 24  # the study's held-out prompts per variant: 3 repetitions of 8 disjoint prompts
+STUDIES = 2000
+RESAMPLES = 500
+
+
+def study(rng: np.random.Generator, effect: float, seeds: int, seed_spread: float) -> dict:
+    """One simulated comparison: per training seed a shift (std `seed_spread`), per prompt a difference
+    whose spread between prompts (std 1) dwarfs its repetitions' (std 0.3), three repetitions each."""
+    values = {}
+    for s in range(seeds):
+        shift = effect + rng.normal(0.0, seed_spread)
+        prompts = shift + rng.normal(0.0, 1.0, size=PROMPTS)
+        values[s] = {p: list(prompts[p] + rng.normal(0.0, 0.3, size=1)) for p in range(PROMPTS)}
+    return values
+
+
+def rates(effect: float, seeds: int = 1, seed_spread: float = 0.0) -> tuple[float, float, float]:
+    """Shares of the studies where `A > B` holds and where it is contradicted; the mean detectable effect."""
+    rng = np.random.default_rng(1234)
+    holds = contradicted = 0
+    detectable = []
+    for i in range(STUDIES):
+        interval = paired_interval(study(rng, effect, seeds, seed_spread), resamples=RESAMPLES, seed=i)
+        assert interval is not None
+        outcome = interval.outcome(">")
+        holds += outcome == "holds"
+        contradicted += outcome == "contradicted"
+        detectable.append(interval.detectable)
+    return holds / STUDIES, contradicted / STUDIES, float(np.mean(detectable))
+
+
+@pytest.mark.parametrize(("seeds", "seed_spread"), [(1, 0.0), (3, 0.05)])
+def test_no_effect_is_found_at_most_at_the_stated_level(seeds, seed_spread):
+    holds, contradicted, _ = rates(0.0, seeds, seed_spread)
+    # each side at most (1 - LEVEL) / 2 = 2.5%, with 2.33 Monte-Carlo stds of room (0.8%)
+    assert holds <= (1 - LEVEL) / 2 + 0.008, holds
+    assert contradicted <= (1 - LEVEL) / 2 + 0.008, contradicted
+    assert holds + contradicted >= 0.01  # the rule is not blind: near its level, not far below it
+
+
+def test_the_detectable_effect_is_found_with_the_stated_power():
+    _, _, detectable = rates(0.0)
+    holds, contradicted, _ = rates(detectable)
+    assert POWER - 0.03 <= holds <= POWER + 0.08, (detectable, holds)
+    assert contradicted == 0.0
+    assert 0.5 < detectable < 0.75  # 24 prompts of spread ~1: (2.07 + 0.84) x 1.04 / sqrt(24) = 0.62
+
+
+def test_fewer_than_two_prompts_give_no_interval_and_the_claims_read_it():
+    assert paired_interval({0: {"a": [1.0, 2.0]}}) is None
+    interval = paired_interval({0: {p: [1.0 + 0.01 * p] for p in range(10)}})
+    assert interval is not None and interval.low > 0
+    assert (interval.outcome(">"), interval.outcome(">="), interval.outcome("==")) == (
+        "holds",
+        "consistent",
+        "contradicted",
+    )
+    below = paired_interval({0: {p: [-1.0 - 0.01 * p] for p in range(10)}})
+    assert below is not None and below.outcome(">") == "contradicted"
