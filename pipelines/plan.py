@@ -344,7 +344,8 @@ def _calibrate(recipe: Recipe, cluster: Cluster, target: Shape, row_tokens: floa
 
 
 def _measure(recipe: Recipe, plan: Plan, target: Shape, drafter: Shape) -> StagePlan:
-    """One process on one GPU, batch 1: every method decodes every prompt of every (eval set, T, seed)."""
+    """Batch 1, every method on every prompt of every (eval set, T, seed) group; the groups dealt to one
+    process per copy of the target node 0's GPUs hold (`measure.processes`)."""
     m = recipe.measure
     cluster = plan.cluster
     languages = len(recipe.data.pairs) if recipe.finetune.enabled else 0
@@ -388,8 +389,12 @@ def _measure(recipe: Recipe, plan: Plan, target: Shape, drafter: Shape) -> Stage
     weights = (target.params() + drafters * drafter.params()) * 2
     seconds += weights / LOAD_BYTES_PER_S
     gpus, peak = spread(weights * 1.1, cluster)
-    note = f"{gpus} GPU(s) holding the target, batch 1, {ar_seconds * 1000:.0f} ms a target step"
-    return StagePlan("measure", generated, seconds / 3600, gpus, peak, note)
+    copies = m.processes or max(1, cluster.per_node // gpus)  # the groups dealt to one process per copy
+    note = (
+        f"{copies} process(es) with a copy of the target on {gpus} GPU(s) each, batch 1, "
+        f"{ar_seconds * 1000:.0f} ms a target step"
+    )
+    return StagePlan("measure", generated, seconds / 3600 / copies, gpus * copies, peak, note)
 
 
 def _export(recipe: Recipe, cluster: Cluster, target: Shape) -> StagePlan:

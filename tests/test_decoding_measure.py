@@ -245,3 +245,48 @@ def test_disjoint_prompts_give_each_seed_its_own_prompts(tmp_path, tiny_target_d
     assert repetition_prompts(prompts, [5, 6], 6, 2, False) == prompts
     with pytest.raises(ValueError, match="too few for 3 disjoint repetitions of 2"):
         repetition_prompts(prompts, [5, 6, 7], 7, 2, True)
+
+
+def _decoded(rows) -> dict:
+    """What decoding produced, per group and method (not its timings)."""
+    return {
+        (r.group, r.method): (r.new_tokens, r.target_calls, r.block_efficiency, r.matches_ar, r.eos_stops)
+        for r in rows
+    }
+
+
+def test_two_measure_processes_decode_what_one_does_and_a_rerun_keeps_their_groups(
+    tmp_path, tiny_target_dir, finetune_dir
+):
+    """measure.processes=2: the groups dealt to two processes (each its own copy of the target), gathered
+    into results.jsonl; a kill leaves each process's finished groups in its part file for the rerun."""
+    upstream = {"finetune": finetune_dir}
+    decoders = {"decoders": ["ar", "sd", "rsd_s"], "controls": ["fixed"], "k_sweep": []}
+    one_ctx = measure_context(tmp_path / "one", upstream)
+    run_measure(measure_recipe(tiny_target_dir, **decoders), one_ctx, tiny_target_dir)
+    one = read_rows(one_ctx.work_dir / RESULTS_FILE)
+    two_ctx = measure_context(tmp_path / "two", upstream)
+    recipe = measure_recipe(tiny_target_dir, **decoders, processes=2)
+    run_measure(recipe, two_ctx, tiny_target_dir)
+    path = two_ctx.work_dir / RESULTS_FILE
+    two = read_rows(path)
+    assert len(two) == len(one) == 8 * 5  # 8 groups x (ar + sd and rsd_s with each of 2 drafters)
+    assert _decoded(two) == _decoded(one)
+    logs = sorted(p.name for p in two_ctx.work_dir.glob("measure.part*.log"))
+    assert logs == ["measure.part0.log", "measure.part1.log"]
+    assert not list(two_ctx.work_dir.glob("results.part*")) and (two_ctx.work_dir / "latency.json").is_file()
+    # a kill: results.jsonl has 3 groups, process 1's part file 2 more and half of a third
+    groups = sorted({r.group for r in two}, key=str)
+    kept, part = groups[:3], groups[3:5]
+    path.write_text("".join(r.model_dump_json() + "\n" for r in two if r.group in kept))
+    torn = [r for r in two if r.group == groups[5]][:2]
+    (two_ctx.work_dir / "results.part1.jsonl").write_text(
+        "".join(r.model_dump_json() + "\n" for r in [*(r for r in two if r.group in part), *torn])
+    )
+    before = {r.group: r.date for r in two}
+    run_measure(recipe, two_ctx, tiny_target_dir)
+    again = read_rows(path)
+    assert _decoded(again) == _decoded(one)
+    assert len(again) == len(one)  # every group once
+    kept_dates = {r.group: r.date for r in again if r.group in kept + part}
+    assert kept_dates == {g: before[g] for g in kept + part}  # finished groups were not decoded again

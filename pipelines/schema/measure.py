@@ -54,6 +54,11 @@ class MeasureConfig(StrictModel):
     """Each seed decodes its own `num_prompts` prompts (seed i: the i-th slice of the shuffled set), so
     that the seeds are repetitions over different prompts and their spread shows the prompts' variance,
     at temperature 0 too (where seeds alone change nothing but Thompson sampling's draws)."""
+    processes: int | None = Field(default=None, ge=1)
+    """Measure processes, each with its own copy of the target, the (eval set, temperature, seed) groups
+    dealt between them; each process's speedups are timed within its own groups. Unset: one per copy of
+    the target this node's GPUs hold (8 on 8 GPUs for a target that fits one), 1 on a CPU machine. Node 0's
+    GPUs only; the mixed traffic and vLLM's rows run after them in one process."""
     latency_repeats: int = Field(default=20, ge=1)
     """Repeats of each forward-latency measurement (medians) behind the latency model's predicted speedups."""
     max_new_tokens: int = Field(default=128, ge=1)

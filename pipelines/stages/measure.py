@@ -14,6 +14,10 @@ import datetime
 import functools
 import json
 import logging
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +31,7 @@ from polydraft.decoding.engine import autoregressive
 from polydraft.decoding.lattice import CandidateTree
 from polydraft.decoding.lm import CachedLM
 from polydraft.decoding.measurement.inputs import (
+    DrafterSource,
     EvalSet,
     discover_drafters,
     load_eval_sets,
@@ -66,9 +71,16 @@ from polydraft.decoding.tree import TreeShape
 from polydraft.models.calibration import check_covers
 from polydraft.models.drafters import DrafterMismatch
 from polydraft.pipelines.schema import MeasureConfig
-from polydraft.pipelines.schema.common import reader_args
+from polydraft.pipelines.schema.common import ResolvedTarget, reader_args
 from polydraft.pipelines.schema.inputs import EvalPrompts, MeasureInputs
-from polydraft.pipelines.stage import StageContext, StageFailed, StageResult
+from polydraft.pipelines.stage import (
+    StageContext,
+    StageFailed,
+    StageResult,
+    StageSpec,
+    setup_process_logging,
+    spec_for,
+)
 from polydraft.pipelines.stages.measure_mixed import measure_mixed, mixed_summary
 
 log = logging.getLogger(__name__)
@@ -86,8 +98,25 @@ def eval_sets_of(
     )
 
 
-def run(inputs: MeasureInputs, ctx: StageContext) -> StageResult:
-    """Writes results.jsonl, summary.md and plots into the stage folder."""
+@dataclass
+class Loaded:
+    """What one measure process decodes with: the target, its drafters and the eval sets."""
+
+    target: Any
+    target_lm: CachedLM
+    eos_ids: list[int]
+    eval_sets: list[EvalSet]
+    sources: list[DrafterSource]
+    drafters: list[Drafter]
+    latencies: RunLatencies
+    context: dict[str, Any]
+    warmed: set[str] = field(default_factory=set)
+    """Methods already warmed up (`measure_group`): once per process."""
+
+
+def load(inputs: MeasureInputs, upstream: dict[str, Path], latency_path: Path) -> Loaded:
+    """Load the target, the eval sets and every drafter, and measure the forward latencies into
+    `latency_path`; StageFailed on bad input."""
     import transformers
 
     from polydraft.models.loading import load_tokenizer
@@ -99,12 +128,11 @@ def run(inputs: MeasureInputs, ctx: StageContext) -> StageResult:
     )
     device = input_device(target)  # drafters, prompts and samplers live where the target takes its input
     tokenizer = load_tokenizer(spec.path, spec.revision, spec.trust_remote_code)
-    eos_ids = eos_ids_of(target, tokenizer)
     # disjoint prompts: each seed (repetition) decodes its own num_prompts prompts
     per_set = cfg.num_prompts * (len(cfg.seeds) if cfg.disjoint_prompts else 1)
     try:
         eval_sets = eval_sets_of(inputs.eval, per_set, cfg.max_prompt_tokens, tokenizer)
-        sources = discover_drafters(ctx.upstream, cfg.extra_drafters, cfg.include_pretrained)
+        sources = discover_drafters(upstream, cfg.extra_drafters, cfg.include_pretrained)
         for source in sources if "cali_ts" in cfg.controls else ():
             if source.calibration is not None:
                 check_covers(source.calibration, cfg.max_draft_length)
@@ -121,9 +149,7 @@ def run(inputs: MeasureInputs, ctx: StageContext) -> StageResult:
         )
     target_lm = CachedLM(target, cfg.profile)
     latencies = measure_latencies(cfg, target_lm, drafters, eval_sets[0].prompts[0])
-    (ctx.work_dir / LATENCY_FILE).write_text(
-        json.dumps(latencies.as_json(), indent=2) + "\n", encoding="utf-8"
-    )
+    latency_path.write_text(json.dumps(latencies.as_json(), indent=2) + "\n", encoding="utf-8")
     context = {
         "target": spec.path,
         "device": device.type,
@@ -131,30 +157,39 @@ def run(inputs: MeasureInputs, ctx: StageContext) -> StageResult:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
-    path = ctx.work_dir / RESULTS_FILE
-    try:
-        rows = read_rows(path)
-    except ResultsError as err:
-        raise StageFailed(f"measure: {err}; delete the file to measure again") from err
-    write_rows(path, rows)  # drop what an interrupted run left half-written
-    done = {row.group for row in rows}
-    groups = [(s, t, seed) for s in eval_sets for t in cfg.temperatures for seed in cfg.seeds]
-    warmed: set[str] = set()
-    for eval_set, temperature, seed in ctx.track(groups, "measured", "group"):
-        if ("polydraft", eval_set.name, temperature, seed) in done:
-            continue
+    eos_ids = eos_ids_of(target, tokenizer)
+    return Loaded(target, target_lm, eos_ids, eval_sets, sources, drafters, latencies, context)
+
+
+Group = tuple[str, float, int]
+"""(eval set name, temperature, seed): the rows every method of one `measure_group` call gives."""
+
+
+def all_groups(cfg: MeasureConfig, eval_sets: list[EvalSet]) -> list[Group]:
+    return [(s.name, t, seed) for s in eval_sets for t in cfg.temperatures for seed in cfg.seeds]
+
+
+def measure_groups(
+    cfg: MeasureConfig, loaded: Loaded, groups: list[Group], path: Path, tracker: Any = None
+) -> list[ResultRow]:
+    """Decode `groups` in order, appending each one's rows to `path` when it is done; returns the rows."""
+    by_name = {s.name: s for s in loaded.eval_sets}
+    out: list[ResultRow] = []
+    for name, temperature, seed in groups:
+        eval_set = by_name[name]
         sampling = Sampling(temperature, cfg.top_p if temperature > 0 else 1.0)
         build = functools.partial(
-            build_methods, cfg, eval_set, sampling, seed, target, target_lm, drafters, eos_ids, latencies
-        )
+            build_methods, cfg, eval_set, sampling, seed, loaded.target, loaded.target_lm, loaded.drafters,
+            loaded.eos_ids, loaded.latencies,
+        )  # fmt: skip
         try:
             prompts = repetition_prompts(
                 eval_set.prompts, cfg.seeds, seed, cfg.num_prompts, cfg.disjoint_prompts
             )
-            methods = measure_group(build, prompts, warmed)
+            methods = measure_group(build, prompts, loaded.warmed)
         except (UnsupportedDecoder, ValueError) as err:
             raise StageFailed(f"measure: {err}") from err
-        context["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        loaded.context["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         new_rows = group_rows(
             methods,
             eval_set,
@@ -162,28 +197,160 @@ def run(inputs: MeasureInputs, ctx: StageContext) -> StageResult:
             cfg.top_p,
             seed,
             cfg.max_new_tokens,
-            {d.name: d for d in sources},
-            context,
-            latencies.target.chain[1],
+            {d.name: d for d in loaded.sources},
+            loaded.context,
+            loaded.latencies.target.chain[1],
         )
         append_rows(path, new_rows)
-        rows += new_rows
-        ctx.tracker.log(
-            {f"{eval_set.name}/T{temperature}/{r.method}/speedup": r.speedup for r in new_rows if r.speedup}
-        )
+        out += new_rows
+        if tracker is not None:
+            tracker.log(
+                {f"{name}/T{temperature}/{r.method}/speedup": r.speedup for r in new_rows if r.speedup}
+            )
+    return out
+
+
+def run(inputs: MeasureInputs, ctx: StageContext) -> StageResult:
+    """Writes results.jsonl, summary.md and plots into the stage folder."""
+    cfg = inputs.measure
+    path = ctx.work_dir / RESULTS_FILE
+    try:
+        rows = read_rows(path)
+        rows += [row for part in sorted(ctx.work_dir.glob(PART_GLOB)) for row in read_rows(part)]
+    except ResultsError as err:
+        raise StageFailed(f"measure: {err}; delete the file to measure again") from err
+    write_rows(path, rows)  # drop what an interrupted run left half-written, gather the processes' parts
+    for part in ctx.work_dir.glob(PART_GLOB):
+        part.unlink()
+    done = {row.group for row in rows}
+    processes = measure_processes(cfg, inputs.target)
+    loaded = None
+    if processes == 1:
+        loaded = load(inputs, ctx.upstream, ctx.work_dir / LATENCY_FILE)
+        todo = [g for g in all_groups(cfg, loaded.eval_sets) if ("polydraft", *g) not in done]
+        for group in ctx.track(todo, "measured", "group"):
+            rows += measure_groups(cfg, loaded, [group], path, ctx.tracker)
+    else:
+        rows = spread_groups(inputs, ctx, processes, rows)
     mixed = []
+    if cfg.mixed or cfg.vllm != "off":
+        loaded = loaded or load(inputs, ctx.upstream, ctx.work_dir / "latency.mixed.json")
     if cfg.mixed:
+        assert loaded is not None
         try:
-            mixed = measure_mixed(cfg, eval_sets, target_lm, drafters, eos_ids, warmed, ctx)
+            mixed = measure_mixed(
+                cfg, loaded.eval_sets, loaded.target_lm, loaded.drafters, loaded.eos_ids, loaded.warmed, ctx
+            )
         except ValueError as err:
             raise StageFailed(f"measure: {err}") from err
     if cfg.vllm != "off":
-        context["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        rows = add_vllm_rows(cfg, spec.path, eval_sets, drafters, rows, context, path)
+        assert loaded is not None
+        loaded.context["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        rows = add_vllm_rows(
+            cfg, inputs.target.path, loaded.eval_sets, loaded.drafters, rows, loaded.context, path
+        )
     write_report(rows, ctx.work_dir)
     mixed_summary(ctx.work_dir, mixed)
     ctx.tracker.log_table("measure/results", [row.model_dump() for row in rows])
     return StageResult(metrics=headline(rows).model_dump())
+
+
+# ----------------------------------------------------------------------------- several processes
+
+PART_GLOB = "results.part*.jsonl"
+SPEC_FILE = "measure-spec.json"
+
+
+def measure_processes(cfg: MeasureConfig, target: ResolvedTarget) -> int:
+    """`measure.processes`, else one process per copy of the target this node's GPUs hold (a copy on as
+    few GPUs as it fits, `models.placement`), else 1 (a CPU machine)."""
+    if cfg.processes is not None:
+        return cfg.processes
+    if not torch.cuda.is_available():
+        return 1
+    return max(1, torch.cuda.device_count() // gpus_per_copy(target))
+
+
+def gpus_per_copy(target: ResolvedTarget) -> int:
+    """GPUs one copy of the target takes for decoding: its 16-bit weights and 10% more, against GPU 0's
+    memory (or `target.max_memory_per_gpu_gib`); every GPU when its size is unknown."""
+    import math
+
+    from polydraft.pipelines.plan_model import GIB, MEMORY_HEADROOM, PlanError, target_shape
+    from polydraft.pipelines.schema import TargetConfig
+
+    try:
+        shape = target_shape(TargetConfig(path=target.path, revision=target.revision))
+    except PlanError:
+        return torch.cuda.device_count()
+    usable = torch.cuda.get_device_properties(0).total_memory * MEMORY_HEADROOM
+    if target.max_memory_per_gpu_gib is not None:
+        usable = min(usable, target.max_memory_per_gpu_gib * GIB)
+    return max(1, math.ceil(shape.params() * 2 * 1.1 / usable))
+
+
+def spread_groups(
+    inputs: MeasureInputs, ctx: StageContext, processes: int, rows: list[ResultRow]
+) -> list[ResultRow]:
+    """Deal the groups not in `rows` round-robin to `processes` measure processes, each with its own copy of
+    the target (on its own GPUs), wait for them and gather their rows into results.jsonl in group order.
+    A process writes `results.part<i>.jsonl` group by group, so a rerun keeps every group finished."""
+    spec_path = spec_for(inputs, ctx).write(ctx.work_dir / SPEC_FILE)
+    per_copy = gpus_per_copy(inputs.target) if torch.cuda.is_available() else 0
+    threads = max(1, (os.cpu_count() or 1) // processes)
+    children = []
+    for rank in range(processes):
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        if per_copy:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(rank * per_copy + i) for i in range(per_copy))
+        command = [sys.executable, "-m", __name__, str(spec_path), str(rank), str(processes)]
+        log_path = ctx.work_dir / f"measure.part{rank}.log"
+        children.append((rank, log_path, subprocess.Popen(command, env=env, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT)))  # noqa: SIM115  # fmt: skip
+    log.info("measure: the groups dealt to %d processes (logs: measure.part<i>.log)", processes)
+    failed = [(rank, log_path) for rank, log_path, child in children if child.wait() != 0]
+    parts = sorted(ctx.work_dir.glob(PART_GLOB))
+    try:
+        rows = rows + [row for part in parts for row in read_rows(part)]
+    except ResultsError as err:
+        raise StageFailed(f"measure: {err}; delete the file to measure again") from err
+    cfg = inputs.measure
+    rows = sorted(rows, key=lambda r: (r.engine, r.dataset, cfg.temperatures.index(r.temperature), cfg.seeds.index(r.seed)))  # fmt: skip
+    write_rows(ctx.work_dir / RESULTS_FILE, rows)
+    for part in parts:
+        part.unlink()
+    if failed:
+        rank, log_path = failed[0]
+        error = ctx.work_dir / f"error.part{rank}.txt"
+        why = error.read_text(encoding="utf-8").strip() if error.is_file() else f"see {log_path}"
+        raise StageFailed(
+            f"measure: process {rank} of {processes} failed: {why} (a rerun keeps its finished groups)"
+        )
+    first = ctx.work_dir / "latency.part0.json"
+    if first.is_file():
+        first.replace(ctx.work_dir / LATENCY_FILE)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    """One measure process: `python -m polydraft.pipelines.stages.measure SPEC RANK PROCESSES` decodes every
+    PROCESSES-th group not yet in results.jsonl, from the RANK-th, into `results.part<RANK>.jsonl`."""
+    spec_file, rank, processes = argv or sys.argv[1:]
+    spec = StageSpec.read(spec_file)
+    setup_process_logging(spec)
+    inputs = MeasureInputs.model_validate(spec.inputs)
+    work_dir = Path(spec.work_dir)
+    try:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+        upstream = {k: Path(v) for k, v in spec.upstream.items()}
+        loaded = load(inputs, upstream, work_dir / f"latency.part{rank}.json")
+        done = {row.group for row in read_rows(work_dir / RESULTS_FILE)}
+        todo = [g for g in all_groups(inputs.measure, loaded.eval_sets) if ("polydraft", *g) not in done]
+        mine = todo[int(rank) :: int(processes)]
+        log.info("measure: process %s of %s, %d groups", rank, processes, len(mine))
+        measure_groups(inputs.measure, loaded, mine, work_dir / f"results.part{rank}.jsonl")
+    except Exception as err:
+        (work_dir / f"error.part{rank}.txt").write_text(f"{type(err).__name__}: {err}\n", encoding="utf-8")
+        raise
 
 
 def measured_on(cfg: MeasureConfig, drafter: Drafter, eval_set: EvalSet) -> bool:
@@ -473,3 +640,7 @@ def measure_latencies(
     except NotImplementedError as err:  # trees past a sliding window
         trees = " and ".join(f"`{d}`" for d in ("rsd_c", "rsd_s") if d in cfg.decoders)
         raise StageFailed(f"measure: {err}; remove {trees} from measure.decoders for this target") from err
+
+
+if __name__ == "__main__":
+    main()
