@@ -63,8 +63,9 @@ NEWEST_TESTS ?= tests/test_decoding_exact.py tests/test_decoding_families.py tes
 test-newest: $(VENV)/installed-$(TEST_EXTRAS)
 	rm -rf $(NEWEST)
 	$(BIN)/python -m pip install -q --no-deps --target $(NEWEST) "transformers<6" huggingface_hub tokenizers safetensors
-	PYTHONPATH=$(NEWEST) $(BIN)/python -W error::FutureWarning -m pytest -q -p no:cacheprovider \
-		-n $(TEST_WORKERS) --dist loadfile $(NEWEST_TESTS) $(ARGS)
+	PYTHONPATH=$(NEWEST) $(BIN)/python -c "import transformers; print('transformers', transformers.__version__)"
+	PYTHONPATH=$(NEWEST) $(BIN)/python -m pytest -q -p no:cacheprovider -W error::FutureWarning \
+		-W error::DeprecationWarning:polydraft -n $(TEST_WORKERS) --dist loadfile $(NEWEST_TESTS) $(ARGS)
 
 lint: $(VENV)/installed-dev
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -159,7 +159,9 @@ def test_a_70b_target_is_spread_over_the_gpus_it_needs_and_does_not_fit_one():
     measure = next(s for s in plan.stages if s.name == "measure")
     assert measure.peak_gib < 80 * 0.9  # 69B bf16 weights (+10%): 2 x 71 GiB a copy
     # one measure process per copy: 4 copies of 2 GPUs each, the groups dealt between them
-    assert measure.gpus == 8 and measure.note.startswith("4 process(es) with a copy of the target on 2 GPU(s)")
+    assert measure.gpus == 8 and measure.note.startswith(
+        "4 process(es) with a copy of the target on 2 GPU(s)"
+    )
     one = estimate(recipe.model_copy(update={"measure": recipe.measure.model_copy(update={"processes": 1})}),
                    parse_gpus("8xA100-80GB"), distill_engines=1)  # fmt: skip
     alone_measure = next(s for s in one.stages if s.name == "measure")
