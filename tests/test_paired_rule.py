@@ -41,8 +41,11 @@ def rates(effect: float, seeds: int = 1, seed_spread: float = 0.0) -> tuple[floa
     return holds / STUDIES, contradicted / STUDIES, float(np.mean(detectable))
 
 
-@pytest.mark.parametrize(("seeds", "seed_spread"), [(1, 0.0), (3, 0.05)])
+@pytest.mark.parametrize(("seeds", "seed_spread"), [(1, 0.0), (2, 0.1)])
 def test_no_effect_is_found_at_most_at_the_stated_level(seeds, seed_spread):
+    """One training seed, and the study's two with a spread between them below the standard error of the
+    prompts' mean (0.15 here): the bootstrap over two seeds sees half their variance, so a larger seed
+    spread makes the rule too bold (0.2: 3.8% a side; 0.4: 9%; simulated with 1,000 studies)."""
     holds, contradicted, _ = rates(0.0, seeds, seed_spread)
     # each side at most (1 - LEVEL) / 2 = 2.5%, with 2.33 Monte-Carlo stds of room (0.8%)
     assert holds <= (1 - LEVEL) / 2 + 0.008, holds
