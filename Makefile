@@ -72,7 +72,7 @@ lint: $(VENV)/installed-dev
 	@# lint-imports walks a package on disk; the editable install maps polydraft.* onto the top-level
 	@# folders through an import hook it cannot walk, so it checks a copy laid out as installed
 	rm -rf .lint-layout && mkdir -p .lint-layout/polydraft && touch .lint-layout/polydraft/__init__.py
-	cp -r pipelines distill train models decoding .lint-layout/polydraft/
+	cp -r pipelines data distill train models decoding .lint-layout/polydraft/
 	PYTHONPATH=.lint-layout $(BIN)/lint-imports
 
 clean-venv:
@@ -82,6 +82,6 @@ clean-venv:
 # site's front page is the README, its links pointing into docs/
 docs: $(VENV)/installed-docs
 	rm -rf .docs-layout && mkdir -p .docs-layout/polydraft && touch .docs-layout/polydraft/__init__.py
-	cp -r pipelines distill train models decoding .docs-layout/polydraft/
+	cp -r pipelines data distill train models decoding .docs-layout/polydraft/
 	sed -e 's#](docs/#](#g' README.md > docs/index.md
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs $(or $(ARGS),build --strict --site-dir site)

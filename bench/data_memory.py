@@ -45,9 +45,9 @@ SETTINGS = {"temperatures": [0.0, 1.0], "loss_on": "response", "max_length": 256
 
 def write_mix(distill_dir: Path, scale: int) -> int:
     """The demo-sized mix repeated `scale` times (copies perturbed); returns the rows written."""
-    from polydraft.distill.mix import MixWriter
-    from polydraft.distill.offline import offline_pairs
-    from polydraft.distill.prompts import task_prefix, vicuna_prompt
+    from polydraft.data.mix import MixWriter
+    from polydraft.data.offline import offline_pairs
+    from polydraft.data.prompts import task_prefix, vicuna_prompt
 
     writer = MixWriter(distill_dir)
     for pair in PAIRS:
@@ -81,7 +81,7 @@ def child(path: str, distill_dir: Path, cache_dir: Path) -> None:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
     if path == "lists":
-        from polydraft.distill.mix import read_mix
+        from polydraft.data.mix import read_mix
 
         rows = [
             row for pair in PAIRS for row in read_mix(distill_dir, pair, "train", SETTINGS["temperatures"])

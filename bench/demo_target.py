@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 
 from bench.held_out import record
+from polydraft.data.offline import offline_pairs
+from polydraft.data.prompts import build_prompt, encode_prompt, translation_messages
 from polydraft.decoding.engine import autoregressive
 from polydraft.decoding.lm import CachedLM
 from polydraft.decoding.sampling import Sampling
-from polydraft.distill.offline import offline_pairs
-from polydraft.distill.prompts import build_prompt, encode_prompt, translation_messages
 
 KINDS = {"numbers": {"number": 1.0}, "mixed": {"catalog": 1.0, "name": 1.0, "date": 1.0, "number": 1.0}}
 
@@ -55,7 +55,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from polydraft.decoding.measurement.measure import eos_ids_of
+    from polydraft.decoding.measurement.groups import eos_ids_of
     from polydraft.models.loading import load_tokenizer
     from polydraft.pipelines.recipe import load_recipe
     from polydraft.pipelines.target import bootstrap_pairs, resolve_target

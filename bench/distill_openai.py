@@ -39,9 +39,9 @@ from types import SimpleNamespace
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(PROJECT_ROOT))
 
+from polydraft.data.prompts import VICUNA_CHAT_TEMPLATE, build_prompt, translation_messages  # noqa: E402
 from polydraft.distill.openai_backend import ServerSettings, generate_openai  # noqa: E402
-from polydraft.distill.plan import PromptItem, Request  # noqa: E402
-from polydraft.distill.prompts import VICUNA_CHAT_TEMPLATE, build_prompt, translation_messages  # noqa: E402
+from polydraft.distill.requests import PromptItem, Request  # noqa: E402
 from polydraft.distill.store import RecordStore, RecordWriter  # noqa: E402
 
 OWN_CODE = (str(PROJECT_ROOT / "distill"), str(PROJECT_ROOT / "pipelines"))
@@ -49,7 +49,7 @@ OWN_CODE = (str(PROJECT_ROOT / "distill"), str(PROJECT_ROOT / "pipelines"))
 
 def build_tiny_model(folder: Path) -> None:
     """A random 4-layer Llama with a tokenizer trained on the offline corpus (as in the tests)."""
-    from polydraft.distill.offline import offline_texts
+    from polydraft.data.offline import offline_texts
     from polydraft.models.tiny import build_llama, train_tokenizer
 
     tokenizer = train_tokenizer(
@@ -112,7 +112,7 @@ def fault_servers(
 
 
 def requests_for(count: int) -> list[Request]:
-    from polydraft.distill.offline import offline_pairs
+    from polydraft.data.offline import offline_pairs
 
     rows = offline_pairs("de-en", "train", count, (1, 2), 0.1, 0)
     requests = []

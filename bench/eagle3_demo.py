@@ -62,7 +62,7 @@ def main() -> None:
     from polydraft.decoding.control import FixedK
     from polydraft.decoding.eagle3 import Eagle3Drafter, eagle3_decode
     from polydraft.decoding.lm import CachedLM
-    from polydraft.decoding.measurement.measure import eos_ids_of
+    from polydraft.decoding.measurement.groups import eos_ids_of
     from polydraft.decoding.sampling import Sampling
     from polydraft.decoding.sd import speculative
     from polydraft.models.eagle3 import load_eagle3
@@ -70,7 +70,6 @@ def main() -> None:
     from polydraft.pipelines.recipe import load_recipe
     from polydraft.pipelines.schema.inputs import Eagle3Inputs, EvalPrompts
     from polydraft.pipelines.stage import StageSpec
-    from polydraft.pipelines.stages.measure import eval_sets_of
     from polydraft.pipelines.tracking import Tracker
     from polydraft.train.runtime import make_accelerator
 
@@ -80,7 +79,7 @@ def main() -> None:
     tokenizer = load_tokenizer(target_spec["path"], None, False)
     recipe = load_recipe(args.run / "recipe.yaml")
     count = 24 + args.prompts
-    eval_sets = eval_sets_of(EvalPrompts.of(recipe), count, recipe.measure.max_prompt_tokens, tokenizer)
+    eval_sets = EvalPrompts.of(recipe).load(count, recipe.measure.max_prompt_tokens, tokenizer)
     prompts = {s.name: s.prompts[24:count] for s in eval_sets}
     eos, greedy, k = eos_ids_of(target, tokenizer), Sampling(), args.k
     plain, new = CachedLM(target, profile=False), args.max_new_tokens

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from polydraft.decoding.measurement.inputs import EvalSet
-from polydraft.decoding.measurement.measure import eos_ids_of, hardware
+from polydraft.decoding.measurement.eval_inputs import EvalSet
+from polydraft.decoding.measurement.groups import eos_ids_of, hardware
 from polydraft.pipelines.schema import Recipe
 
 
@@ -35,14 +35,13 @@ def load_held_out(recipe_path: str | Path, overrides: list[str], count: int) -> 
     from polydraft.models.loading import load_tokenizer
     from polydraft.pipelines.recipe import load_recipe
     from polydraft.pipelines.schema.inputs import EvalPrompts
-    from polydraft.pipelines.stages.measure import eval_sets_of
     from polydraft.pipelines.target import resolve_target
 
     recipe = load_recipe(Path(recipe_path), overrides)
     spec = resolve_target(recipe.target, recipe.data, show_progress=False)
     target = AutoModelForCausalLM.from_pretrained(spec.path).eval()
     tokenizer = load_tokenizer(spec.path, None, False)
-    eval_sets = eval_sets_of(EvalPrompts.of(recipe), count, recipe.measure.max_prompt_tokens, tokenizer)
+    eval_sets = EvalPrompts.of(recipe).load(count, recipe.measure.max_prompt_tokens, tokenizer)
     return HeldOut(recipe, target, tokenizer, eos_ids_of(target, tokenizer), eval_sets)
 
 

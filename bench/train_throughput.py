@@ -26,9 +26,9 @@ import torch
 
 from polydraft.models.drafters import build_drafter
 from polydraft.train.losses import ce_sum
-from polydraft.train.metrics import matmul_params, mfu, peak_flops, train_flops_per_token
 from polydraft.train.runtime import make_accelerator, resolve_attn_implementation, resolve_mixed_precision
 from polydraft.train.schedule import build_optimizer
+from polydraft.train.throughput import matmul_params, mfu, peak_flops, train_flops_per_token
 
 
 def device_name(device: torch.device) -> str:

@@ -29,7 +29,7 @@ K = 4
 
 
 def demo_prompts(run_dir: Path, tokenizer, count: int) -> list[list[int]]:
-    from polydraft.distill.prompts import encode_prompt
+    from polydraft.data.prompts import encode_prompt
 
     rows = [json.loads(line) for line in (run_dir / "distill" / "prompts.jsonl").read_text().splitlines()]
     return [encode_prompt(tokenizer, row["prompt"]) for row in rows if row["pair"] == "de-en"][:count]

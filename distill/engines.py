@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from polydraft.distill.plan import Key, PromptItem, Request
+from polydraft.distill.requests import Key, PromptItem, Request
 
 log = logging.getLogger(__name__)
 

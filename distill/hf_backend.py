@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from polydraft.distill.plan import Emit, Generation, Request, request_seed
+from polydraft.distill.requests import Emit, Generation, Request, request_seed
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from polydraft.distill.mix import MixWriter, mix_pairs, mix_path
-from polydraft.distill.plan import Key, record_id, sample_slots
+from polydraft.data.mix import MixWriter, mix_pairs, mix_path
+from polydraft.distill.requests import Key, record_id, sample_slots
 from polydraft.distill.store import StoreError, iter_records, record_files, record_key
 
 EXAMPLES = 5

@@ -34,7 +34,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from polydraft.distill.plan import Emit, Fail, Generation, Request, request_seed
+from polydraft.distill.requests import Emit, Fail, Generation, Request, request_seed
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from polydraft.distill.plan import Generation, Key, Request, record_id, request_seed
+from polydraft.distill.requests import Generation, Key, Request, record_id, request_seed
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from polydraft.distill.plan import Emit, Fail, Generation, Request, request_seed
+from polydraft.distill.requests import Emit, Fail, Generation, Request, request_seed
 
 log = logging.getLogger(__name__)
 

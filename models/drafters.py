@@ -24,6 +24,8 @@ from transformers import (
     PreTrainedModel,
 )
 
+from polydraft.models.loading import load_tokenizer
+
 
 class DrafterMismatch(ValueError):
     """A drafter that cannot draft for the target: another vocabulary or tokenizer."""
@@ -238,6 +240,16 @@ def check_drafter_compatible(
                 f"{drafter_name}'s tokenizer has {name}={getattr(drafter_tok, name)} but {target_name}'s "
                 f"has {getattr(target_tokenizer, name)}"
             )
+
+
+def check_init_for_target(
+    init: str, revision: str | None, target_path: str, target_revision: str | None, trust_remote_code: bool
+) -> None:
+    """DrafterMismatch when drafter checkpoint `init` does not fit the target's vocabulary (`check_drafter`):
+    what the training stages check before they launch any process."""
+    tokenizer = load_tokenizer(target_path, target_revision, trust_remote_code)
+    vocab = target_vocab_size(target_path, target_revision, trust_remote_code)
+    check_drafter(init, revision, vocab, tokenizer, f"target {target_path}")
 
 
 def target_vocab_size(path: str, revision: str | None = None, trust_remote_code: bool = False) -> int:

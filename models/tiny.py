@@ -14,7 +14,7 @@ def train_tokenizer(
     texts: Iterable[str], vocab_size: int, chat_template: str | None = None
 ) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer that, like Llama's, prepends `<s>`, with `chat_template` (e.g.
-    `distill.prompts.VICUNA_CHAT_TEMPLATE`) when given."""
+    `data.prompts.VICUNA_CHAT_TEMPLATE`) when given."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())

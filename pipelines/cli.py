@@ -183,7 +183,7 @@ def _study(args: argparse.Namespace) -> int:
     return 0
 
 
-# ----------------------------------------------------------------------------- publish (pipelines/publish.py)
+# ----------------------------------------------------------------------------- publish (pipelines/export/publish.py)
 
 
 def _publish_parser(commands: argparse._SubParsersAction) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from polydraft.decoding.measurement.inputs import extra_pair
+from polydraft.decoding.measurement.eval_inputs import extra_pair
 from polydraft.pipelines.nodes import processes_per_node
 from polydraft.pipelines.plan_model import (
     ANSWER_TOKENS,
@@ -41,8 +41,8 @@ from polydraft.pipelines.plan_model import (
 from polydraft.pipelines.schema import Recipe, SourceConfig
 from polydraft.pipelines.schema.train import MemoryLoop, TargetLayerLoop
 from polydraft.pipelines.stage import StageFailed, resolve_accelerate_config
-from polydraft.train.metrics import train_flops_per_token
 from polydraft.train.mix_cache import PARALLEL_BYTES, TOKENIZE_PROCESSES
+from polydraft.train.throughput import train_flops_per_token
 
 SPEC_DECODERS = ("sd", "rsd_c", "rsd_s", "assisted")
 """Measure decoders run once per standalone drafter (and eval set it is measured on)."""

@@ -15,7 +15,7 @@ from pathlib import Path
 from polydraft.models.drafters import drafter_shape
 from polydraft.models.folders import is_local, mirrored
 from polydraft.pipelines.schema import DrafterConfig, TargetConfig
-from polydraft.train.metrics import peak_flops
+from polydraft.train.throughput import peak_flops
 
 GIB = 2**30
 
@@ -23,7 +23,7 @@ GIB = 2**30
 
 # HBM bandwidth in GB/s, from NVIDIA's data sheets (A100: "NVIDIA A100 Tensor Core GPU" datasheet, SXM
 # figures; H100 SXM5: H100 datasheet; H200 SXM: H200 datasheet). Peak dense bf16 FLOPs come from
-# train.metrics.PEAK_BF16_FLOPS (same data sheets: A100 312 TFLOPS, H100/H200 SXM 989 TFLOPS).
+# train.throughput.PEAK_BF16_FLOPS (same data sheets: A100 312 TFLOPS, H100/H200 SXM 989 TFLOPS).
 GPU_BANDWIDTH_GBPS: dict[tuple[str, int], float] = {
     ("A100", 40): 1555.0,
     ("A100", 80): 2039.0,
@@ -72,7 +72,7 @@ def parse_gpus(spec: str, nodes: int = 1) -> Cluster:
         raise PlanError(f"--gpus {spec!r}: at least one GPU per node")
     peak = peak_flops(gpu)
     if peak is None:
-        raise PlanError(f"--gpus {spec!r}: no bf16 peak known for {gpu} (train.metrics.PEAK_BF16_FLOPS)")
+        raise PlanError(f"--gpus {spec!r}: no bf16 peak known for {gpu} (train.throughput.PEAK_BF16_FLOPS)")
     return Cluster(gpu, memory, count, nodes, peak, GPU_BANDWIDTH_GBPS[(gpu, memory)] * 1e9)
 
 
@@ -200,7 +200,7 @@ class Shape:
         return self.vocab * self.hidden + head + self.layers * self.layer_params() + self.hidden
 
     def matmul_params(self) -> int:
-        """Parameters in matrix multiplies: every layer and the LM head (train.metrics.matmul_params)."""
+        """Parameters in matrix multiplies: every layer and the LM head (train.throughput.matmul_params)."""
         return self.layers * self.layer_params() + self.vocab * self.hidden
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from polydraft.data.sources import abridged, describe, peek_source
 from polydraft.distill.engines import visible_gpus
-from polydraft.distill.sources import abridged, describe, peek_source
 from polydraft.models.folders import ModelFolderError, check_model_folder, is_local, mirrored
 from polydraft.pipelines.schema import Recipe, ResolvedTarget
 from polydraft.pipelines.schema.common import SourceConfig, reader_args
@@ -135,7 +135,7 @@ def check_source(key: str, source: SourceConfig, recipe: Recipe, hub: _Hub) -> F
 def _reason(err: Exception, limit: int = 600) -> str:
     """An error as one line: polydraft's own errors as they are (they name what and why), others with
     their type; cut at `limit` characters."""
-    from polydraft.distill.sources import SourceError
+    from polydraft.data.sources import SourceError
     from polydraft.models.drafters import DrafterMismatch
 
     text = " ".join(str(err).split())
@@ -194,8 +194,7 @@ def check_models(recipe: Recipe, target: ResolvedTarget, hub: _Hub) -> tuple[lis
 def check_prompt(recipe: Recipe, target: ResolvedTarget, tokenizer: Any) -> Finding:
     """One prompt rendered in the recipe's prompt format and encoded as the target will see it, with the
     token ids and strings its answers will stop at."""
-    from polydraft.distill.prompts import build_prompt, encode_prompt, translation_messages
-    from polydraft.pipelines.stages.distill import answer_stop_ids
+    from polydraft.data.prompts import answer_stop_ids, build_prompt, encode_prompt, translation_messages
 
     pair = recipe.data.pairs[0] if recipe.data.pairs else "de-en"
     messages = translation_messages(pair, "Guten Morgen.")

@@ -6,7 +6,8 @@ from pathlib import Path
 
 from polydraft.decoding.measurement.mixed import markdown as mixed_markdown
 from polydraft.decoding.measurement.mixed import read_groups
-from polydraft.decoding.measurement.report import (
+from polydraft.decoding.measurement.results import RESULTS_FILE, read_rows
+from polydraft.decoding.measurement.tables import (
     BLOCKWISE,
     domain_table,
     repetitions,
@@ -14,7 +15,6 @@ from polydraft.decoding.measurement.report import (
     speedup_table,
     table,
 )
-from polydraft.decoding.measurement.results import RESULTS_FILE, read_rows
 from polydraft.decoding.measurement.vllm_report import VLLM_NOTES, engine_differences
 from polydraft.pipelines.export.records import INDEX_FILE, ExportIndex
 

@@ -18,8 +18,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs two workers on two
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     """A 512-token byte-level BPE trained on the offline corpus, with the Vicuna chat template."""
-    from polydraft.distill.offline import offline_texts
-    from polydraft.distill.prompts import VICUNA_CHAT_TEMPLATE
+    from polydraft.data.offline import offline_texts
+    from polydraft.data.prompts import VICUNA_CHAT_TEMPLATE
     from polydraft.models.tiny import train_tokenizer
 
     texts = [row["text"] for row in offline_texts(["de", "fr"], 400, seed=0)]

@@ -6,9 +6,9 @@ import copy
 from pathlib import Path
 from typing import Any
 
-from polydraft.distill.mix import MixWriter
-from polydraft.distill.offline import offline_pairs
-from polydraft.distill.prompts import task_prefix, vicuna_prompt
+from polydraft.data.mix import MixWriter
+from polydraft.data.offline import offline_pairs
+from polydraft.data.prompts import task_prefix, vicuna_prompt
 from polydraft.pipelines.schema import Recipe, ResolvedTarget, TrackingConfig
 from polydraft.pipelines.stage import StageContext, StageResult
 from polydraft.pipelines.tracking import Tracker

@@ -27,7 +27,7 @@ TEMPERATURES = (0.0, 1.0)
 SEEDS = (0, 1)
 LAUNCHED = {"distributed_type": "NO", "num_processes": 1}
 HEAD_EVAL = {"eval_loss": 4.0, "top1_labels": 0.5, "target_top1_labels": 0.75}
-TRAINING = {  # what the trainers' manifests report (typed metrics, `train.results`)
+TRAINING = {  # what the trainers' manifests report (typed metrics, `train.stage_metrics`)
     "pretrain": {"drafter": {"steps": 6, "tokens": 1536, "train_loss": 5.125}, **LAUNCHED},
     "finetune": {
         "pairs": {

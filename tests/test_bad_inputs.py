@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from polydraft.distill.sources import SourceError, read_source
+from polydraft.data.sources import SourceError, read_source
 from polydraft.models.folders import ModelFolderError, check_model_folder, is_local
 from polydraft.pipelines.cli import main
 from polydraft.pipelines.recipe import RecipeError, load_recipe

@@ -175,9 +175,8 @@ def test_measure_config_errors():
 
 def test_eval_prompts_are_built_like_distill_prompts(tmp_path, tiny_tokenizer):
     """Chat rows give their first user turn in the Vicuna format; over-long prompts are skipped, counted."""
-    from polydraft.distill.prompts import build_prompt, encode_prompt
+    from polydraft.data.prompts import build_prompt, encode_prompt
     from polydraft.pipelines.schema.inputs import EvalPrompts
-    from polydraft.pipelines.stages.measure import eval_sets_of
 
     rows = [
         {"conversations": [{"from": "human", "value": "Hello there"}, {"from": "gpt", "value": "Hi"}]},
@@ -189,7 +188,7 @@ def test_eval_prompts_are_built_like_distill_prompts(tmp_path, tiny_tokenizer):
     source = SourceConfig(kind="local", format="chat", path=str(path), name="chat")
     base = measure_recipe(tmp_path)
     recipe = base.model_copy(update={"data": DataConfig(pairs=PAIRS, eval=[source])})
-    sets = eval_sets_of(EvalPrompts.of(recipe), 5, 200, tiny_tokenizer)
+    sets = EvalPrompts.of(recipe).load(5, 200, tiny_tokenizer)
     (chat,) = sets
     assert chat.name == "chat" and chat.pair is None and chat.skipped_long == 1
     expected = [
@@ -222,7 +221,7 @@ def test_measure_names_the_decoder_a_target_cannot_run(tmp_path, tiny_tokenizer)
 
 def test_disjoint_prompts_give_each_seed_its_own_prompts(tmp_path, tiny_target_dir, monkeypatch):
     import polydraft.pipelines.stages.measure as stage
-    from polydraft.decoding.measurement.inputs import repetition_prompts
+    from polydraft.decoding.measurement.eval_inputs import repetition_prompts
 
     decoded = []
     group = stage.measure_group

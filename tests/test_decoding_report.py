@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 
-from polydraft.decoding.measurement.report import (
+from polydraft.decoding.measurement.results import ResultRow
+from polydraft.decoding.measurement.tables import (
     domain_table,
     pooled_std,
     repetitions,
@@ -12,7 +13,6 @@ from polydraft.decoding.measurement.report import (
     speedup_table,
     table,
 )
-from polydraft.decoding.measurement.results import ResultRow
 
 CONTEXT = {"target": "t", "device": "cpu", "hardware": "cpu", "date": "d", "torch": "2", "transformers": "4"}
 METRICS = {

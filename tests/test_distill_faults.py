@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from polydraft.distill.plan import request_seed
+from polydraft.distill.requests import request_seed
 from polydraft.distill.store import iter_records, record_files, record_key
 from tests.distill_setup import PROJECT_ROOT, local_source, translation_file
 from tests.fault_server import FAULTS, FaultServer, answer_text

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from polydraft.data.mix import read_mix
 from polydraft.distill.merge import MergeError, merge_shards
-from polydraft.distill.mix import read_mix
 from polydraft.distill.store import RecordStore, StoreError, iter_records, record_files, record_key
 from tests.distill_setup import local_source, make_recipe, run_distill, translation_file
 

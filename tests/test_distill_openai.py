@@ -27,7 +27,7 @@ from polydraft.distill.openai_backend import (
     retry_after,
     retryable,
 )
-from polydraft.distill.plan import PromptItem, Request
+from polydraft.distill.requests import PromptItem, Request
 from polydraft.distill.store import iter_records, record_key
 from polydraft.pipelines.stage import StageFailed
 from tests.distill_setup import free_port, local_source, make_recipe, run_distill, translation_file
@@ -98,7 +98,7 @@ def openai_recipe(model: Path, data: Path, temperatures: tuple[float, ...] = (0.
 def test_transformers_serve_two_temperatures_two_samples(tmp_path, served_model, monkeypatch, caplog):
     from transformers import AutoTokenizer
 
-    from polydraft.distill.prompts import encode_prompt
+    from polydraft.data.prompts import encode_prompt
 
     model, base_url = served_model
     monkeypatch.setenv("POLYDRAFT_TEST_KEY", SECRET)
@@ -136,7 +136,7 @@ def test_transformers_serve_two_temperatures_two_samples(tmp_path, served_model,
 def test_chat_endpoint_records_the_template_the_server_applies(tmp_path, served_model):
     from transformers import AutoTokenizer
 
-    from polydraft.distill.prompts import encode_prompt
+    from polydraft.data.prompts import encode_prompt
 
     model, base_url = served_model
     data = translation_file(tmp_path, 2)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from polydraft.distill.plan import in_eval_split, sample_slots, shard_of
-from polydraft.distill.prompts import (
+from polydraft.data.prompts import (
     build_prompt,
     chat_turns,
     encode_prompt,
     translation_messages,
     vicuna_prompt,
 )
+from polydraft.distill.requests import in_eval_split, sample_slots, shard_of
 from polydraft.pipelines.schema import DistillConfig
 
 
@@ -94,7 +94,7 @@ FAMILY_TEMPLATES = {
 def test_the_end_of_turn_token_the_template_writes_is_found(tiny_tokenizer, family):
     import copy
 
-    from polydraft.distill.prompts import turn_end_ids
+    from polydraft.data.prompts import turn_end_ids
 
     turn_end, template = FAMILY_TEMPLATES[family]
     tokenizer = copy.deepcopy(tiny_tokenizer)
@@ -104,7 +104,7 @@ def test_the_end_of_turn_token_the_template_writes_is_found(tiny_tokenizer, fami
 
 
 def test_eos_ids_come_from_the_generation_config_else_the_tokenizer(tiny_tokenizer):
-    from polydraft.distill.prompts import eos_ids, turn_end_ids
+    from polydraft.data.prompts import eos_ids, turn_end_ids
 
     assert eos_ids(tiny_tokenizer, 7) == [7] and eos_ids(tiny_tokenizer, [7, 9]) == [7, 9]
     assert eos_ids(tiny_tokenizer, None) == [tiny_tokenizer.eos_token_id]

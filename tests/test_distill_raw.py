@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from polydraft.distill.mix import read_mix
-from polydraft.distill.plan import open_rows, prompt_items
-from polydraft.distill.prompts import VICUNA_SYSTEM, build_prompt, encode_prompt, text_prefix
-from polydraft.distill.sources import SourceRows
+from polydraft.data.mix import read_mix
+from polydraft.data.prompts import VICUNA_SYSTEM, build_prompt, encode_prompt, text_prefix
+from polydraft.data.sources import SourceRows
+from polydraft.distill.requests import open_rows, prompt_items
 from polydraft.distill.store import iter_records
 from polydraft.pipelines.recipe import RecipeError, load_recipe
 from polydraft.pipelines.stage import PROJECT_ROOT
@@ -156,7 +156,6 @@ def test_raw_with_translation_or_chat_sources_is_a_clear_error(tmp_path):
 def test_measure_builds_raw_prompts_from_text_and_prompt_sources(tmp_path, tiny_tokenizer):
     from polydraft.pipelines.schema import Recipe
     from polydraft.pipelines.schema.inputs import EvalPrompts
-    from polydraft.pipelines.stages.measure import eval_sets_of
 
     texts = write_jsonl(tmp_path / "eval_texts.jsonl", [{"text": DOCUMENTS[0]}])
     questions = write_jsonl(tmp_path / "eval_q.jsonl", [{"question": "How many trains leave?"}])
@@ -178,7 +177,7 @@ def test_measure_builds_raw_prompts_from_text_and_prompt_sources(tmp_path, tiny_
             "distill": {"prompt_format": "raw", "text_prompt_tokens": 5},
         }
     )
-    text_set, question_set = eval_sets_of(EvalPrompts.of(recipe), 1, 64, tiny_tokenizer)
+    text_set, question_set = EvalPrompts.of(recipe).load(1, 64, tiny_tokenizer)
     expected = encode_prompt(tiny_tokenizer, text_prefix(tiny_tokenizer, DOCUMENTS[0], 5))
     assert text_set.prompts[0].tolist() == expected and len(expected) == 6  # BOS + 5 tokens
     assert question_set.prompts[0].tolist() == encode_prompt(tiny_tokenizer, "How many trains leave?")

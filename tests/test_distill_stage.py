@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from polydraft.distill.mix import read_mix
-from polydraft.distill.plan import record_id
-from polydraft.distill.prompts import vicuna_prompt
+from polydraft.data.mix import read_mix
+from polydraft.data.prompts import vicuna_prompt
+from polydraft.distill.requests import record_id
 from polydraft.distill.store import iter_records, record_files, record_key
 from polydraft.pipelines.stage import StageFailed
 from tests.distill_setup import (
@@ -239,9 +239,9 @@ def test_kill_mid_run_then_rerun_writes_every_record_exactly_once(tmp_path, tiny
 def test_long_prompts_are_counted_and_answers_fit_the_context(
     tmp_path, tiny_target_dir, tiny_target, tiny_tokenizer
 ):
+    from polydraft.data.prompts import encode_prompt
     from polydraft.distill.hf_backend import generate_hf
-    from polydraft.distill.plan import PromptItem, Request
-    from polydraft.distill.prompts import encode_prompt
+    from polydraft.distill.requests import PromptItem, Request
 
     data = write_jsonl(
         tmp_path / "mixed.jsonl", [{"de": "kurz", "en": "short"}, {"de": "lang " * 100, "en": "long"}]
@@ -265,9 +265,9 @@ def test_long_prompts_are_counted_and_answers_fit_the_context(
 def test_the_hf_backend_stops_at_the_stop_token_ids(tiny_target, tiny_tokenizer):
     """An end-of-turn id that is not the EOS ends the answer there (finish `stop`), the token kept in the
     ids and left out of the text, as vLLM does."""
+    from polydraft.data.prompts import encode_prompt
     from polydraft.distill.hf_backend import generate_hf
-    from polydraft.distill.plan import PromptItem, Request
-    from polydraft.distill.prompts import encode_prompt
+    from polydraft.distill.requests import PromptItem, Request
 
     ids = encode_prompt(tiny_tokenizer, "USER: Hallo ASSISTANT:")
     item = PromptItem("p", "s", "de-en", [], "USER: Hallo ASSISTANT:", prompt_ids=ids)

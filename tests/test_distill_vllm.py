@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from polydraft.distill.engines import EngineError, deal, engine_count, engine_envs
-from polydraft.distill.plan import PromptItem, Request, request_seed
+from polydraft.distill.requests import PromptItem, Request, request_seed
 from polydraft.distill.store import RecordStore, iter_records, record_files, record_key
 from polydraft.distill.vllm_backend import (
     INSTALL_HINT,
@@ -176,7 +176,7 @@ def test_real_vllm_four_temperatures_kill_and_rerun_gives_every_record_once(tmp_
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from polydraft.distill.prompts import encode_prompt
+    from polydraft.data.prompts import encode_prompt
 
     target = demo_target()
     data = translation_file(tmp_path, 12)

@@ -107,7 +107,7 @@ def served_recipe(target: Path, data: Path, urls: list[str], **distill):
 def test_completions_through_two_servers_with_vllm_token_ids(tmp_path, vllm_servers):
     from transformers import AutoTokenizer
 
-    from polydraft.distill.prompts import encode_prompt
+    from polydraft.data.prompts import encode_prompt
 
     target, urls = vllm_servers
     data = translation_file(tmp_path, 6)
@@ -160,9 +160,9 @@ def test_the_server_sees_one_bos(tmp_path, vllm_servers):
     (vLLM renders the template and adds no special token)."""
     from transformers import AutoTokenizer
 
+    from polydraft.data.prompts import encode_prompt
     from polydraft.distill.openai_backend import PATHS, ServerSettings, request_body
-    from polydraft.distill.plan import PromptItem, Request
-    from polydraft.distill.prompts import encode_prompt
+    from polydraft.distill.requests import PromptItem, Request
 
     target, urls = vllm_servers
     tokenizer = AutoTokenizer.from_pretrained(target)

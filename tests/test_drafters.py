@@ -65,7 +65,7 @@ def test_same_seed_same_weights_and_the_global_rng_is_left_alone():
 
 
 def test_vocabulary_size_and_tokenizer_mismatches_are_errors(tiny_tokenizer):
-    from polydraft.distill.offline import offline_texts
+    from polydraft.data.offline import offline_texts
     from polydraft.models.tiny import train_tokenizer
 
     with pytest.raises(DrafterMismatch, match="vocabulary of 32000 tokens but the target has 512"):
@@ -99,7 +99,7 @@ def test_a_drafter_checkpoint_with_another_vocabulary_stops_before_training(tmp_
 
 
 def _drafter_tokenizer_stub():
-    from polydraft.distill.offline import offline_texts
+    from polydraft.data.offline import offline_texts
     from polydraft.models.tiny import train_tokenizer
 
     return train_tokenizer([row["text"] for row in offline_texts(["zh"], 200, seed=1)], vocab_size=1000)

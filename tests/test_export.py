@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from polydraft.decoding.measurement.routing import load_router
+from polydraft.decoding.routing import load_router
 from tests.decoding_helpers import single_thread_fixture
 from tests.export_setup import TRAINING, build_templates, export_recipe, measure_rows, run_export
 

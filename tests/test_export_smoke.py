@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from polydraft.distill.prompts import encode_prompt, translation_messages, vicuna_prompt
+from polydraft.data.prompts import encode_prompt, translation_messages, vicuna_prompt
 from polydraft.pipelines.export.smoke import VLLM_ARCHITECTURES, drafter_checks, passed, vllm_rule_checks
 from polydraft.pipelines.stage import StageFailed
 from tests.decoding_helpers import single_thread_fixture

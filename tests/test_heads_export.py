@@ -46,7 +46,7 @@ TRAINED = {
         {"loss": 4.0, "top1": 0.2, "top1_target": 0.375}, {"loss": 4.0, "top1": 0.2, "top1_target": 0.25},
         {"loss": 4.0, "top1": 0.2, "top1_target": 0.1875}]},
 }  # fmt: skip
-"""The heads stage's metrics (`train.results.HeadsMetrics`) as its manifest holds them."""
+"""The heads stage's metrics (`train.stage_metrics.HeadsMetrics`) as its manifest holds them."""
 
 
 def heads_rows() -> list[ResultRow]:

@@ -30,7 +30,7 @@ SOURCES = [
 
 def demo_prompts(tokenizer) -> list[list[int]]:
     """The demo's own kind of prompt (Vicuna format, seed 003's task prefix): real translations follow."""
-    from polydraft.distill.prompts import build_prompt, encode_prompt, translation_messages
+    from polydraft.data.prompts import build_prompt, encode_prompt, translation_messages
 
     return [encode_prompt(tokenizer, build_prompt(translation_messages(p, t), "vicuna")) for p, t in SOURCES]
 

@@ -7,7 +7,7 @@ from contextlib import nullcontext
 
 import pytest
 
-from polydraft.distill.mix import mix_pairs, mix_path, read_mix
+from polydraft.data.mix import mix_pairs, mix_path, read_mix
 from polydraft.train import mix_cache
 from polydraft.train.data import encode_rows
 from tests.distill_setup import write_jsonl

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from polydraft.decoding.engine import Generation
-from polydraft.decoding.measurement.inputs import EvalSet
-from polydraft.decoding.measurement.measure import Method
+from polydraft.decoding.measurement.eval_inputs import EvalSet
+from polydraft.decoding.measurement.groups import Method
 from polydraft.decoding.measurement.mixed import (
     MixedGroup,
     MixedRow,
@@ -23,7 +23,7 @@ from polydraft.decoding.measurement.mixed import (
     read_groups,
 )
 from polydraft.decoding.measurement.results import PromptResult
-from polydraft.decoding.measurement.routing import LanguageRouter
+from polydraft.decoding.routing import LanguageRouter
 from polydraft.pipelines.schema import DataConfig, MeasureConfig, Recipe, SourceConfig, TargetConfig
 from polydraft.pipelines.stage import StageFailed
 from tests.decoding_helpers import single_thread_fixture

@@ -2,8 +2,8 @@ import pytest
 from num2words import num2words
 from pydantic import ValidationError
 
-from polydraft.distill.offline import catalog_entries, offline_pairs
-from polydraft.distill.prompts import VICUNA_CHAT_TEMPLATE, task_prefix, vicuna_prompt
+from polydraft.data.offline import catalog_entries, offline_pairs
+from polydraft.data.prompts import VICUNA_CHAT_TEMPLATE, task_prefix, vicuna_prompt
 from polydraft.pipelines.schema.common import OfflineCorpusConfig, SourceConfig, reader_args
 
 

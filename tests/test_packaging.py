@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = ("pipelines", "distill", "train", "models", "decoding")
+FOLDERS = ("pipelines", "data", "distill", "train", "models", "decoding")
 
 
 def _setuptools() -> dict:
@@ -56,7 +56,7 @@ def test_the_wheel_installs_only_polydraft_and_import_models_fails_outside_the_c
     code = (
         "import importlib.util, sys\n"
         f"sys.path.insert(0, {str(site)!r})\n"
-        "import polydraft.models, polydraft.pipelines.cli, polydraft.decoding.measurement.report\n"
+        "import polydraft.models, polydraft.pipelines.cli, polydraft.decoding.measurement.tables\n"
         "print(polydraft.models.__file__)\n"
         "print([name for name in ('models', 'train', 'pipelines', 'distill', 'decoding')"
         " if importlib.util.find_spec(name) is not None])\n"

@@ -1,4 +1,4 @@
-"""The language router (`decoding.measurement.routing`): the table, its file, the decisions."""
+"""The language router (`decoding.routing`): the table, its file, the decisions."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from polydraft.decoding.measurement import routing
-from polydraft.distill.offline import offline_pairs
-from polydraft.distill.prompts import task_prefix
+from polydraft.data.offline import offline_pairs
+from polydraft.data.prompts import task_prefix
+from polydraft.decoding import routing
 from polydraft.pipelines.export.records import ExportIndex, ExportRecord, PublicTarget
-from polydraft.pipelines.export.routing import export_routing_table
+from polydraft.pipelines.export.routing_table import export_routing_table
 
 NUMBERS = {"catalog": 0.0, "name": 0.0, "date": 0.0, "number": 1.0}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from polydraft.distill.sources import SourceError, field_value, normalise
+from polydraft.data.sources import SourceError, field_value, normalise
 
 
 def test_field_paths_walk_mappings_and_lists():

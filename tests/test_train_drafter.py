@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from polydraft.distill.prompts import task_prefix, vicuna_prompt
+from polydraft.data.prompts import task_prefix, vicuna_prompt
 from polydraft.train.drafter import step_loss
 from polydraft.train.losses import ce_sum, loss_window, topk_kl_sum
 from polydraft.train.steplog import read_log

@@ -9,9 +9,9 @@ import math
 
 import pytest
 
-from polydraft.decoding.measurement.inputs import DrafterSource, EvalSet
-from polydraft.decoding.measurement.report import markdown
+from polydraft.decoding.measurement.eval_inputs import DrafterSource, EvalSet
 from polydraft.decoding.measurement.results import RESULTS_FILE, write_rows
+from polydraft.decoding.measurement.tables import markdown
 from polydraft.decoding.measurement.vllm_report import engine_differences, issue_55005_applies
 from polydraft.decoding.measurement.vllm_rows import vllm_rows
 from polydraft.pipelines.export.info import best_draft_length, measurements

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from polydraft.distill.offline import offline_pairs, offline_texts
-from polydraft.distill.prompts import VICUNA_CHAT_TEMPLATE, task_prefix, vicuna_prompt
+from polydraft.data.offline import offline_pairs, offline_texts
+from polydraft.data.prompts import VICUNA_CHAT_TEMPLATE, task_prefix, vicuna_prompt
 from polydraft.models.tiny import build_llama, train_tokenizer
 from polydraft.train.progress import ProgressLine
 

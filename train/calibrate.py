@@ -33,8 +33,7 @@ from polydraft.models.decoder_layers import cache_kwargs
 from polydraft.train.data import epoch_order, micro_batch_indices
 from polydraft.train.loop import LoopPlan, TrainingLoop
 from polydraft.train.losses import IGNORE_INDEX, scale_for_step
-from polydraft.train.runtime import configure_deepspeed
-from polydraft.train.schedule import build_optimizer, build_scheduler
+from polydraft.train.runtime import prepare_for_training
 from polydraft.train.step import OptimSettings, StepLog, StepStats
 
 log = logging.getLogger(__name__)
@@ -194,12 +193,7 @@ def fit(
             "raise calibrate.num_positions or lower calibrate.loop.per_device_batch_size"
         )
     total_steps = max_steps or max(1, int(epochs * steps_per_epoch))
-    optimizer = build_optimizer(model, optim.lr, optim.weight_decay, optim.betas, optim.eps)
-    scheduler = build_scheduler(
-        optimizer, total_steps, optim.warmup_ratio, optim.schedule, optim.min_lr_ratio
-    )
-    configure_deepspeed(accelerator, per_device, optim.max_grad_norm)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    model, optimizer, scheduler = prepare_for_training(model, optim, total_steps, per_device, accelerator)
     folder.mkdir(parents=True, exist_ok=True)
     log_path = folder / "train_log.jsonl"
     plan = LoopPlan(total_steps, log_every, 0, checkpoint_every, keep_checkpoints)

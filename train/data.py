@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from polydraft.distill.prompts import vicuna_prompt
+from polydraft.data.prompts import vicuna_prompt
 from polydraft.train.losses import IGNORE_INDEX
 from polydraft.train.packing import Documents, PackedStream, PackPosition
 

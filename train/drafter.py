@@ -27,12 +27,11 @@ from polydraft.train.data import MixBatches, PackedBatches
 from polydraft.train.evaluation import eval_log, evaluate
 from polydraft.train.loop import LoopPlan, TrainingLoop
 from polydraft.train.losses import ce_sum, loss_window, topk_kl_sum
-from polydraft.train.metrics import matmul_params, peak_flops, train_flops_per_token
-from polydraft.train.results import DrafterMetrics
-from polydraft.train.runtime import configure_deepspeed, loss_chunking, unwrap
-from polydraft.train.schedule import build_optimizer, build_scheduler
+from polydraft.train.runtime import loss_chunking, prepare_for_training, unwrap
+from polydraft.train.stage_metrics import DrafterMetrics
 from polydraft.train.step import OptimSettings, StepLog, StepStats, train_step
 from polydraft.train.stream import corpus_tokens
+from polydraft.train.throughput import matmul_params, peak_flops, train_flops_per_token
 
 log = logging.getLogger(__name__)
 
@@ -186,15 +185,9 @@ def train_drafter(
     model.to(device)
     if loop.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if loop.compile:
-        model.compile()
-    optimizer = build_optimizer(model, optim.lr, optim.weight_decay, optim.betas, optim.eps)
-    scheduler = build_scheduler(
-        optimizer, loop.total_steps, optim.warmup_ratio, optim.schedule, optim.min_lr_ratio
+    model, optimizer, scheduler = prepare_for_training(
+        model, optim, loop.total_steps, loop.per_device_batch_size, accelerator, loop.compile
     )
-    configure_deepspeed(accelerator, loop.per_device_batch_size, optim.max_grad_norm)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    model.train()
     chunk_tokens, bare = loss_chunking(accelerator, loop.loss_chunk_tokens), unwrap(accelerator, model)
 
     log_path = job_dir.with_name(job_dir.name + ".train_log.jsonl")

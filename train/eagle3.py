@@ -46,8 +46,8 @@ from polydraft.train.data import MixBatches
 from polydraft.train.drafter import LoopSettings
 from polydraft.train.loop import LoopPlan, LoopResult, TrainingLoop
 from polydraft.train.losses import IGNORE_INDEX
-from polydraft.train.results import Eagle3Eval, Eagle3StepScore
 from polydraft.train.runtime import unwrap
+from polydraft.train.stage_metrics import Eagle3Eval, Eagle3StepScore
 from polydraft.train.step import StepLog, StepStats, token_counts, train_step
 
 

@@ -31,7 +31,7 @@ from polydraft.train.chunked_loss import OutputHead, Teacher, chunked_loss, mode
 from polydraft.train.data import MixBatches
 from polydraft.train.loop import LoopPlan, TrainingLoop
 from polydraft.train.losses import IGNORE_INDEX, ce_sum, loss_window, topk_kl_sum
-from polydraft.train.results import HeadEval
+from polydraft.train.stage_metrics import HeadEval
 from polydraft.train.step import StepLog, StepStats, train_step
 
 HEAD_DIR = "head"

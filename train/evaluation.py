@@ -10,7 +10,7 @@ import torch
 
 from polydraft.train.data import collate, encode_texts
 from polydraft.train.losses import IGNORE_INDEX, ce_sum, top1_matches
-from polydraft.train.results import EvalMetrics
+from polydraft.train.stage_metrics import EvalMetrics
 
 
 def eval_examples(tokenizer: Any, rows: list[dict[str, Any]], max_length: int) -> list[dict[str, list[int]]]:
@@ -30,7 +30,7 @@ def read_eval_sets(
     distill_dir: Path | None, pairs: list[str], tokenizer: Any, max_length: int
 ) -> dict[str, list[dict[str, list[int]]]]:
     """The held-out mix of each pair that has one (all temperatures), by pair."""
-    from polydraft.distill.mix import mix_path, read_mix
+    from polydraft.data.mix import mix_path, read_mix
 
     if distill_dir is None:
         return {}

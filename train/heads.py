@@ -33,8 +33,8 @@ from polydraft.train.chunked_loss import model_head, rows_loss
 from polydraft.train.data import MixBatches
 from polydraft.train.loop import LoopPlan, TrainingLoop
 from polydraft.train.losses import IGNORE_INDEX
-from polydraft.train.results import HeadScore, HeadsEval
 from polydraft.train.runtime import unwrap
+from polydraft.train.stage_metrics import HeadScore, HeadsEval
 from polydraft.train.step import StepLog, StepStats, token_counts, train_step
 
 HEADS_DIR = "heads"

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from polydraft.data.mix import keeps_row
 from polydraft.train.data import encode_texts
 
 # bump when the encoding changes, so that caches of an older encoding are not read
@@ -91,14 +92,14 @@ def _encoder(
     tokenizer: Any, max_length: int, temperatures: list[float] | None, loss_on: str, open_rows: bool
 ) -> Callable[[dict[str, list[Any]]], dict[str, list[list[int]]]]:
     def encode(batch: dict[str, list[Any]]) -> dict[str, list[list[int]]]:
-        kept = [
+        rows = [
             (prompt, response)
             for prompt, response, origin, temperature in zip(
                 batch["prompt"], batch["response"], batch["origin"], batch["temperature"], strict=True
             )
-            if (open_rows if origin != "distill" else temperatures is None or temperature in temperatures)
+            if keeps_row(origin, temperature, temperatures, open_rows)
         ]
-        examples = [e for e in encode_texts(tokenizer, kept, max_length) if e is not None]
+        examples = [e for e in encode_texts(tokenizer, rows, max_length) if e is not None]
         return {
             "input_ids": [e["input_ids"] for e in examples],
             "labels": [e["input_ids"] if loss_on == "all" else e["labels"] for e in examples],
@@ -180,7 +181,7 @@ def load_examples(
     when the distill folder holds no mix, FileNotFoundError when a pair has no train split (a pair
     without an `eval` split adds no eval row). `need_distilled`: a ValueError when no distilled row is
     kept (training on open rows alone would not teach the drafter the target's own answers)."""
-    from polydraft.distill.mix import mix_file, mix_pairs
+    from polydraft.data.mix import mix_file, mix_pairs
 
     pairs = mix_pairs(distill_dir) if pairs is None else pairs
     if not pairs:

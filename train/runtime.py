@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from polydraft.train.step import OptimSettings
 
 
 class NonFiniteLoss(RuntimeError):
@@ -91,6 +94,31 @@ def configure_deepspeed(accelerator: Any, micro_batch_size: int, max_grad_norm: 
     config["train_micro_batch_size_per_gpu"] = micro_batch_size
     if config.get("gradient_clipping", "auto") == "auto":
         config["gradient_clipping"] = max_grad_norm
+
+
+def prepare_for_training(
+    model: torch.nn.Module,
+    optim: OptimSettings,
+    total_steps: int,
+    micro_batch_size: int,
+    accelerator: Any,
+    compile: bool = False,
+) -> tuple[torch.nn.Module, Any, Any]:
+    """(the prepared model in train mode, its optimizer, the LR scheduler): AdamW over the trainable
+    parameters and its schedule (`train.schedule`), DeepSpeed's batch and clipping filled in, then
+    `accelerator.prepare`. Every trainer starts this way."""
+    from polydraft.train.schedule import build_optimizer, build_scheduler
+
+    if compile:
+        model.compile()
+    optimizer = build_optimizer(model, optim.lr, optim.weight_decay, optim.betas, optim.eps)
+    scheduler = build_scheduler(
+        optimizer, total_steps, optim.warmup_ratio, optim.schedule, optim.min_lr_ratio
+    )
+    configure_deepspeed(accelerator, micro_batch_size, optim.max_grad_norm)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    model.train()
+    return model, optimizer, scheduler
 
 
 def unwrap(accelerator: Any, model: torch.nn.Module) -> torch.nn.Module:

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from polydraft.train.losses import IGNORE_INDEX, scale_for_step
-from polydraft.train.metrics import Throughput, mfu
 from polydraft.train.steplog import append_log
+from polydraft.train.throughput import Throughput, mfu
 
 
 @dataclass(frozen=True)

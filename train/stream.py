@@ -58,7 +58,7 @@ class Shard:
 def _open(source: dict[str, Any], seed: int, row: int, hf_state: dict[str, Any] | None, shard: Shard) -> Any:
     """The shard's rows of one source from its `row`-th on (a streaming `hf` source from its saved state);
     a streaming source is returned as the `datasets.IterableDataset` itself, to read its state as it goes."""
-    from polydraft.distill.sources import read_source
+    from polydraft.data.sources import read_source
 
     if not (source["kind"] == "hf" and source["streaming"]):
         return iter(read_source(**{**source, "seed": seed}).rows[shard.index :: shard.count][row:])
@@ -86,7 +86,7 @@ def _rows(stream: Any) -> Iterator[dict[str, Any]]:
 
 
 def _normalised(source: dict[str, Any], index: int, raw: dict[str, Any]) -> dict[str, Any] | None:
-    from polydraft.distill.sources import describe, normalise
+    from polydraft.data.sources import describe, normalise
 
     description = describe("hf", source["format"], source["path"], source["name"], source["split"], None)
     rows = normalise(

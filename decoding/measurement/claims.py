@@ -25,7 +25,7 @@ from typing import Literal
 import numpy as np
 from scipy.stats import t as student_t
 
-from polydraft.decoding.measurement.report import pooled_std
+from polydraft.decoding.measurement.tables import pooled_std
 
 Claim = Literal[">", ">=", "=="]
 Outcome = Literal["holds", "consistent", "contradicted", "within noise", "too few repetitions"]

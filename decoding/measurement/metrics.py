@@ -9,7 +9,7 @@
   a tree) and r the drafter/target parameter-count ratio;
 - token rate (generated tokens per second of wall time), target calls, and the engine's overhead:
   the share of wall time spent outside the models' forward passes.
-Wall-clock speedup is a ratio of token rates measured side by side (`decoding.measurement.measure`). Over seeds,
+Wall-clock speedup is a ratio of token rates measured side by side (`decoding.measurement.groups`). Over seeds,
 `mean_std` gives the mean and the sample standard deviation (seed 003 Table 1).
 """
 

@@ -5,7 +5,7 @@ The mixed eval set of one repetition is every pair's held-out prompts of that re
 (de, fr, de, fr, ...), so each decoding method meets the languages in the same order. Every method
 decodes it in one `measure_group` (the order rotating per prompt, as everywhere): `ar`; `sd` with each
 drafter alone (each pair's drafter, and the multilingual one when the run trained it); `routed`, where
-the language router (`decoding.measurement.routing`) picks the drafter of each request from its text
+the language router (`decoding.routing`) picks the drafter of each request from its text
 before decoding starts (its time is added to the request's wall time); and `oracle`, each prompt with
 its own pair's drafter (what a perfect, free router would give). All at the recipe's fixed draft length.
 When the run trained EAGLE-3 heads the same again with `eagle3` and the heads (`eagle3-de-en`, ...,
@@ -33,8 +33,8 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from polydraft.decoding.measurement.claims import LEVEL, POWER, PairedInterval, paired_interval
-from polydraft.decoding.measurement.inputs import EvalSet, repetition_prompts
-from polydraft.decoding.measurement.measure import Method
+from polydraft.decoding.measurement.eval_inputs import EvalSet, repetition_prompts
+from polydraft.decoding.measurement.groups import Method
 from polydraft.decoding.measurement.metrics import format_cell, mean_std, summarize
 from polydraft.decoding.measurement.results import PromptResult, prompt_results
 

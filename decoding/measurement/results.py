@@ -2,7 +2,7 @@
 setting), written by the measure stage group by group and read by the export stage, the run summary and the
 reports. The row is defined here, once.
 
-Rows of engine `polydraft` come from polydraft's own decoders (batch 1, `decoding.measurement.measure`); rows of engine
+Rows of engine `polydraft` come from polydraft's own decoders (batch 1, `decoding.measurement.groups`); rows of engine
 `vllm` from the same drafters run as vLLM's draft model on the same prompts (`decoding.measurement.vllm_measure`), with
 vLLM's own target-alone run as their baseline.
 """

@@ -1,6 +1,6 @@
 """The vLLM rows of a report: each drafter measured as vLLM's draft model beside polydraft's own `sd` row
 of the same drafter, draft length, dataset and temperature, and the differences beyond noise said in
-words (`engine_differences`), for summary.md (`decoding.measurement.report`), the run summary and the
+words (`engine_differences`), for summary.md (`decoding.measurement.tables`), the run summary and the
 model cards.
 """
 

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from typing import Any
 
-from polydraft.decoding.measurement.inputs import DrafterSource, EvalSet
+from polydraft.decoding.measurement.eval_inputs import DrafterSource, EvalSet
 from polydraft.decoding.measurement.results import BatchRate, ResultRow
 
 

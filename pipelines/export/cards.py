@@ -2,7 +2,7 @@
 
 `render_card(info, repo_id)` is a pure function of the record the export stage writes as `results.json`
 (`pipelines.export.records.ExportResults`, built by `pipelines.export.info` from the run's files): every number in a card comes from there. The
-measured tables are the measure stage's own (`decoding.measurement.report.table`: methods x dataset x temperature,
+measured tables are the measure stage's own (`decoding.measurement.tables.table`: methods x dataset x temperature,
 mean ± std over seeds) restricted to this drafter and the `ar` baseline of the same groups.
 `polydraft publish` renders the card again with the repo id it pushes to.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from polydraft.decoding.measurement.report import domain_table, table
+from polydraft.decoding.measurement.tables import domain_table, table
 from polydraft.decoding.measurement.vllm_report import vllm_section
 from polydraft.pipelines.export import eagle3
 from polydraft.pipelines.export.records import ExportResults

@@ -27,7 +27,7 @@ from polydraft.models.eagle3 import INFO_FILE, WEIGHTS_FILE, load_eagle3, read_i
 from polydraft.models.placement import input_device
 from polydraft.pipelines.export.records import Eagle3Card, ExportResults, PublicTarget
 from polydraft.pipelines.export.smoke import Check
-from polydraft.train.results import Eagle3HeadMetrics
+from polydraft.train.stage_metrics import Eagle3HeadMetrics
 
 
 def stage_eagle3(source: Path, staged: Path, target: PublicTarget, speculative_tokens: int) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """What an exported folder says about itself: the facts its card and `results.json` are made of.
 
 Everything here is read from the run's files: the measure stage's `results.jsonl` (typed rows,
-`decoding.measurement.results`), the upstream stages' manifests (typed metrics, `train.results`), and the export
+`decoding.measurement.results`), the upstream stages' manifests (typed metrics, `train.stage_metrics`), and the export
 stage's inputs. The model card (`pipelines.export.cards`) is rendered from the records built here
 (`pipelines.export.records`) and nothing else, so no number in a card is typed by hand and
 `polydraft publish` can re-render a card for its final repo id.
@@ -33,7 +33,7 @@ from polydraft.pipelines.export.records import (
 from polydraft.pipelines.manifest import read_manifest
 from polydraft.pipelines.schema import ResolvedTarget, SourceConfig
 from polydraft.pipelines.schema.inputs import FinetuneFacts, PretrainFacts
-from polydraft.train.results import (
+from polydraft.train.stage_metrics import (
     CalibrationReport,
     EarlyExitMetrics,
     FinetuneMetrics,

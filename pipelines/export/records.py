@@ -9,9 +9,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from polydraft.decoding.measurement.results import DrafterKind, Engine, ResultRow
-from polydraft.decoding.measurement.routing import RoutingTable
+from polydraft.decoding.routing import RoutingTable
 from polydraft.pipelines.manifest import write_json_atomic
-from polydraft.train.results import CalibrationScores, DraftVocab
+from polydraft.train.stage_metrics import CalibrationScores, DraftVocab
 
 RESULTS_FORMAT = "polydraft-export-results/1"
 INDEX_FORMAT = "polydraft-export/1"

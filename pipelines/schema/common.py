@@ -9,11 +9,11 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from polydraft.distill.offline import KINDS
-from polydraft.distill.prompts import PAIRS
+from polydraft.data.offline import KINDS
+from polydraft.data.prompts import PAIRS
 
 LanguagePair = Literal[PAIRS]  # type: ignore[valid-type]
-"""A translation direction, source language first (`distill.prompts.PAIRS`)."""
+"""A translation direction, source language first (`data.prompts.PAIRS`)."""
 
 
 class FieldError(ValueError):
@@ -133,7 +133,7 @@ class TargetConfig(StrictModel):
 
 
 OfflineKind = Literal["catalog", "name", "date", "number"]
-"""The kinds of entry of the offline corpus (`distill.offline.KINDS`)."""
+"""The kinds of entry of the offline corpus (`data.offline.KINDS`)."""
 
 
 class SourceConfig(StrictModel):
@@ -222,7 +222,7 @@ def check_kind_weights(weights: dict[str, float]) -> None:
 
 
 def reader_args(source: SourceConfig, seed: int, offline: OfflineCorpusConfig | None) -> dict[str, Any]:
-    """A recipe source -> the keyword arguments of `distill.sources.read_source` (and of the pretraining
+    """A recipe source -> the keyword arguments of `data.sources.read_source` (and of the pretraining
     document stream, `train.stream.texts`): the one place where that mapping is written."""
     args: dict[str, Any] = {
         "kind": source.kind,

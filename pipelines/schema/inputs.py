@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from polydraft.pipelines.schema import Recipe
 from polydraft.pipelines.schema.common import (
@@ -21,6 +21,7 @@ from polydraft.pipelines.schema.common import (
     ResolvedTarget,
     SourceConfig,
     StrictModel,
+    reader_args,
 )
 from polydraft.pipelines.schema.distill import DistillConfig
 from polydraft.pipelines.schema.eagle3 import Eagle3Config
@@ -33,6 +34,9 @@ from polydraft.pipelines.schema.train import (
     HeadsConfig,
     PretrainConfig,
 )
+
+if TYPE_CHECKING:
+    from polydraft.decoding.measurement.eval_inputs import EvalSet
 
 PromptFormat = Literal["vicuna", "chat_template", "raw"]
 SINGLE_PROCESS = "recipes/accelerate/single.yaml"
@@ -185,6 +189,15 @@ class EvalPrompts(StrictModel):
             text_prompt_tokens=recipe.distill.text_prompt_tokens,
             data_seed=recipe.data.seed,
             offline=offline_options(recipe, list(recipe.data.eval)),
+        )
+
+    def load(self, num_prompts: int, max_prompt_tokens: int, tokenizer: Any) -> list[EvalSet]:
+        """The eval sets, tokenized as the distill stage builds prompts (measure's and the export's)."""
+        from polydraft.decoding.measurement.eval_inputs import load_eval_sets
+
+        sources = [reader_args(s, self.data_seed, self.offline) for s in self.sources]
+        return load_eval_sets(
+            sources, self.prompt_format, self.text_prompt_tokens, num_prompts, max_prompt_tokens, tokenizer
         )
 
 

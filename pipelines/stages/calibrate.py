@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from polydraft.distill.prompts import MULTILINGUAL
+from polydraft.data.prompts import MULTILINGUAL
 from polydraft.models.calibration import CalibrationModel, calibration_metrics
 from polydraft.models.drafters import DrafterMismatch, load_drafter
 from polydraft.models.loading import load_tokenizer
@@ -48,7 +48,7 @@ from polydraft.train.calibrate import (
     sample_positions,
 )
 from polydraft.train.data import encode_rows
-from polydraft.train.results import CalibrateMetrics, CalibrationReport
+from polydraft.train.stage_metrics import CalibrateMetrics, CalibrationReport
 
 Loader = Callable[[], tuple[Forward, Callable[[], Any], int, str]]
 """Loads a drafter: (forward, new cache, hidden size, where it came from)."""
@@ -162,7 +162,7 @@ def calibrate_drafter(
     """Labels (train and held-out), the trained model saved in `folder`, and the report."""
     from accelerate.utils import set_seed
 
-    from polydraft.distill.mix import mix_pairs, read_mix
+    from polydraft.data.mix import mix_pairs, read_mix
 
     block = inputs.calibrate
     loop, device, k = block.loop, accelerator.device, block.draft_length

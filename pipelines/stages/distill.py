@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from polydraft.data.prompts import answer_stop_ids, encode_prompt
+from polydraft.data.sources import SourceError, read_source
 from polydraft.distill.engines import (
     EngineError,
     EngineSpec,
@@ -31,7 +33,15 @@ from polydraft.distill.engines import (
     visible_gpus,
 )
 from polydraft.distill.openai_backend import ServerSettings, generate_openai
-from polydraft.distill.plan import (
+from polydraft.distill.outcome import (
+    NOT_REACHED,
+    DistillMetrics,
+    build_mix,
+    choose_open_rows,
+    record_stats,
+    write_failures,
+)
+from polydraft.distill.requests import (
     PromptItem,
     Request,
     open_rows,
@@ -41,16 +51,6 @@ from polydraft.distill.plan import (
     sample_slots,
     shard_of,
 )
-from polydraft.distill.prompts import encode_prompt, eos_ids, turn_end_ids
-from polydraft.distill.report import (
-    NOT_REACHED,
-    DistillMetrics,
-    build_mix,
-    choose_open_rows,
-    record_stats,
-    write_failures,
-)
-from polydraft.distill.sources import SourceError, read_source
 from polydraft.distill.store import RecordStore, RecordWriter, StoreError
 from polydraft.distill.vllm_backend import INSTALL_HINT
 from polydraft.models.loading import load_tokenizer
@@ -231,25 +231,6 @@ def api_key_from_env(variable: str | None) -> str:
     if not value:
         raise StageFailed(f"distill.openai.api_key_env names {variable}, which is not set in the environment")
     return value
-
-
-def answer_stop_ids(override: list[int] | None, target: Any, tokenizer: Any) -> tuple[list[int], list[int]]:
-    """(the target's EOS ids, the other token ids that end an answer: the recipe's
-    `distill.stop_token_ids`, else the end-of-turn token of the target's chat template). Without a
-    tokenizer (an `openai` server, which knows its EOS): ([], the recipe's ids or none)."""
-    if tokenizer is None:
-        return [], list(override or [])
-    from transformers import GenerationConfig
-
-    try:
-        generation_eos = GenerationConfig.from_pretrained(target.path, revision=target.revision).eos_token_id
-    except OSError:  # no generation_config.json
-        generation_eos = None
-    eos = eos_ids(tokenizer, generation_eos)
-    extra = [i for i in (override if override is not None else turn_end_ids(tokenizer)) if i not in eos]
-    stops = eos + extra
-    log.info("distill: answers end at token ids %s (%s)", stops, tokenizer.convert_ids_to_tokens(stops))
-    return eos, extra
 
 
 def generate(

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from polydraft.distill.mix import mix_path, read_mix
-from polydraft.distill.prompts import MULTILINGUAL
+from polydraft.data.mix import mix_path, read_mix
+from polydraft.data.prompts import MULTILINGUAL
 from polydraft.models.draft_vocab import always_kept, count_tokens, coverage, draft_vocabulary
 from polydraft.models.eagle3 import (
     aux_layers_problem,
@@ -46,7 +46,6 @@ from polydraft.pipelines.stage import (
 from polydraft.pipelines.stages.mix_training import (
     MIX_CACHE,
     peak_memory_gib,
-    prepare_trainable,
     sized_batches,
     write_output,
 )
@@ -55,8 +54,8 @@ from polydraft.train.data import pad_id_of
 from polydraft.train.eagle3 import Eagle3Job, Eagle3Settings, Unroll, fit
 from polydraft.train.evaluation import eval_set
 from polydraft.train.mix_cache import MixExamples, balanced_union, load_examples
-from polydraft.train.results import DraftVocab, Eagle3HeadMetrics, Eagle3Metrics, Launched
-from polydraft.train.runtime import loss_chunking, unwrap
+from polydraft.train.runtime import loss_chunking, prepare_for_training, unwrap
+from polydraft.train.stage_metrics import DraftVocab, Eagle3HeadMetrics, Eagle3Metrics, Launched
 
 log = logging.getLogger(__name__)
 
@@ -248,8 +247,13 @@ class Job:
         head = head_for_target(
             self.target, torch.tensor(draft_ids), self.aux_layers, block.intermediate_size, loop.seed
         )
-        unroll, optimizer, scheduler = prepare_trainable(
-            Unroll(head, block.ttt_steps), optim, loop, total_steps, accelerator
+        unroll, optimizer, scheduler = prepare_for_training(
+            Unroll(head, block.ttt_steps),
+            optim,
+            total_steps,
+            loop.per_device_batch_size,
+            accelerator,
+            loop.compile,
         )
         evals = eval_set(
             self.held_out(pairs), loop.per_device_batch_size, loop.eval_batches, accelerator, pad_id

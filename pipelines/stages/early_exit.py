@@ -29,15 +29,14 @@ from polydraft.pipelines.stage import (
 from polydraft.pipelines.stages.mix_training import (
     mix_data,
     peak_memory_gib,
-    prepare_trainable,
     write_output,
 )
 from polydraft.pipelines.tracking import Tracker
 from polydraft.train.data import pad_id_of
 from polydraft.train.early_exit import HEAD_DIR, eval_reference, fit
 from polydraft.train.evaluation import eval_set
-from polydraft.train.results import EarlyExitMetrics
-from polydraft.train.runtime import loss_chunking, resolve_attn_implementation
+from polydraft.train.runtime import loss_chunking, prepare_for_training, resolve_attn_implementation
+from polydraft.train.stage_metrics import EarlyExitMetrics
 
 
 def run(inputs: EarlyExitInputs, ctx: StageContext) -> StageResult:
@@ -102,7 +101,9 @@ def train_early_exit(
 
     if loop.gradient_checkpointing:
         drafter.exit.gradient_checkpointing_enable()
-    prepared, optimizer, scheduler = prepare_trainable(drafter.exit, optim, loop, total_steps, accelerator)
+    prepared, optimizer, scheduler = prepare_for_training(
+        drafter.exit, optim, total_steps, loop.per_device_batch_size, accelerator, loop.compile
+    )
     steps, train_loss, initial, final = fit(
         accelerator, drafter, prepared, optimizer, scheduler, batches, evals, references, tracker,
         total_steps=total_steps, max_grad_norm=optim.max_grad_norm, log_every=loop.log_every,

@@ -21,7 +21,7 @@ as `pretrain`), for the early-exit head (`early_exit/head/`) and for the blockwi
   `ar` baseline beside it, their summary, training facts, the smoke check), `README.md` (the card,
   `pipelines.export.cards`), and per-drafter `summary.md` and PNG plots from the measure stage's report code.
 `export.json` indexes the folders for `polydraft publish`; `routing.json` routes requests by language to
-the pair drafters and the pair heads (`decoding.measurement.routing`: `load_router(folder).route(text)`).
+the pair drafters and the pair heads (`decoding.routing`: `load_router(folder).route(text)`).
 
 Each folder is written as `<name>.tmp/` and renamed when complete, so a rerun after a crash redoes only
 the unfinished ones. Smoke checks (`pipelines.export.smoke`) run on the staged folder, i.e. on exactly what
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from polydraft.decoding.measurement.inputs import DrafterSource, discover_drafters
+from polydraft.decoding.measurement.eval_inputs import DrafterSource, discover_drafters
 from polydraft.decoding.measurement.results import RESULTS_FILE as MEASURE_RESULTS
 from polydraft.decoding.measurement.results import ResultsError, read_rows
 from polydraft.pipelines.export.cards import render_card
@@ -70,13 +70,13 @@ from polydraft.pipelines.export.records import (
     stage_metrics,
     write_index,
 )
-from polydraft.pipelines.export.routing import export_routing_table
+from polydraft.pipelines.export.routing_table import export_routing_table
 from polydraft.pipelines.export.smoke import Check, drafter_checks, head_checks, passed, vllm_generation_check
 from polydraft.pipelines.export.smoke_heads import heads_checks
 from polydraft.pipelines.manifest import git_state, write_json_atomic
 from polydraft.pipelines.schema.inputs import ExportInputs
 from polydraft.pipelines.stage import PROJECT_ROOT, StageContext, StageFailed, StageResult
-from polydraft.train.results import CalibrationReport
+from polydraft.train.stage_metrics import CalibrationReport
 
 log = logging.getLogger(__name__)
 
@@ -199,8 +199,7 @@ def smoke_prompts(inputs: ExportInputs, tokenizer: Any, count: int) -> dict[str 
     measure stage builds them; generic prompts when the recipe has no eval sets."""
     import torch
 
-    from polydraft.distill.prompts import build_prompt, encode_prompt
-    from polydraft.pipelines.stages.measure import eval_sets_of
+    from polydraft.data.prompts import build_prompt, encode_prompt
 
     if not inputs.eval.sources:
         texts = [
@@ -210,7 +209,7 @@ def smoke_prompts(inputs: ExportInputs, tokenizer: Any, count: int) -> dict[str 
         return {None: [torch.tensor(encode_prompt(tokenizer, t)) for t in texts][:count]}
     prompts: dict[str | None, list[Any]] = {None: []}
     try:
-        eval_sets = eval_sets_of(inputs.eval, count, inputs.max_prompt_tokens, tokenizer)
+        eval_sets = inputs.eval.load(count, inputs.max_prompt_tokens, tokenizer)
     except ValueError as err:
         raise StageFailed(f"export: smoke prompts: {err}") from err
     for eval_set in eval_sets:
@@ -225,7 +224,7 @@ def prompts_for(prompts: dict[str | None, list[Any]], pair: str | None, count: i
 
 def prompt_example(prompt_format: str, tokenizer: Any, pair: str | None) -> PromptExample:
     """The prompt format the drafter was trained on, with a placeholder, for the card's usage snippet."""
-    from polydraft.distill.prompts import build_prompt, translation_messages
+    from polydraft.data.prompts import build_prompt, translation_messages
 
     messages = translation_messages(pair, "{text}") if pair else [{"role": "user", "content": "{question}"}]
     example = build_prompt(messages, prompt_format, tokenizer)
@@ -367,8 +366,8 @@ def finish_items(
     items: list[Item], inputs: ExportInputs, ctx: StageContext, target: PublicTarget, tokenizer: Any
 ) -> None:
     """Stage each folder's files, smoke-check them, write results.json and the card, rename into place."""
-    from polydraft.decoding.measurement.measure import eos_ids_of
-    from polydraft.decoding.measurement.report import write_report
+    from polydraft.decoding.measurement.groups import eos_ids_of
+    from polydraft.decoding.measurement.tables import write_report
     from polydraft.models.placement import load_target
 
     cfg, resolved = inputs.export, inputs.target

@@ -18,8 +18,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from polydraft.distill.prompts import MULTILINGUAL
-from polydraft.models.drafters import target_vocab_size
+from polydraft.data.prompts import MULTILINGUAL
+from polydraft.models.drafters import DrafterMismatch, check_init_for_target, target_vocab_size
 from polydraft.models.loading import load_causal_lm, load_tokenizer
 from polydraft.pipelines.schema.inputs import FinetuneInputs
 from polydraft.pipelines.stage import (
@@ -33,14 +33,13 @@ from polydraft.pipelines.stage import (
     training_main,
 )
 from polydraft.pipelines.stages.mix_training import MIX_CACHE, sized_batches
-from polydraft.pipelines.stages.pretrain import preflight
 from polydraft.pipelines.tracking import Tracker
 from polydraft.train.data import pad_id_of
 from polydraft.train.drafter import export, initial_drafter, train_drafter
 from polydraft.train.evaluation import read_eval_sets
 from polydraft.train.mix_cache import MixExamples, balanced_union, load_examples
-from polydraft.train.results import DrafterMetrics, FinetuneMetrics, Launched, MultilingualMetrics
 from polydraft.train.runtime import resolve_attn_implementation
+from polydraft.train.stage_metrics import DrafterMetrics, FinetuneMetrics, Launched, MultilingualMetrics
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +52,12 @@ def run(inputs: FinetuneInputs, ctx: StageContext) -> StageResult:
     done = [job for job in jobs if pair_metrics_path(ctx.work_dir, job).is_file()]
     launched = Launched()
     if len(done) < len(jobs):
-        if "pretrain" not in ctx.upstream:
-            drafter = inputs.finetune.drafter
-            preflight(ctx.name, drafter.init, drafter.revision, inputs.target)
+        drafter, target = inputs.finetune.drafter, inputs.target
+        try:  # a drafter checkpoint with another vocabulary fails here, before any process is launched
+            if "pretrain" not in ctx.upstream and drafter.init is not None:
+                check_init_for_target(drafter.init, drafter.revision, target.path, target.revision, target.trust_remote_code)  # fmt: skip
+        except DrafterMismatch as err:
+            raise StageFailed(f"{ctx.name}: {err}") from err
         todo = inputs.model_copy(update={"done": done})
         launched = Launched.model_validate(
             launch_training(todo, inputs.launch, ctx, "polydraft.pipelines.stages.finetune")

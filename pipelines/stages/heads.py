@@ -29,15 +29,14 @@ from polydraft.pipelines.stage import (
 from polydraft.pipelines.stages.mix_training import (
     mix_data,
     peak_memory_gib,
-    prepare_trainable,
     write_output,
 )
 from polydraft.pipelines.tracking import Tracker
 from polydraft.train.data import pad_id_of
 from polydraft.train.evaluation import eval_set
 from polydraft.train.heads import HEADS_DIR, fit
-from polydraft.train.results import HeadsMetrics
-from polydraft.train.runtime import loss_chunking
+from polydraft.train.runtime import loss_chunking, prepare_for_training
+from polydraft.train.stage_metrics import HeadsMetrics
 
 
 def run(inputs: HeadsInputs, ctx: StageContext) -> StageResult:
@@ -83,7 +82,9 @@ def train_heads(
     evals = eval_set(
         eval_examples, loop.per_device_batch_size, loop.eval_batches, accelerator, pad_id_of(tokenizer)
     )
-    prepared, optimizer, scheduler = prepare_trainable(heads, optim, loop, total_steps, accelerator)
+    prepared, optimizer, scheduler = prepare_for_training(
+        heads, optim, total_steps, loop.per_device_batch_size, accelerator, loop.compile
+    )
     steps, train_loss, initial, final = fit(
         accelerator, target, prepared, shared_head, optimizer, scheduler, batches, evals, tracker,
         num_heads=block.num_heads, loss_decay=block.loss_decay, total_steps=total_steps,

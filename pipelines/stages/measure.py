@@ -1,11 +1,11 @@
 """Stage `measure`: speculative decoders x eval sets x temperatures x seeds for every drafter of the run.
 
-Drafters are found upstream (`decoding.measurement.inputs.discover_drafters`); for each (eval set, temperature, seed)
-group every method decodes the same prompts in one process (`decoding.measurement.measure.measure_group`) and the
+Drafters are found upstream (`decoding.measurement.eval_inputs.discover_drafters`); for each (eval set, temperature, seed)
+group every method decodes the same prompts in one process (`decoding.measurement.groups.measure_group`) and the
 group's typed rows are appended to `results.jsonl` (`decoding.measurement.results`), so a killed run resumes with the
 groups it has not finished. With `measure.vllm` the standalone drafters are then measured inside vLLM too
 (`decoding.measurement.vllm_rows`), rows of engine `vllm` beside polydraft's. Ends with `summary.md` and PNG plots
-(`decoding.measurement.report`).
+(`decoding.measurement.tables`).
 """
 
 from __future__ import annotations
@@ -23,24 +23,16 @@ from typing import Any
 
 import torch
 
-from polydraft.decoding.assisted import assisted
-from polydraft.decoding.blockwise import HeadsDraft, Rescoring, blockwise_chain, blockwise_tree
-from polydraft.decoding.control import BetaTS, CaliTS, FixedK
-from polydraft.decoding.eagle3 import eagle3_decode
-from polydraft.decoding.engine import autoregressive
 from polydraft.decoding.lattice import CandidateTree
 from polydraft.decoding.lm import CachedLM
-from polydraft.decoding.measurement.inputs import (
+from polydraft.decoding.measurement.eval_inputs import (
     DrafterSource,
     EvalSet,
     discover_drafters,
-    load_eval_sets,
     repetition_prompts,
 )
-from polydraft.decoding.measurement.latency import RunLatencies, ar_cost, chain_cost, run_latencies, tree_cost
-from polydraft.decoding.measurement.measure import (
+from polydraft.decoding.measurement.groups import (
     Drafter,
-    Method,
     UnsupportedDecoder,
     eos_ids_of,
     group_rows,
@@ -49,7 +41,7 @@ from polydraft.decoding.measurement.measure import (
     load_drafters,
     measure_group,
 )
-from polydraft.decoding.measurement.report import write_report
+from polydraft.decoding.measurement.latency import RunLatencies
 from polydraft.decoding.measurement.results import (
     RESULTS_FILE,
     ResultRow,
@@ -58,21 +50,19 @@ from polydraft.decoding.measurement.results import (
     read_rows,
     write_rows,
 )
+from polydraft.decoding.measurement.tables import write_report
 from polydraft.decoding.measurement.vllm_rows import (
     VllmMeasureFailed,
     measure_subprocess,
     vllm_rows,
     vllm_unavailable,
 )
-from polydraft.decoding.rsd import recursive_speculative
 from polydraft.decoding.sampling import Sampling
-from polydraft.decoding.sd import speculative
-from polydraft.decoding.tree import TreeShape
 from polydraft.models.calibration import check_covers
 from polydraft.models.drafters import DrafterMismatch
 from polydraft.pipelines.schema import MeasureConfig
-from polydraft.pipelines.schema.common import ResolvedTarget, reader_args
-from polydraft.pipelines.schema.inputs import EvalPrompts, MeasureInputs
+from polydraft.pipelines.schema.common import ResolvedTarget
+from polydraft.pipelines.schema.inputs import MeasureInputs
 from polydraft.pipelines.stage import (
     StageContext,
     StageFailed,
@@ -81,21 +71,12 @@ from polydraft.pipelines.stage import (
     setup_process_logging,
     spec_for,
 )
+from polydraft.pipelines.stages.measure_methods import build_methods, measure_latencies, measured_on
 from polydraft.pipelines.stages.measure_mixed import measure_mixed, mixed_summary
 
 log = logging.getLogger(__name__)
 
 LATENCY_FILE = "latency.json"
-
-
-def eval_sets_of(
-    prompts: EvalPrompts, num_prompts: int, max_prompt_tokens: int, tokenizer: Any
-) -> list[EvalSet]:
-    """The recipe's eval sets, tokenized as the distill stage builds prompts (shared with export)."""
-    sources = [reader_args(s, prompts.data_seed, prompts.offline) for s in prompts.sources]
-    return load_eval_sets(
-        sources, prompts.prompt_format, prompts.text_prompt_tokens, num_prompts, max_prompt_tokens, tokenizer
-    )
 
 
 @dataclass
@@ -131,7 +112,7 @@ def load(inputs: MeasureInputs, upstream: dict[str, Path], latency_path: Path) -
     # disjoint prompts: each seed (repetition) decodes its own num_prompts prompts
     per_set = cfg.num_prompts * (len(cfg.seeds) if cfg.disjoint_prompts else 1)
     try:
-        eval_sets = eval_sets_of(inputs.eval, per_set, cfg.max_prompt_tokens, tokenizer)
+        eval_sets = inputs.eval.load(per_set, cfg.max_prompt_tokens, tokenizer)
         sources = discover_drafters(upstream, cfg.extra_drafters, cfg.include_pretrained)
         for source in sources if "cali_ts" in cfg.controls else ():
             if source.calibration is not None:
@@ -230,7 +211,9 @@ def run(inputs: MeasureInputs, ctx: StageContext) -> StageResult:
         todo = [g for g in all_groups(cfg, loaded.eval_sets) if ("polydraft", *g) not in done]
         for group in ctx.track(todo, "measured", "group"):
             rows += measure_groups(cfg, loaded, [group], path, ctx.tracker)
-    else:
+    elif sum(g[0] == "polydraft" for g in done) < len(inputs.eval.sources) * len(cfg.temperatures) * len(
+        cfg.seeds
+    ):
         rows = spread_groups(inputs, ctx, processes, rows)
     mixed = []
     if cfg.mixed or cfg.vllm != "off":
@@ -353,12 +336,6 @@ def main(argv: list[str] | None = None) -> None:
         raise
 
 
-def measured_on(cfg: MeasureConfig, drafter: Drafter, eval_set: EvalSet) -> bool:
-    """A language-specific drafter is measured on another pair's eval set only with `cross_pairs`."""
-    pair = drafter.source.pair
-    return cfg.cross_pairs or not (pair and eval_set.pair and pair != eval_set.pair)
-
-
 def add_vllm_rows(
     cfg: MeasureConfig,
     target: str,
@@ -406,240 +383,6 @@ def add_vllm_rows(
     new_rows = vllm_rows(measured, {s.name: s for s in eval_sets}, cfg.max_new_tokens, context)
     append_rows(path, new_rows)
     return rows + new_rows
-
-
-def controls_for(
-    cfg: MeasureConfig, draft_length: int, seed: int, predict: Any
-) -> list[tuple[str, int, Any]]:
-    """(control name, K or cap, a fresh controller) for each setting of a chain decoder whose fixed K is
-    `draft_length` in a group.
-
-    Cali-TS is left out for a drafter without a calibration model.
-    """
-    out: list[tuple[str, int, Any]] = []
-    lengths = list(dict.fromkeys([draft_length, *cfg.k_sweep]))
-    cap = cfg.max_draft_length
-    if "fixed" in cfg.controls:
-        out += [("fixed", k, FixedK(k)) for k in lengths]
-    else:  # the K sweep is a fixed-K experiment whatever the main control
-        out += [("fixed", k, FixedK(k)) for k in cfg.k_sweep]
-    if "beta_ts" in cfg.controls:
-        out.append(("beta_ts", cap, BetaTS(cfg.beta_prior[0], cfg.beta_prior[1], cap, seed)))
-    if "cali_ts" in cfg.controls and predict is not None:
-        out.append(
-            ("cali_ts", cap, CaliTS(cfg.cali_sigma_m, cfg.cali_sigma_s, cfg.cali_theta0, predict, cap, seed))
-        )
-    return out
-
-
-def blockwise_methods(
-    cfg: MeasureConfig,
-    heads: Drafter,
-    rescorers: list[Drafter],
-    sampling: Sampling,
-    target_lm: CachedLM,
-    new: int,
-    generator: Any,
-    eos_ids: set[int],
-) -> list[Method]:
-    """`bpd`, `medusa` with the heads alone, and their `+rescore` variants with each standalone drafter."""
-    draft = HeadsDraft(heads.model, target_lm, cfg.profile)
-    shape = CandidateTree.from_paths(cfg.medusa_tree)
-    base = {"drafter": heads.source.name, "size_ratio": heads.size_ratio}
-    methods = []
-    if "bpd" in cfg.decoders:
-        methods.append(
-            Method(
-                {**base, "decoder": "bpd", "control": "fixed", "draft_length": draft.num_heads},
-                lambda p, i: blockwise_chain(target_lm, draft, p, new, sampling, generator(i), eos_ids),
-            )
-        )
-    if "medusa" in cfg.decoders:
-        methods.append(
-            Method(
-                {**base, "decoder": "medusa", "tree": f"{len(shape.paths)} nodes"},
-                lambda p, i: blockwise_tree(
-                    target_lm, draft, p, new, sampling, generator(i), eos_ids, shape=shape
-                ),
-            )
-        )
-    beams = f"{cfg.rescore_beam_width}x{draft.num_heads}"
-    for d in rescorers:
-        rescoring = Rescoring(d.lm, cfg.rescore_weight, cfg.rescore_top_k, cfg.rescore_beam_width)
-        fields = {
-            "drafter": heads.source.name,
-            "size_ratio": heads.size_ratio + d.size_ratio,
-            "rescorer": d.source.name,
-            "rescore_weight": cfg.rescore_weight,
-        }
-        if "bpd+rescore" in cfg.decoders:
-            methods.append(
-                Method(
-                    {**fields, "decoder": "bpd+rescore", "control": "fixed", "draft_length": draft.num_heads},
-                    lambda p, i, r=rescoring: blockwise_chain(
-                        target_lm, draft, p, new, sampling, generator(i), eos_ids, rescoring=r
-                    ),
-                )
-            )
-        if "medusa+rescore" in cfg.decoders:
-            methods.append(
-                Method(
-                    {**fields, "decoder": "medusa+rescore", "tree": beams},
-                    lambda p, i, r=rescoring: blockwise_tree(
-                        target_lm, draft, p, new, sampling, generator(i), eos_ids, rescoring=r
-                    ),
-                )
-            )
-    return methods
-
-
-def build_methods(
-    cfg: MeasureConfig,
-    eval_set: EvalSet,
-    sampling: Sampling,
-    seed: int,
-    target: Any,
-    target_lm: CachedLM,
-    drafters: list[Drafter],
-    eos_ids: set[int],
-    latencies: RunLatencies,
-) -> list[Method]:
-    """Every method measured in one group, `ar` first, each with its round cost from `latencies`."""
-    device, new = target_lm.device, cfg.max_new_tokens
-
-    def generator(index: int) -> torch.Generator:
-        return torch.Generator(device=device).manual_seed(seed * 1_000_003 + index)
-
-    methods = [
-        Method(
-            {"decoder": "ar"},
-            lambda p, i: autoregressive(target_lm, p, new, sampling, generator(i), eos_ids),
-            ar_cost(latencies.target),
-        )
-    ]
-    standalone = []
-    for d in drafters:
-        pair = d.source.pair
-        if pair and eval_set.pair and pair != eval_set.pair and not cfg.cross_pairs:
-            continue
-        if d.lm is not None:
-            standalone.append(d)
-    for d in drafters:
-        if not measured_on(cfg, d, eval_set):
-            continue
-        base = {"drafter": d.source.name, "size_ratio": d.size_ratio}
-        if d.source.kind == "heads":
-            methods += blockwise_methods(cfg, d, standalone, sampling, target_lm, new, generator, eos_ids)
-            continue
-        if d.eagle3 is not None:
-            if "eagle3" in cfg.decoders:
-                for control, k, controller in controls_for(cfg, cfg.eagle3_k, seed, None):
-                    methods.append(
-                        Method(
-                            {**base, "decoder": "eagle3", "control": control, "draft_length": k},
-                            lambda p, i, c=controller, d=d: eagle3_decode(
-                                d.featured, d.eagle3, p, new, sampling, c, generator(i), eos_ids
-                            ),
-                            chain_cost(latencies.rounds[d.source.name]),
-                        )
-                    )
-            continue
-        if d.self_speculative is not None:
-            if "eesd" in cfg.decoders:
-                from polydraft.decoding.eesd import self_speculative
-
-                for control, k, controller in controls_for(cfg, cfg.eesd_k, seed, d.predict):
-                    methods.append(
-                        Method(
-                            {**base, "decoder": "eesd", "control": control, "draft_length": k},
-                            lambda p, i, c=controller, d=d: self_speculative(
-                                d.self_speculative, p, new, sampling, c, generator(i), eos_ids
-                            ),
-                            chain_cost(latencies.rounds[d.source.name]),
-                        )
-                    )
-            continue
-        if "sd" in cfg.decoders:
-            for control, k, controller in controls_for(cfg, cfg.draft_length, seed, d.predict):
-                methods.append(
-                    Method(
-                        {**base, "decoder": "sd", "control": control, "draft_length": k},
-                        lambda p, i, c=controller, d=d: speculative(
-                            target_lm, d.lm, p, new, sampling, c, generator(i), eos_ids
-                        ),
-                        chain_cost(latencies.rounds[d.source.name]),
-                    )
-                )
-        for decoder, shape, label in tree_shapes(cfg):
-            methods.append(
-                Method(
-                    {**base, "decoder": decoder, "tree": label},
-                    lambda p, i, s=shape, d=d: recursive_speculative(
-                        target_lm, d.lm, p, new, sampling, s, generator(i), eos_ids
-                    ),
-                    tree_cost(latencies.target, latencies.drafters[d.source.name], shape),
-                )
-            )
-        if "assisted" in cfg.decoders:
-            methods.append(
-                Method(
-                    {**base, "decoder": "assisted", "control": "fixed", "draft_length": cfg.draft_length},
-                    lambda p, i, d=d: assisted(
-                        target,
-                        d.model,
-                        p,
-                        new,
-                        sampling,
-                        cfg.draft_length,
-                        cfg.assisted_confidence_threshold,
-                        seed * 1_000_003 + i,
-                        eos_ids,
-                        cfg.profile,
-                    ),
-                )
-            )
-    return methods
-
-
-def tree_shapes(cfg: MeasureConfig) -> list[tuple[str, TreeShape, str]]:
-    """(decoder, shape, label) of every tree measured: `branching` and `rsd_c_trees` for `rsd_c`,
-    `beam_width` x `beam_depth` and `rsd_s_trees` for `rsd_s`, each label once."""
-    out: list[tuple[str, TreeShape, str]] = []
-    if "rsd_c" in cfg.decoders:
-        for b in dict.fromkeys(tuple(b) for b in [cfg.branching, *cfg.rsd_c_trees]):
-            out.append(("rsd_c", TreeShape.constant(list(b)), "-".join(map(str, b))))
-    if "rsd_s" in cfg.decoders:
-        for w, depth in dict.fromkeys(tuple(t) for t in [[cfg.beam_width, cfg.beam_depth], *cfg.rsd_s_trees]):
-            out.append(("rsd_s", TreeShape.beam(w, depth), f"{w}x{depth}"))
-    return out
-
-
-def measure_latencies(
-    cfg: MeasureConfig, target_lm: CachedLM, drafters: list[Drafter], prompt: torch.Tensor
-) -> RunLatencies:
-    """The forward latencies of every model the run's decoders call, on a context as long as a prompt
-    plus half an answer."""
-    lengths = [cfg.draft_length, cfg.eesd_k, cfg.eagle3_k, *cfg.k_sweep]
-    if "beta_ts" in cfg.controls or "cali_ts" in cfg.controls:
-        lengths.append(cfg.max_draft_length)
-    shapes = [shape for _, shape, _ in tree_shapes(cfg)]
-    size = max([max(lengths) + 1, *(shape.max_nodes + 1 for shape in shapes)])
-    length = max(prompt.numel() + cfg.max_new_tokens // 2, size + 1)
-    context = prompt.repeat(-(-length // prompt.numel()))[:length].view(1, -1)
-    try:
-        return run_latencies(
-            target_lm,
-            {d.source.name: d.lm for d in drafters if d.lm is not None},
-            {d.source.name: d.self_speculative for d in drafters if d.self_speculative is not None},
-            {d.source.name: (d.featured, d.eagle3) for d in drafters if d.eagle3 is not None},
-            context,
-            max(lengths),
-            shapes,
-            cfg.latency_repeats,
-        )
-    except NotImplementedError as err:  # trees past a sliding window
-        trees = " and ".join(f"`{d}`" for d in ("rsd_c", "rsd_s") if d in cfg.decoders)
-        raise StageFailed(f"measure: {err}; remove {trees} from measure.decoders for this target") from err
 
 
 if __name__ == "__main__":

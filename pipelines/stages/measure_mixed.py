@@ -14,12 +14,13 @@ from typing import Any
 
 import torch
 
+from polydraft.data.prompts import MULTILINGUAL
 from polydraft.decoding.control import FixedK
 from polydraft.decoding.eagle3 import eagle3_decode
 from polydraft.decoding.engine import autoregressive
 from polydraft.decoding.lm import CachedLM
-from polydraft.decoding.measurement.inputs import EAGLE3_PREFIX, EvalSet
-from polydraft.decoding.measurement.measure import Drafter, Method, measure_group
+from polydraft.decoding.measurement.eval_inputs import EAGLE3_PREFIX, EvalSet
+from polydraft.decoding.measurement.groups import Drafter, Method, measure_group
 from polydraft.decoding.measurement.mixed import (
     ORACLE,
     ROUTED,
@@ -33,10 +34,9 @@ from polydraft.decoding.measurement.mixed import (
     read_groups,
     write_group,
 )
-from polydraft.decoding.measurement.routing import LanguageRouter, routing_table_for
+from polydraft.decoding.routing import LanguageRouter, routing_table_for
 from polydraft.decoding.sampling import Sampling
 from polydraft.decoding.sd import speculative
-from polydraft.distill.prompts import MULTILINGUAL
 from polydraft.pipelines.schema import MeasureConfig
 from polydraft.pipelines.stage import StageContext
 

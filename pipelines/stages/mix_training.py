@@ -1,7 +1,7 @@
 """What the stages that train on the distill stage's mix share. `sized_batches` cuts encoded mix rows into
 this process's batches and sizes the run (finetune, early_exit, heads). The `early_exit` and `heads`
 stages both train a small part (an exit head, proposal heads) on a frozen target over the mix of every
-pair: `mix_data` reads it, `prepare_trainable` builds the optimizer and schedule and hands the trainable
+pair: `mix_data` reads it, `train.runtime.prepare_for_training` builds the optimizer and schedule and hands the trainable
 part to accelerate, `write_output` writes the output folder atomically and drops the checkpoints it makes
 useless.
 """
@@ -19,9 +19,6 @@ import torch
 from polydraft.pipelines.stage import StageFailed
 from polydraft.train.data import MixBatches, pad_id_of
 from polydraft.train.mix_cache import load_examples
-from polydraft.train.runtime import configure_deepspeed
-from polydraft.train.schedule import build_optimizer, build_scheduler
-from polydraft.train.step import OptimSettings
 
 log = logging.getLogger(__name__)
 
@@ -68,22 +65,6 @@ def sized_batches(
             f"{batches.global_batch} (per_device_batch_size x processes x grad_accum_steps)"
         )
     return batches, loop.max_steps or max(1, int(loop.epochs * batches.steps_per_epoch))
-
-
-def prepare_trainable(
-    module: torch.nn.Module, optim: OptimSettings, loop: Any, total_steps: int, accelerator: Any
-) -> tuple[torch.nn.Module, Any, Any]:
-    """(prepared module in train mode, optimizer, LR scheduler) for the trainable part alone."""
-    if loop.compile:
-        module.compile()
-    optimizer = build_optimizer(module, optim.lr, optim.weight_decay, optim.betas, optim.eps)
-    scheduler = build_scheduler(
-        optimizer, total_steps, optim.warmup_ratio, optim.schedule, optim.min_lr_ratio
-    )
-    configure_deepspeed(accelerator, loop.per_device_batch_size, optim.max_grad_norm)
-    prepared, optimizer = accelerator.prepare(module, optimizer)
-    prepared.train()
-    return prepared, optimizer, scheduler
 
 
 def peak_memory_gib(device: torch.device) -> float | None:

@@ -13,9 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from polydraft.models.drafters import DrafterMismatch, check_drafter, target_vocab_size
+from polydraft.models.drafters import DrafterMismatch, check_init_for_target, target_vocab_size
 from polydraft.models.loading import load_tokenizer
-from polydraft.pipelines.schema.common import ResolvedTarget, reader_args
+from polydraft.pipelines.schema.common import reader_args
 from polydraft.pipelines.schema.inputs import PretrainInputs
 from polydraft.pipelines.stage import (
     StageContext,
@@ -30,8 +30,8 @@ from polydraft.pipelines.stage import (
 from polydraft.pipelines.tracking import Tracker
 from polydraft.train.data import PackedBatches, pad_id_of
 from polydraft.train.drafter import export, initial_drafter, pretrain_steps, train_drafter
-from polydraft.train.results import PretrainMetrics
 from polydraft.train.runtime import resolve_attn_implementation
+from polydraft.train.stage_metrics import PretrainMetrics
 from polydraft.train.stream import documents as document_stream
 
 
@@ -41,22 +41,14 @@ def run(inputs: PretrainInputs, ctx: StageContext) -> StageResult:
         raise StageFailed(
             "pretrain: data.pretrain lists no corpus (e.g. C4 streaming, ShareGPT, or the offline text)"
         )
-    drafter = inputs.pretrain.drafter
-    preflight(ctx.name, drafter.init, drafter.revision, inputs.target)
+    drafter, target = inputs.pretrain.drafter, inputs.target
+    try:  # a drafter checkpoint with another vocabulary fails here, before any process is launched
+        if drafter.init is not None:
+            check_init_for_target(drafter.init, drafter.revision, target.path, target.revision, target.trust_remote_code)  # fmt: skip
+    except DrafterMismatch as err:
+        raise StageFailed(f"{ctx.name}: {err}") from err
     metrics = launch_training(inputs, inputs.launch, ctx, "polydraft.pipelines.stages.pretrain")
     return StageResult(metrics=PretrainMetrics.model_validate(metrics).model_dump())
-
-
-def preflight(stage: str, init: str | None, revision: str | None, target: ResolvedTarget) -> None:
-    """A drafter checkpoint with another vocabulary fails here, before any process is launched."""
-    if init is None:
-        return
-    tokenizer = load_tokenizer(target.path, target.revision, target.trust_remote_code)
-    vocab = target_vocab_size(target.path, target.revision, target.trust_remote_code)
-    try:
-        check_drafter(init, revision, vocab, tokenizer, f"target {target.path}")
-    except DrafterMismatch as err:
-        raise StageFailed(f"{stage}: {err}") from err
 
 
 def main(argv: list[str] | None = None) -> None:

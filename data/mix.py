@@ -41,6 +41,16 @@ def mix_file(distill_dir: Path, pair: str, split: str) -> Path:
     return path
 
 
+def keeps_row(
+    origin: str, temperature: float | None, temperatures: list[float] | None, open_rows: bool = True
+) -> bool:
+    """Whether a trainer keeps a mix row: a distilled answer when `temperatures` is None or holds its
+    temperature, an open row when `open_rows`. Every reader of the mix filters with this."""
+    if origin != "distill":
+        return open_rows
+    return temperatures is None or temperature in temperatures
+
+
 def read_mix(
     distill_dir: Path,
     pair: str,
@@ -53,7 +63,7 @@ def read_mix(
     with open(path, encoding="utf-8") as handle:
         for line in handle:
             row = json.loads(line)
-            if temperatures is None or row["origin"] != "distill" or row["temperature"] in temperatures:
+            if keeps_row(row["origin"], row["temperature"], temperatures):
                 rows.append(row)
     return rows
 

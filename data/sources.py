@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from polydraft.distill.offline import offline_pairs, offline_texts
+from polydraft.data.offline import offline_pairs, offline_texts
 from polydraft.models.folders import mirrored
 
 log = logging.getLogger(__name__)

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from polydraft.distill.prompts import build_prompt, chat_turns, text_prefix, translation_messages
-from polydraft.distill.sources import SourceError, SourceRows
+from polydraft.data.prompts import build_prompt, chat_turns, text_prefix, translation_messages
+from polydraft.data.sources import SourceError, SourceRows
 
 Key = tuple[str, float, int]
 CHAT_PAIR = "chat"

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from polydraft.distill.prompts import LANGUAGE_NAMES, PAIRS
+from polydraft.data.prompts import LANGUAGE_NAMES, PAIRS
 
 ROUTING_FILE = "routing.json"
 """The routing table's file name, beside the drafter folders it names."""

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from polydraft.distill.prompts import (
+from polydraft.data.prompts import (
     PAIRS,
     build_prompt,
     chat_turns,
@@ -37,7 +37,7 @@ from polydraft.distill.prompts import (
     text_prefix,
     translation_messages,
 )
-from polydraft.distill.sources import read_source
+from polydraft.data.sources import read_source
 
 log = logging.getLogger(__name__)
 

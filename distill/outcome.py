@@ -11,8 +11,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from polydraft.distill.mix import MixWriter
-from polydraft.distill.plan import Key, in_eval_split, record_id, shard_of
+from polydraft.data.mix import MixWriter
+from polydraft.distill.requests import Key, in_eval_split, record_id, shard_of
 from polydraft.distill.store import iter_records
 
 log = logging.getLogger(__name__)

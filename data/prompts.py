@@ -3,7 +3,10 @@ raw text for base targets, and document beginnings as prompts (seed 001 on SlimP
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 LANGUAGES = ("de", "fr", "ru", "ja", "zh", "en")
 TO_ENGLISH = ("de-en", "fr-en", "ru-en", "ja-en", "zh-en")
@@ -166,3 +169,22 @@ def eos_ids(tokenizer: Any, generation_eos: int | list[int] | None) -> list[int]
     """The target's EOS ids: its generation config's (`generation_eos`), else its tokenizer's."""
     eos = generation_eos if generation_eos is not None else tokenizer.eos_token_id
     return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+def answer_stop_ids(override: list[int] | None, target: Any, tokenizer: Any) -> tuple[list[int], list[int]]:
+    """(the target's EOS ids, the other token ids that end an answer: the recipe's
+    `distill.stop_token_ids`, else the end-of-turn token of the target's chat template). Without a
+    tokenizer (an `openai` server, which knows its EOS): ([], the recipe's ids or none)."""
+    if tokenizer is None:
+        return [], list(override or [])
+    from transformers import GenerationConfig
+
+    try:
+        generation_eos = GenerationConfig.from_pretrained(target.path, revision=target.revision).eos_token_id
+    except OSError:  # no generation_config.json
+        generation_eos = None
+    eos = eos_ids(tokenizer, generation_eos)
+    extra = [i for i in (override if override is not None else turn_end_ids(tokenizer)) if i not in eos]
+    stops = eos + extra
+    log.info("distill: answers end at token ids %s (%s)", stops, tokenizer.convert_ids_to_tokens(stops))
+    return eos, extra
