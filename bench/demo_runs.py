@@ -34,7 +34,7 @@ from polydraft.decoding.measurement.mixed import RULE, decisions, read_groups
 from polydraft.pipelines.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("pipelines", "distill", "train", "models", "decoding")
+PACKAGES = ("pipelines", "data", "distill", "train", "models", "decoding")
 
 
 def clone_and_run(index: int, recipe: str, out: Path) -> dict:
@@ -239,7 +239,7 @@ def main() -> int:
             f"## {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}Z - `python -m bench.demo_runs "
             f"--runs {args.runs}` ({platform.machine()}, {os.cpu_count()} cores)",
             "",
-            f"{args.runs} fresh clones of {commits}, each running `polydraft run {args.recipe}` "
+            f"{args.runs} fresh clone{'s' if args.runs > 1 else ''} of {commits}, each running `polydraft run {args.recipe}` "
             f"from scratch: {stage_seconds} s of stages "
             f"({walls} s wall clock). Each cell: the median over the "
             "runs of each run's mean over its repetitions (min-max over the runs), T=0; `predicted`: the latency "

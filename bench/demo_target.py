@@ -24,7 +24,10 @@ from polydraft.decoding.engine import autoregressive
 from polydraft.decoding.lm import CachedLM
 from polydraft.decoding.sampling import Sampling
 
-KINDS = {"numbers": {"number": 1.0}, "mixed": {"catalog": 1.0, "name": 1.0, "date": 1.0, "number": 1.0}}
+KINDS = {
+    "numbers": {"catalog": 0.0, "name": 0.0, "date": 0.0, "number": 1.0},  # a kind left out would weigh 1
+    "mixed": {"catalog": 1.0, "name": 1.0, "date": 1.0, "number": 1.0},
+}
 
 
 def score(
