@@ -12,13 +12,17 @@ from polydraft.distill.merge import MergeError, merge_shards
 from polydraft.distill.store import RecordStore, StoreError, iter_records, record_files, record_key
 from tests.distill_setup import local_source, make_recipe, run_distill, translation_file
 
+PROMPTS = 20
+"""A prompt's shard is a hash of its id, which holds the data file's temporary path: with 6 prompts one
+shard came out empty in ~3% of paths (it did on a CI machine); with 20, in ~2 of a million."""
+
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory, tiny_target_dir):
-    """Two shards of one distillation (6 prompts, greedy + 1 sample at T=1), with an open source."""
+    """Two shards of one distillation (PROMPTS prompts, greedy + 1 sample at T=1), with an open source."""
 
     root = tmp_path_factory.mktemp("shards")
-    data = translation_file(root, 6)
+    data = translation_file(root, PROMPTS)
     folders = []
     for index in range(2):
         recipe = make_recipe(
@@ -41,16 +45,16 @@ def test_shards_split_the_prompts_and_merge_into_one_complete_folder(tmp_path, s
     data, folders = shards
     per_shard = [{record_key(r) for r in iter_records(f)} for f in folders]
     assert per_shard[0] and per_shard[1] and not per_shard[0] & per_shard[1]
-    expected = {(f"0:local:{data}/train/{i}", t, 0) for i in range(6) for t in (0.0, 1.0)}
+    expected = {(f"0:local:{data}/train/{i}", t, 0) for i in range(PROMPTS) for t in (0.0, 1.0)}
     assert per_shard[0] | per_shard[1] == expected
 
     summary = merge_shards(folders, tmp_path / "merged")
     merged = tmp_path / "merged"
     keys = [record_key(r) for r in iter_records(merged)]
     assert len(keys) == len(set(keys)) and set(keys) == expected
-    assert summary["records"] == 12 and summary["shards"] == 2 and summary["prompts"] == 6
+    assert summary["records"] == 2 * PROMPTS and summary["shards"] == 2 and summary["prompts"] == PROMPTS
     rows = read_mix(merged, "de-en", "train") + read_mix(merged, "de-en", "eval")
-    assert sum(r["origin"] == "distill" for r in rows) == 12
+    assert sum(r["origin"] == "distill" for r in rows) == 2 * PROMPTS
     opened = [r["id"] for r in rows if r["origin"] == "open"]
     assert len(opened) == len(set(opened)) > 0  # shards never pick the same open row
     assert json.loads((merged / "plan.json").read_text())["num_shards"] == 1
