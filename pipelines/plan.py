@@ -381,11 +381,7 @@ def _measure(recipe: Recipe, plan: Plan, target: Shape, drafter: Shape) -> Stage
         tokens = per_seed * len(m.seeds) * len(m.temperatures) * answer_tokens(source, m.max_new_tokens)
         generated += tokens * methods
         seconds += tokens * (ar_seconds + (methods - 1) * ar_seconds / SPEC_SPEEDUP)
-        if m.mixed and source.pair is not None:  # again in the mixed traffic: ar, `sd` with each finetuned
-            mixed = languages + multilingual + 2  # drafter, routed and oracle; `eagle3` with each head, too
-            mixed += (head_languages + head_multilingual + 2) if head_languages else 0
-            generated += tokens * (1 + mixed)
-            seconds += tokens * (ar_seconds + mixed * ar_seconds / SPEC_SPEEDUP)
+        # the mixed traffic decodes nothing more: it is composed from these groups' per-prompt results
     weights = (target.params() + drafters * drafter.params()) * 2
     seconds += weights / LOAD_BYTES_PER_S
     gpus, peak = spread(weights * 1.1, cluster)

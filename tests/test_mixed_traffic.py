@@ -1,6 +1,7 @@
-"""`measure.mixed`: every pair's held-out prompts interleaved and decoded by each drafter alone, the
-multilingual drafter, the routed per-language drafters (router time included) and the oracle; rows per pair
-and overall, resumable group files, and the decision between routed and multilingual."""
+"""`measure.mixed`: every pair's held-out prompts interleaved, with each drafter alone, the multilingual
+drafter, the routed per-language drafters (router time included) and the oracle, composed from the per-pair
+groups' per-prompt results; rows per pair and overall, group files, and the decision between routed and
+multilingual."""
 
 from __future__ import annotations
 
@@ -10,10 +11,9 @@ import time
 import pytest
 import torch
 
-from polydraft.decoding.engine import Generation
 from polydraft.decoding.measurement.eval_inputs import EvalSet
-from polydraft.decoding.measurement.groups import Method
 from polydraft.decoding.measurement.mixed import (
+    Composed,
     MixedGroup,
     MixedRow,
     decisions,
@@ -22,7 +22,7 @@ from polydraft.decoding.measurement.mixed import (
     mixed_traffic,
     read_groups,
 )
-from polydraft.decoding.measurement.results import PromptResult
+from polydraft.decoding.measurement.results import PromptResult, read_rows, write_rows
 from polydraft.decoding.routing import LanguageRouter
 from polydraft.pipelines.schema import DataConfig, MeasureConfig, Recipe, SourceConfig, TargetConfig
 from polydraft.pipelines.stage import StageFailed
@@ -35,43 +35,41 @@ single_thread = single_thread_fixture()
 
 def _set(pair: str, count: int) -> EvalSet:
     return EvalSet(
-        pair, pair, [torch.tensor([i]) for i in range(count)], [f"{pair} text {i}" for i in range(count)]
+        f"{pair}-set",
+        pair,
+        [torch.tensor([i]) for i in range(count)],
+        [f"{pair} text {i}" for i in range(count)],
     )
 
 
 def test_the_mixed_traffic_interleaves_each_pairs_prompts_of_the_repetition():
     sets = [_set("de-en", 6), _set("fr-en", 6), EvalSet("chat", None, [torch.tensor([9])], ["x"])]
     traffic = mixed_traffic(sets, [0, 1, 2], 1, 2, disjoint=True)
-    # seed 1 of 3 with 2 prompts each: prompts 2 and 3 of each pair, alternating pairs; pair-less sets left out
-    assert [(p.pair, p.index, p.text) for p in traffic] == [
-        ("de-en", 2, "de-en text 2"),
-        ("fr-en", 2, "fr-en text 2"),
-        ("de-en", 3, "de-en text 3"),
-        ("fr-en", 3, "fr-en text 3"),
+    # seed 1 of 3 with 2 prompts each: prompts 2 and 3 of each pair, alternating pairs; pair-less sets left
+    # out; each the first or second prompt its pair's group of that repetition decoded
+    assert [(p.pair, p.dataset, p.index, p.position, p.text) for p in traffic] == [
+        ("de-en", "de-en-set", 2, 0, "de-en text 2"),
+        ("fr-en", "fr-en-set", 2, 0, "fr-en text 2"),
+        ("de-en", "de-en-set", 3, 1, "de-en text 3"),
+        ("fr-en", "fr-en-set", 3, 1, "fr-en text 3"),
     ]
-    assert [int(p.prompt) for p in traffic] == [2, 2, 3, 3]
     assert len(mixed_traffic(sets, [0, 1, 2], 1, 2, disjoint=False)) == 12
     with pytest.raises(ValueError, match=r"at least two language pairs.*\['de-en'\]"):
         mixed_traffic(sets[:1], [0], 0, 2, disjoint=False)
 
 
-def _generation(tokens: list[int], calls: int, seconds: float) -> Generation:
-    return Generation(tokens=tokens, stop="length", target_calls=calls, wall_seconds=seconds)
+def _results(*values: tuple[int, float]) -> list[PromptResult]:
+    """(target calls, seconds) per request, 4 tokens each."""
+    return [PromptResult(new_tokens=4, target_calls=c, wall_seconds=t) for c, t in values]
 
 
 def test_rows_per_pair_use_that_pairs_share_of_the_same_generations(tmp_path):
     sets = [_set("de-en", 2), _set("fr-en", 2)]
     traffic = mixed_traffic(sets, [0], 0, 2, disjoint=False)  # de, fr, de, fr
-    ar = Method({"decoder": "ar"}, lambda p, i: None)
-    ar.generations = [_generation([1, 2, 3, 4], 4, 1.0) for _ in traffic]
-    sd = Method({"decoder": "sd", "drafter": "de-en", "draft_length": 4}, lambda p, i: None)
-    # fast on German (4 tokens in 0.25 s, 1 call), slow on French (4 tokens in 2 s, 4 calls)
-    sd.generations = [
-        _generation([1, 2, 3, 4], 1, 0.25),
-        _generation([1, 2, 3, 5], 4, 2.0),
-        _generation([1, 2, 3, 4], 1, 0.25),
-        _generation([1, 2, 3, 4], 4, 2.0),
-    ]
+    ar = Composed("ar", None, _results(*[(4, 1.0)] * 4), [True] * 4)
+    # fast on German (4 tokens in 0.25 s, 1 call), slow on French (4 tokens in 2 s, 4 calls); its French row
+    # did not match `ar`
+    sd = Composed("de-en", 4, _results((1, 0.25), (4, 2.0), (1, 0.25), (4, 2.0)), [True, False, True, False])
     group = group_of([ar, sd], traffic, [], 0.0, 3)
     rows = {(r.method, r.traffic): r for r in group.rows}
     assert set(rows) == {(m, t) for m in ("ar", "de-en") for t in ("all", "de-en", "fr-en")}
@@ -84,6 +82,7 @@ def test_rows_per_pair_use_that_pairs_share_of_the_same_generations(tmp_path):
     assert rows["de-en", "fr-en"].prompts == 2 and rows["de-en", "all"].draft_length == 4
     french = rows["de-en", "fr-en"].per_prompt  # that pair's requests, in order
     assert french is not None and [(p.target_calls, p.wall_seconds) for p in french] == [(4, 2.0), (4, 2.0)]
+    assert all(r.matches_ar is None for r in group_of([ar, sd], traffic, [], 1.0, 3).rows)
 
 
 def _groups(routed: list[list[float]], multilingual: list[list[float]]) -> list[MixedGroup]:
@@ -160,14 +159,15 @@ def _recipe(target_dir):
         controls=["fixed"],
         k_sweep=[],
         mixed=True,
-        cross_pairs=False,
         disjoint_prompts=True,
     )
 
 
-def test_mixed_traffic_rows_router_cost_summary_and_resume(
+def test_mixed_traffic_rows_router_cost_summary_and_rerun(
     tmp_path, tiny_target_dir, with_multilingual, monkeypatch
 ):
+    import polydraft.pipelines.stages.measure as measure_stage
+
     route = LanguageRouter.route
 
     def slow(self, text):  # at least 50 ms per request: the routed wall time must hold it
@@ -175,8 +175,22 @@ def test_mixed_traffic_rows_router_cost_summary_and_resume(
         return route(self, text)
 
     monkeypatch.setattr(LanguageRouter, "route", slow)
+    decoded = []
+    measure_group = measure_stage.measure_group
+
+    def counted(build, prompts, warmed):
+        decoded.append(len(prompts))
+        return measure_group(build, prompts, warmed)
+
+    monkeypatch.setattr(measure_stage, "measure_group", counted)
     ctx = measure_context(tmp_path, {"finetune": with_multilingual})
     run_measure(_recipe(tiny_target_dir), ctx, tiny_target_dir)
+    # the per-pair groups only (2 sets x 2 temperatures x 2 repetitions of 2 prompts): nothing decoded again
+    assert decoded == [2] * 8
+    per_pair = {
+        (r.dataset_pair, r.temperature, r.seed, r.drafter): r
+        for r in read_rows(ctx.work_dir / "results.jsonl")
+    }
     groups = read_groups(ctx.work_dir)
     assert sorted((g.temperature, g.seed) for g in groups) == [(0.0, 0), (0.0, 1), (1.0, 0), (1.0, 1)]
     methods = ["ar", "de-en", "fr-en", "multilingual", "routed", "oracle"]
@@ -189,6 +203,21 @@ def test_mixed_traffic_rows_router_cost_summary_and_resume(
         assert group.router_accuracy == 1.0 and all(r.router_ms >= 50 for r in group.requests)
         rows = {(r.method, r.traffic): r for r in group.rows}
         assert set(rows) == {(m, t) for m in methods for t in ("all", *PAIRS)}
+        for pair in PAIRS:  # each pair's share is that pair's own group of the repetition, value for value
+            for method in ("ar", "de-en", "fr-en", "multilingual"):
+                source = per_pair[pair, group.temperature, group.seed, None if method == "ar" else method]
+                row = rows[method, pair]
+                assert row.per_prompt == source.per_prompt and row.new_tokens == source.new_tokens
+                assert row.block_efficiency == pytest.approx(source.block_efficiency)
+                assert row.token_rate == pytest.approx(source.token_rate)
+                assert row.matches_ar == source.matches_ar
+            oracle, routed = rows["oracle", pair].per_prompt, rows["routed", pair].per_prompt
+            assert oracle == per_pair[pair, group.temperature, group.seed, pair].per_prompt
+            assert routed is not None and oracle is not None
+            for request, r, o in zip(
+                [q for q in group.requests if q.pair == pair], routed, oracle, strict=True
+            ):
+                assert r.wall_seconds == pytest.approx(o.wall_seconds + request.router_ms / 1000)
         assert rows["ar", "all"].speedup == 1.0 and rows["routed", "de-en"].prompts == 2
         routed = rows["routed", "all"]
         assert routed.token_rate is not None and routed.token_rate <= routed.new_tokens / (4 * 0.05)
@@ -201,17 +230,32 @@ def test_mixed_traffic_rows_router_cost_summary_and_resume(
     assert "## Mixed-language traffic" in summary and "| routed |" in summary and "Decision rule:" in summary
     assert "100.0% ± 0.0% of the requests to their own pair's drafter, 0 of 8 to the fallback" in summary
 
-    # a killed run: one group missing, one half-written; the rerun measures those two only
+    # a rerun composes every group again from results.jsonl, a missing or broken file too, decoding nothing
     files = sorted((ctx.work_dir / "mixed").glob("*.json"))
-    kept = {p.name: p.read_bytes() for p in files[1:-1]}
     files[0].unlink()
     files[-1].write_text(files[-1].read_text()[:50])
     with pytest.raises(ValueError, match="not a mixed-traffic group"):
         read_groups(ctx.work_dir)
-    files[-1].unlink()
     run_measure(_recipe(tiny_target_dir), ctx, tiny_target_dir)
-    assert {p.name: p.read_bytes() for p in files[1:-1]} == kept
-    assert all(p.is_file() for p in files)
+    assert decoded == [2] * 8 and all(p.is_file() for p in files)
+    assert [g.rows[0] for g in read_groups(ctx.work_dir)] == [g.rows[0] for g in groups]  # `ar`, all traffic
+
+    # rows measured before per-prompt values were kept: a clear error, the rows kept
+    rows = read_rows(ctx.work_dir / "results.jsonl")
+    write_rows(ctx.work_dir / "results.jsonl", [r.model_copy(update={"per_prompt": None}) for r in rows])
+    with pytest.raises(
+        StageFailed, match=r"has no per-prompt values .*delete results.jsonl to measure again"
+    ):
+        run_measure(_recipe(tiny_target_dir), ctx, tiny_target_dir)
+    assert len(read_rows(ctx.work_dir / "results.jsonl")) == len(rows)
+
+
+def test_mixed_traffic_needs_every_drafter_on_every_pair_and_the_fixed_control():
+    with pytest.raises(ValueError, match="measure.cross_pairs is false"):
+        MeasureConfig(mixed=True, cross_pairs=False)
+    with pytest.raises(ValueError, match=r"has no `fixed`"):
+        MeasureConfig(mixed=True, controls=["beta_ts"])
+    assert MeasureConfig(mixed=True).cross_pairs
 
 
 def test_mixed_traffic_without_pair_drafters_fails_the_stage(tmp_path, tiny_target_dir):

@@ -233,7 +233,7 @@ def test_the_multilingual_drafter_and_the_mixed_traffic_are_planned(tmp_path):
     ]:
         (tmp_path / name).mkdir()
         recipe = small_recipe(tmp_path / name, data=data, finetune={"multilingual": finetune},
-                              measure={**measure, "mixed": mixed})  # fmt: skip
+                              measure={**measure, "mixed": mixed, "cross_pairs": mixed})  # fmt: skip
         plans[name] = {s.name: s for s in estimate(recipe, gpus, distill_engines=1).stages}
     base, multilingual, mixed = plans["base"], plans["multilingual"], plans["mixed"]
     assert "finetune multilingual" not in base
@@ -243,8 +243,8 @@ def test_the_multilingual_drafter_and_the_mixed_traffic_are_planned(tmp_path):
     # per eval set, one method more (sd with the multilingual drafter), on 10 prompts x T=0 and T=1
     per_method = base["measure"].tokens / (2 * 2)  # 2 sets x (ar + sd with the set's own drafter)
     assert multilingual["measure"].tokens == pytest.approx(base["measure"].tokens + 2 * per_method)
-    # mixed traffic: each set's prompts again with ar, 3 drafters, routed and oracle
-    assert mixed["measure"].tokens == pytest.approx(multilingual["measure"].tokens + 2 * 6 * per_method)
+    # mixed traffic: composed from the per-pair groups (each drafter on every set), nothing decoded again
+    assert mixed["measure"].tokens == pytest.approx(base["measure"].tokens * 4 / 2)  # ar and 3 drafters a set
 
 
 def test_extra_drafters_in_a_pair_folder_are_planned_on_their_pair_only(tmp_path):
@@ -264,15 +264,15 @@ def test_extra_drafters_in_a_pair_folder_are_planned_on_their_pair_only(tmp_path
 def test_eagle3_heads_are_planned_with_the_whole_target_in_each_trainer_and_measured(tmp_path):
     """One trainer per pair (and the multilingual union); each runs the whole target forward over its rows
     (2 FLOPs a parameter and token) and the unrolled head; measure decodes with each head on its own pair
-    at K and with Beta-TS, and in the mixed traffic each head alone, routed and oracle."""
+    at K and with Beta-TS; the mixed traffic decodes nothing more."""
     data, gpus = TWO_PAIRS, parse_gpus("2xA100-80GB")
     measure = {**SD_OWN_PAIR, "decoders": ["ar", "sd", "eagle3"], "controls": ["fixed", "beta_ts"]}
     plans = {}
     for name, eagle3, mixed in [("base", {}, False), ("heads", {"enabled": True, "multilingual": True}, False),
                                 ("mixed", {"enabled": True, "multilingual": True}, True)]:  # fmt: skip
         (tmp_path / name).mkdir()
-        recipe = small_recipe(tmp_path / name, data=data, eagle3=eagle3, measure={**measure, "mixed": mixed},
-                              finetune={"multilingual": True})  # fmt: skip
+        recipe = small_recipe(tmp_path / name, data=data, eagle3=eagle3, finetune={"multilingual": True},
+                              measure={**measure, "mixed": mixed, "cross_pairs": mixed})  # fmt: skip
         plans[name] = {s.name: s for s in estimate(recipe, gpus, distill_engines=1).stages}
     base, heads, mixed = plans["base"], plans["heads"], plans["mixed"]
     assert {"eagle3 de-en", "eagle3 fr-en", "eagle3 multilingual"} <= set(
@@ -284,8 +284,9 @@ def test_eagle3_heads_are_planned_with_the_whole_target_in_each_trainer_and_meas
     # measure: base has ar + 2 x sd (fixed, beta_ts) with the own drafter + the multilingual's per set
     per_method = base["measure"].tokens / (2 * (1 + 2 * 2))
     assert heads["measure"].tokens == pytest.approx(base["measure"].tokens + 2 * 2 * 2 * per_method)
-    # mixed: ar, 3 drafters, routed, oracle; then 3 heads, routed, oracle
-    assert mixed["measure"].tokens == pytest.approx(heads["measure"].tokens + 2 * 11 * per_method)
+    # mixed: nothing decoded again; cross_pairs (which it needs) puts every drafter and head on both sets:
+    # ar + 2 x 3 drafters + 2 x 3 heads a set
+    assert mixed["measure"].tokens == pytest.approx(2 * (1 + 6 + 6) * per_method)
 
 
 def test_eagle3_keeps_the_distilled_rows_of_its_temperatures_at_their_length(tmp_path):

@@ -1,14 +1,15 @@
 """Mixed-language traffic: should a server hold one multilingual drafter, or one drafter per language
 behind a router?
 
-The mixed eval set of one repetition is every pair's held-out prompts of that repetition, interleaved
-(de, fr, de, fr, ...), so each decoding method meets the languages in the same order. Every method
-decodes it in one `measure_group` (the order rotating per prompt, as everywhere): `ar`; `sd` with each
-drafter alone (each pair's drafter, and the multilingual one when the run trained it); `routed`, where
-the language router (`decoding.routing`) picks the drafter of each request from its text
-before decoding starts (its time is added to the request's wall time); and `oracle`, each prompt with
-its own pair's drafter (what a perfect, free router would give). All at the recipe's fixed draft length.
-When the run trained EAGLE-3 heads the same again with `eagle3` and the heads (`eagle3-de-en`, ...,
+The mixed traffic of one repetition is every pair's held-out prompts of that repetition, interleaved
+(de, fr, de, fr, ...). The measure stage's per-pair groups have already decoded each of those prompts
+with every drafter, `ar` beside them (the order rotating per prompt), so the mixed traffic is composed from
+their per-prompt results instead of decoded again (`pipelines.stages.measure_mixed`): `ar`; `sd` with each
+drafter alone (each pair's drafter, and the multilingual one when the run trained it); `routed`, where the
+language router (`decoding.routing`) picks the drafter of each request from its text (the router runs on
+every request, and its time is added to the request's wall time); and `oracle`, each prompt with its own
+pair's drafter (what a perfect, free router would give). All at the recipe's fixed draft length. When the
+run trained EAGLE-3 heads the same again with `eagle3` and the heads (`eagle3-de-en`, ...,
 `eagle3-routed`, `eagle3-oracle`), the router's choice of pair taken for both.
 
 Each group is one file, `mixed/T<temperature>-seed<seed>.json`: the requests in their order (pair,
@@ -29,14 +30,12 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from pydantic import BaseModel, ConfigDict
 
 from polydraft.decoding.measurement.claims import LEVEL, POWER, PairedInterval, paired_interval
 from polydraft.decoding.measurement.eval_inputs import EvalSet, repetition_prompts
-from polydraft.decoding.measurement.groups import Method
-from polydraft.decoding.measurement.metrics import format_cell, mean_std, summarize
-from polydraft.decoding.measurement.results import PromptResult, prompt_results
+from polydraft.decoding.measurement.metrics import format_cell, mean_std
+from polydraft.decoding.measurement.results import PromptResult
 
 MIXED_DIR = "mixed"
 ROUTED = "routed"
@@ -46,13 +45,16 @@ ALL = "all"
 
 @dataclass(frozen=True)
 class MixedPrompt:
-    """One request of the mixed traffic: its tokenized prompt, the user's text, and where it came from."""
+    """One request of the mixed traffic: the user's text and where it came from."""
 
-    prompt: torch.Tensor
     text: str
     pair: str
+    dataset: str
+    """The name of its pair's eval set."""
     index: int
     """Its index in its pair's eval set."""
+    position: int
+    """Its place among the prompts its pair's group decoded in this repetition."""
 
 
 def mixed_traffic(
@@ -70,7 +72,10 @@ def mixed_traffic(
     for eval_set in pairs:
         indices = repetition_prompts(list(range(len(eval_set.prompts))), seeds, seed, num_prompts, disjoint)
         shares.append(
-            [MixedPrompt(eval_set.prompts[i], eval_set.texts[i], str(eval_set.pair), i) for i in indices]
+            [
+                MixedPrompt(eval_set.texts[i], str(eval_set.pair), eval_set.name, i, position)
+                for position, i in enumerate(indices)
+            ]
         )
     return [share[i] for i in range(max(map(len, shares))) for share in shares if i < len(share)]
 
@@ -127,41 +132,48 @@ class MixedGroup(BaseModel):
     rows: list[MixedRow]
 
 
+@dataclass(frozen=True)
+class Composed:
+    """One method on the mixed traffic: each request's result, in the traffic's order, and whether the
+    per-pair row it came from matched `ar`'s output (None at T > 0)."""
+
+    name: str
+    draft_length: int | None
+    results: list[PromptResult]
+    matches_ar: list[bool | None]
+
+
 def group_of(
-    methods: list[Method],
+    methods: list[Composed],
     traffic: list[MixedPrompt],
     requests: list[MixedRequest],
     temperature: float,
     seed: int,
 ) -> MixedGroup:
-    """The rows of a finished group (`methods[0]` is `ar`; a method is named by its `drafter` field), for
-    all requests and for each pair's."""
+    """The rows of a group (`methods[0]` is `ar`), for all requests and for each pair's."""
     ar = methods[0]
     rows = []
     for share in [ALL, *dict.fromkeys(p.pair for p in traffic)]:
-        keep = [share in (ALL, p.pair) for p in traffic]
-        ar_chosen = [g for g, k in zip(ar.generations, keep, strict=True) if k]
-        ar_rate = summarize(ar_chosen, None)["token_rate"]
+        keep = [i for i, p in enumerate(traffic) if share in (ALL, p.pair)]
+        ar_rate = _rate([ar.results[i] for i in keep])
         for method in methods:
-            chosen = [g for g, k in zip(method.generations, keep, strict=True) if k]
-            metrics = summarize(chosen, None)
-            rate = metrics["token_rate"]
+            chosen = [method.results[i] for i in keep]
+            tokens = sum(r.new_tokens for r in chosen)
+            rate = _rate(chosen)
             rows.append(
                 MixedRow(
-                    method=method.fields.get("drafter") or "ar",
+                    method=method.name,
                     traffic=share,
                     temperature=temperature,
                     seed=seed,
-                    draft_length=method.fields.get("draft_length"),
+                    draft_length=method.draft_length,
                     prompts=len(chosen),
-                    new_tokens=int(metrics["new_tokens"] or 0),
-                    block_efficiency=metrics["block_efficiency"],
+                    new_tokens=tokens,
+                    block_efficiency=tokens / max(sum(r.target_calls for r in chosen), 1),
                     token_rate=rate,
                     speedup=rate / ar_rate if rate and ar_rate else None,
-                    matches_ar=all(g.tokens == a.tokens for g, a in zip(chosen, ar_chosen, strict=True))
-                    if temperature == 0
-                    else None,
-                    per_prompt=prompt_results(chosen),
+                    matches_ar=all(method.matches_ar[i] for i in keep) if temperature == 0 else None,
+                    per_prompt=chosen,
                 )
             )
     correct = sum(r.drafter == r.pair for r in requests)
@@ -172,6 +184,11 @@ def group_of(
         router_accuracy=correct / len(requests) if requests else 0.0,
         rows=rows,
     )
+
+
+def _rate(results: list[PromptResult]) -> float | None:
+    wall = sum(r.wall_seconds for r in results)
+    return sum(r.new_tokens for r in results) / wall if wall else None
 
 
 def group_path(folder: Path, temperature: float, seed: int) -> Path:
@@ -309,10 +326,12 @@ def markdown(groups: list[MixedGroup]) -> str:
     lines = [
         "## Mixed-language traffic",
         "",
-        "Every pair's held-out prompts of a repetition, interleaved, decoded by `sd` with each drafter alone, "
-        "with the drafter the language router picks per request (`routed`, the router's time included) and "
-        "with each prompt's own pair drafter (`oracle`); likewise by `eagle3` with the EAGLE-3 heads "
-        "(`eagle3-...`) when the run trained them. Each cell: mean ± std over the repetitions.",
+        "Every pair's held-out prompts of a repetition, interleaved: `sd` with each drafter alone, with the "
+        "drafter the language router picks per request (`routed`, the router's time included) and with each "
+        "prompt's own pair drafter (`oracle`); likewise `eagle3` with the EAGLE-3 heads (`eagle3-...`) when the "
+        "run trained them. Each request's result is its decoding in the per-pair group of its pair and "
+        "repetition (the same drafter on the same prompt, timed beside `ar`), not a second decoding. Each "
+        "cell: mean ± std over the repetitions.",
         "",
     ]
     by_temperature: dict[float, list[MixedGroup]] = defaultdict(list)

@@ -58,7 +58,7 @@ class MeasureConfig(StrictModel):
     """Measure processes, each with its own copy of the target, the (eval set, temperature, seed) groups
     dealt between them; each process's speedups are timed within its own groups. Unset: one per copy of
     the target this node's GPUs hold (8 on 8 GPUs for a target that fits one), 1 on a CPU machine. Node 0's
-    GPUs only; the mixed traffic and vLLM's rows run after them in one process."""
+    GPUs only; vLLM's rows run after them in one process (the mixed traffic is composed from their rows)."""
     latency_repeats: int = Field(default=20, ge=1)
     """Repeats of each forward-latency measurement (medians) behind the latency model's predicted speedups."""
     max_new_tokens: int = Field(default=128, ge=1)
@@ -131,11 +131,13 @@ class MeasureConfig(StrictModel):
     cross_pairs: bool = True
     """Measure each language-specific drafter on the other pairs' eval sets too (out of domain)."""
     mixed: bool = False
-    """Also decode mixed-language traffic (`decoding.measurement.mixed`): every pair's held-out prompts of
+    """Also report mixed-language traffic (`decoding.measurement.mixed`): every pair's held-out prompts of
     a repetition interleaved, with `sd` at `draft_length` and each drafter alone, the per-language drafters
     behind the language router (its time included) and the oracle (each prompt with its own pair's
-    drafter); rows per pair and overall in `mixed/`, a section of `summary.md`, and which of routed and
-    multilingual (`finetune.multilingual`) won. Needs the eval sets of two pairs or more."""
+    drafter), and the same with the EAGLE-3 heads; rows per pair and overall in `mixed/`, a section of
+    `summary.md`, and which of routed and multilingual (`finetune.multilingual`) won. Composed from the
+    per-pair groups' per-prompt results, nothing decoded twice; needs the eval sets of two pairs or more,
+    `cross_pairs` and the `fixed` control."""
     include_pretrained: bool = True
     """Also measure the pretrain stage's generic drafter, when that stage ran."""
     extra_drafters: dict[str, str] = Field(default_factory=dict)
@@ -176,6 +178,22 @@ class MeasureConfig(StrictModel):
         for tree in self.rsd_s_trees:
             if len(tree) != 2:
                 raise FieldError(f"measure.rsd_s_trees: each tree is [W, L], got {tree}", "rsd_s_trees")
+        if self.mixed and not self.cross_pairs:
+            raise FieldError(
+                "measure.mixed composes the mixed traffic from the per-pair groups, where each pair's drafter "
+                "must have decoded the other pairs' prompts too (a request the router sends to another pair's "
+                "drafter, each drafter alone on all the traffic), but measure.cross_pairs is false: set it to "
+                "true or measure.mixed to false",
+                "mixed",
+                "cross_pairs",
+            )
+        if self.mixed and "fixed" not in self.controls:
+            raise FieldError(
+                f"measure.mixed compares the drafters at the fixed K of measure.draft_length, but "
+                f"measure.controls {self.controls} has no `fixed`: add it or set measure.mixed to false",
+                "mixed",
+                "controls",
+            )
         if len(self.beta_prior) != 2 or min(self.beta_prior) <= 0:
             raise FieldError(
                 f"measure.beta_prior: two positive numbers (alpha_0, beta_0), got {self.beta_prior}",

@@ -10,6 +10,7 @@ groups it has not finished. With `measure.vllm` the standalone drafters are then
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import json
@@ -109,10 +110,8 @@ def load(inputs: MeasureInputs, upstream: dict[str, Path], latency_path: Path) -
     )
     device = input_device(target)  # drafters, prompts and samplers live where the target takes its input
     tokenizer = load_tokenizer(spec.path, spec.revision, spec.trust_remote_code)
-    # disjoint prompts: each seed (repetition) decodes its own num_prompts prompts
-    per_set = cfg.num_prompts * (len(cfg.seeds) if cfg.disjoint_prompts else 1)
+    eval_sets = load_eval_sets(inputs, tokenizer)
     try:
-        eval_sets = inputs.eval.load(per_set, cfg.max_prompt_tokens, tokenizer)
         sources = discover_drafters(upstream, cfg.extra_drafters, cfg.include_pretrained)
         for source in sources if "cali_ts" in cfg.controls else ():
             if source.calibration is not None:
@@ -140,6 +139,21 @@ def load(inputs: MeasureInputs, upstream: dict[str, Path], latency_path: Path) -
     }
     eos_ids = eos_ids_of(target, tokenizer)
     return Loaded(target, target_lm, eos_ids, eval_sets, sources, drafters, latencies, context)
+
+
+def load_eval_sets(inputs: MeasureInputs, tokenizer: Any = None) -> list[EvalSet]:
+    """The eval sets the groups decode (the target's tokenizer loaded when not given); StageFailed on bad
+    input. With disjoint prompts each seed (repetition) decodes its own num_prompts prompts."""
+    from polydraft.models.loading import load_tokenizer
+
+    cfg, spec = inputs.measure, inputs.target
+    if tokenizer is None:
+        tokenizer = load_tokenizer(spec.path, spec.revision, spec.trust_remote_code)
+    per_set = cfg.num_prompts * (len(cfg.seeds) if cfg.disjoint_prompts else 1)
+    try:
+        return inputs.eval.load(per_set, cfg.max_prompt_tokens, tokenizer)
+    except ValueError as err:
+        raise StageFailed(f"measure: {err}") from err
 
 
 Group = tuple[str, float, int]
@@ -216,18 +230,14 @@ def run(inputs: MeasureInputs, ctx: StageContext) -> StageResult:
     ):
         rows = spread_groups(inputs, ctx, processes, rows)
     mixed = []
-    if cfg.mixed or cfg.vllm != "off":
-        loaded = loaded or load(inputs, ctx.upstream, ctx.work_dir / "latency.mixed.json")
     if cfg.mixed:
-        assert loaded is not None
+        eval_sets = loaded.eval_sets if loaded is not None else load_eval_sets(inputs)
         try:
-            mixed = measure_mixed(
-                cfg, loaded.eval_sets, loaded.target_lm, loaded.drafters, loaded.eos_ids, loaded.warmed, ctx
-            )
+            mixed = measure_mixed(cfg, eval_sets, rows, ctx.work_dir)
         except ValueError as err:
             raise StageFailed(f"measure: {err}") from err
     if cfg.vllm != "off":
-        assert loaded is not None
+        loaded = loaded or load(inputs, ctx.upstream, ctx.work_dir / "latency.vllm.json")
         loaded.context["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         rows = add_vllm_rows(
             cfg, inputs.target.path, loaded.eval_sets, loaded.drafters, rows, loaded.context, path
@@ -282,15 +292,17 @@ def spread_groups(
     per_copy = gpus_per_copy(inputs.target) if torch.cuda.is_available() else 0
     threads = max(1, (os.cpu_count() or 1) // processes)
     children = []
-    for rank in range(processes):
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        if per_copy:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(rank * per_copy + i) for i in range(per_copy))
-        command = [sys.executable, "-m", __name__, str(spec_path), str(rank), str(processes)]
-        log_path = ctx.work_dir / f"measure.part{rank}.log"
-        children.append((rank, log_path, subprocess.Popen(command, env=env, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT)))  # noqa: SIM115  # fmt: skip
-    log.info("measure: the groups dealt to %d processes (logs: measure.part<i>.log)", processes)
-    failed = [(rank, log_path) for rank, log_path, child in children if child.wait() != 0]
+    with contextlib.ExitStack() as logs:
+        for rank in range(processes):
+            env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+            if per_copy:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(str(rank * per_copy + i) for i in range(per_copy))
+            command = [sys.executable, "-m", __name__, str(spec_path), str(rank), str(processes)]
+            log_path = ctx.work_dir / f"measure.part{rank}.log"
+            log_file = logs.enter_context(log_path.open("ab"))
+            children.append((rank, log_path, subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT)))  # fmt: skip
+        log.info("measure: the groups dealt to %d processes (logs: measure.part<i>.log)", processes)
+        failed = [(rank, log_path) for rank, log_path, child in children if child.wait() != 0]
     parts = sorted(ctx.work_dir.glob(PART_GLOB))
     try:
         rows = rows + [row for part in parts for row in read_rows(part)]

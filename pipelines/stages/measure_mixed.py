@@ -1,165 +1,167 @@
 """The measure stage's mixed-language traffic (`measure.mixed`, `decoding.measurement.mixed`): one group per
-temperature x repetition, decoded by `ar`, `sd` with each finetuned drafter alone (each pair's, the
-multilingual one), `routed` (the language router picks the drafter per request; its time is added to the
-request's) and `oracle` (each request with its own pair's drafter); and the same with `eagle3` and the
-EAGLE-3 heads when the run trained them. Finished groups are files, so a killed run measures only the
-groups it has not finished."""
+temperature x repetition with `ar`, `sd` with each finetuned drafter alone (each pair's, the multilingual
+one), `routed` (the language router picks the drafter per request; its time is added to the request's) and
+`oracle` (each request with its own pair's drafter); and the same with `eagle3` and the EAGLE-3 heads when
+the run trained them.
+
+Nothing is decoded here: every request of the traffic is a prompt of its pair's group of the same
+repetition, which the per-pair groups already decoded with every one of those drafters, `ar` beside them.
+A request's result under a method is that decoding's (tokens, target calls, wall time), read from the
+per-prompt values of the per-pair rows; the router runs on every request and its time is added to the
+`routed` requests' wall time. The groups are composed again on every run of the stage, from the rows."""
 
 from __future__ import annotations
 
-import functools
+import shutil
 import time
 from pathlib import Path
-from typing import Any
-
-import torch
 
 from polydraft.data.prompts import MULTILINGUAL
-from polydraft.decoding.control import FixedK
-from polydraft.decoding.eagle3 import eagle3_decode
-from polydraft.decoding.engine import autoregressive
-from polydraft.decoding.lm import CachedLM
 from polydraft.decoding.measurement.eval_inputs import EAGLE3_PREFIX, EvalSet
-from polydraft.decoding.measurement.groups import Drafter, Method, measure_group
 from polydraft.decoding.measurement.mixed import (
+    MIXED_DIR,
     ORACLE,
     ROUTED,
+    Composed,
     MixedGroup,
     MixedPrompt,
     MixedRequest,
     group_of,
-    group_path,
     markdown,
     mixed_traffic,
     read_groups,
     write_group,
 )
+from polydraft.decoding.measurement.results import PromptResult, ResultRow
 from polydraft.decoding.routing import LanguageRouter, routing_table_for
-from polydraft.decoding.sampling import Sampling
-from polydraft.decoding.sd import speculative
 from polydraft.pipelines.schema import MeasureConfig
-from polydraft.pipelines.stage import StageContext
+
+FAMILIES = (("sd", "finetune"), ("eagle3", "eagle3"))
+"""(decoder, the drafters' kind) of the mixed traffic's families: the finetuned drafters and the heads."""
+
+RowKey = tuple[str, float, int, str, str | None]
+"""(eval set, temperature, seed, decoder, drafter) of a per-pair row."""
 
 
 def measure_mixed(
-    cfg: MeasureConfig,
-    eval_sets: list[EvalSet],
-    target_lm: CachedLM,
-    drafters: list[Drafter],
-    eos_ids: set[int],
-    warmed: set[str],
-    ctx: StageContext,
+    cfg: MeasureConfig, eval_sets: list[EvalSet], rows: list[ResultRow], folder: Path
 ) -> list[MixedGroup]:
-    """Measure the groups `mixed/` lacks and return every group. ValueError without a pair drafter or head
-    for every eval pair."""
-    families = {
-        kind: {d.source.name: d for d in drafters if d.source.kind == source_kind}
-        for kind, source_kind in (("sd", "finetune"), ("eagle3", "eagle3"))
-    }
-    families = {kind: members for kind, members in families.items() if members}
+    """Compose every group from the per-pair `rows` into `folder/mixed/` and return them. ValueError without
+    a pair drafter or head for every eval pair, or when a row the traffic needs is missing."""
+    lengths = {"sd": cfg.draft_length, "eagle3": cfg.eagle3_k}
+    by_key: dict[RowKey, ResultRow] = {}
+    families: dict[str, dict[str, str]] = {}
+    """decoder -> the router's name for a drafter (its pair, or `multilingual`) -> the drafter's name."""
+    for row in rows:
+        if row.engine != "polydraft" or (row.decoder != "ar" and row.control != "fixed"):
+            continue
+        if row.decoder == "ar":
+            by_key[row.dataset, row.temperature, row.seed, "ar", None] = row
+        for decoder, kind in FAMILIES:
+            if row.decoder == decoder and row.drafter_kind == kind and row.draft_length == lengths[decoder]:
+                assert row.drafter is not None
+                by_key[row.dataset, row.temperature, row.seed, decoder, row.drafter] = row
+                key = row.drafter_pair or row.drafter.removeprefix(EAGLE3_PREFIX)
+                families.setdefault(decoder, {})[key] = row.drafter
     if not families:
         raise ValueError(
             "measure.mixed routes requests to the per-pair drafters or EAGLE-3 heads, but the finetune and "
             "eagle3 stages made none"
         )
     eval_pairs = sorted({str(s.pair) for s in eval_sets if s.pair is not None})
-    for kind, members in families.items():
-        missing = sorted(set(eval_pairs) - {d.source.pair for d in members.values()})
+    for decoder, members in families.items():
+        missing = sorted(set(eval_pairs) - set(members))
         if missing:
-            what = "drafter was finetuned" if kind == "sd" else "EAGLE-3 head was trained"
+            what = "drafter was finetuned" if decoder == "sd" else "EAGLE-3 head was trained"
             raise ValueError(f"measure.mixed: no {what} for the eval pairs {missing}")
     # the router picks a pair (or the multilingual fallback); each family decodes with its member for it
-    multilingual = any(
-        MULTILINGUAL in (d.source.path.rsplit("/", 1)[-1] for d in m.values()) for m in families.values()
-    )
+    multilingual = any(MULTILINGUAL in members for members in families.values())
     router = LanguageRouter(
         routing_table_for({p: p for p in eval_pairs}, MULTILINGUAL if multilingual else None)
     )
-    groups = [(t, seed) for t in cfg.temperatures for seed in cfg.seeds]
-    for temperature, seed in ctx.track(groups, "measured", "mixed group"):
-        if group_path(ctx.work_dir, temperature, seed).is_file():
-            continue
-        traffic = mixed_traffic(eval_sets, cfg.seeds, seed, cfg.num_prompts, cfg.disjoint_prompts)
-        routes: dict[int, MixedRequest] = {}
-        sampling = Sampling(temperature, cfg.top_p if temperature > 0 else 1.0)
+    router.route(eval_sets[0].texts[0])  # its first call loads what it needs: not a request's cost
+    shutil.rmtree(folder / MIXED_DIR, ignore_errors=True)
+    for temperature in cfg.temperatures:
+        for seed in cfg.seeds:
+            traffic = mixed_traffic(eval_sets, cfg.seeds, seed, cfg.num_prompts, cfg.disjoint_prompts)
+            requests = [route(router, request) for request in traffic]
 
-        build = functools.partial(
-            mixed_methods, cfg, traffic, sampling, seed, target_lm, families, router, routes, eos_ids
-        )
-        methods = measure_group(build, [p.prompt for p in traffic], warmed)
-        requests = [routes[i] for i in range(len(traffic))]
-        write_group(ctx.work_dir, group_of(methods, traffic, requests, temperature, seed))
-    return read_groups(ctx.work_dir)
-
-
-def route_key(drafter: Drafter) -> str:
-    """What the router names a drafter or head by: its pair, or `multilingual`."""
-    return drafter.source.pair or drafter.source.name.removeprefix(EAGLE3_PREFIX)
+            methods = [composed(by_key, traffic, (temperature, seed), "ar", None, None)]
+            for decoder, members in families.items():
+                alone = {key: composed(by_key, traffic, (temperature, seed), decoder, name, lengths[decoder]) for key, name in members.items()}  # fmt: skip
+                methods += sorted(alone.values(), key=lambda m: m.name)
+                methods += routed_and_oracle(methods[0], alone, traffic, requests, EAGLE3_PREFIX if decoder == "eagle3" else "")  # fmt: skip
+            write_group(folder, group_of(methods, traffic, requests, temperature, seed))
+    return read_groups(folder)
 
 
-def mixed_methods(
-    cfg: MeasureConfig,
+def composed(
+    by_key: dict[RowKey, ResultRow],
     traffic: list[MixedPrompt],
-    sampling: Sampling,
-    seed: int,
-    target_lm: CachedLM,
-    families: dict[str, dict[str, Drafter]],
-    router: LanguageRouter,
-    routes: dict[int, MixedRequest],
-    eos_ids: set[int],
-) -> list[Method]:
-    """`ar`, then for each family (`sd` with the finetuned drafters, `eagle3` with the heads): each member
-    alone, `routed` and `oracle` on the mixed traffic. The first family's `routed` records the router's
-    decision per request (by index) into `routes`."""
-    device, new = target_lm.device, cfg.max_new_tokens
-    lengths = {"sd": cfg.draft_length, "eagle3": cfg.eagle3_k}
+    group: tuple[float, int],
+    decoder: str,
+    drafter: str | None,
+    draft_length: int | None,
+) -> Composed:
+    """Each request's result with `drafter` (None: `ar`) in the group (temperature, seed)."""
+    found = [lookup(by_key, (p.dataset, *group, decoder, drafter), p) for p in traffic]
+    return Composed(
+        drafter or "ar", draft_length, [r for _, r in found], [row.matches_ar for row, _ in found]
+    )
 
-    def generator(index: int) -> torch.Generator:
-        return torch.Generator(device=device).manual_seed(seed * 1_000_003 + index)
 
-    def decode(kind: str, drafter: Drafter | None, prompt: torch.Tensor, index: int) -> Any:
-        control = FixedK(lengths[kind])
-        if drafter is None:
-            return autoregressive(target_lm, prompt, new, sampling, generator(index), eos_ids)
-        if kind == "eagle3":
-            return eagle3_decode(
-                drafter.featured, drafter.eagle3, prompt, new, sampling, control, generator(index), eos_ids
-            )
-        assert drafter.lm is not None
-        return speculative(target_lm, drafter.lm, prompt, new, sampling, control, generator(index), eos_ids)
+def routed_and_oracle(
+    ar: Composed,
+    alone: dict[str, Composed],
+    traffic: list[MixedPrompt],
+    requests: list[MixedRequest],
+    prefix: str,
+) -> list[Composed]:
+    """`routed`: each request with the member the router chose (`ar` when it chose none), the router's time
+    added; `oracle`: each request with its own pair's member."""
+    routed, oracle = [], []
+    for i, (prompt, request) in enumerate(zip(traffic, requests, strict=True)):
+        chosen = (alone.get(request.drafter) if request.drafter else None) or ar
+        seconds = chosen.results[i].wall_seconds + request.router_ms / 1000
+        routed.append((chosen.results[i].model_copy(update={"wall_seconds": seconds}), chosen.matches_ar[i]))
+        own = alone[prompt.pair]
+        oracle.append((own.results[i], own.matches_ar[i]))
+    length = next(iter(alone.values())).draft_length
+    return [
+        Composed(prefix + name, length, [r for r, _ in chosen], [m for _, m in chosen])
+        for name, chosen in ((ROUTED, routed), (ORACLE, oracle))
+    ]
 
-    methods = [Method({"decoder": "ar"}, lambda p, i: decode("sd", None, p, i))]
-    for position, (kind, members) in enumerate(families.items()):
-        prefix = "" if kind == "sd" else EAGLE3_PREFIX
-        by_pair = {route_key(d): d for d in members.values()}
 
-        def routed(prompt: torch.Tensor, index: int, by_pair=by_pair, kind=kind, record=position == 0) -> Any:
-            request = traffic[index]
-            clock = time.perf_counter()
-            route = router.route(request.text)
-            seconds = time.perf_counter() - clock
-            generation = decode(kind, by_pair.get(route.drafter) if route.drafter else None, prompt, index)
-            generation.wall_seconds += seconds
-            if record and index >= 0:  # not the warm-up call
-                routes[index] = MixedRequest(
-                    pair=request.pair, index=request.index, language=route.language, confidence=route.confidence,
-                    drafter=route.drafter, fallback=route.fallback, router_ms=1000 * seconds,
-                )  # fmt: skip
-            return generation
+def route(router: LanguageRouter, request: MixedPrompt) -> MixedRequest:
+    """The router's choice for one request, timed."""
+    clock = time.perf_counter()
+    choice = router.route(request.text)
+    seconds = time.perf_counter() - clock
+    return MixedRequest(
+        pair=request.pair, index=request.index, language=choice.language, confidence=choice.confidence,
+        drafter=choice.drafter, fallback=choice.fallback, router_ms=1000 * seconds,
+    )  # fmt: skip
 
-        def fields(name: str, kind=kind) -> dict[str, Any]:
-            return {"decoder": kind, "drafter": name, "control": "fixed", "draft_length": lengths[kind]}
 
-        for name, drafter in members.items():
-            methods.append(Method(fields(name), lambda p, i, kind=kind, d=drafter: decode(kind, d, p, i)))
-        methods.append(Method(fields(prefix + ROUTED), routed))
-        methods.append(
-            Method(
-                fields(prefix + ORACLE),
-                lambda p, i, kind=kind, by_pair=by_pair: decode(kind, by_pair[traffic[i].pair], p, i),
-            )
+def lookup(
+    by_key: dict[RowKey, ResultRow], key: RowKey, prompt: MixedPrompt
+) -> tuple[ResultRow, PromptResult]:
+    """The per-pair row of `key` and its result on `prompt`; ValueError naming what is missing."""
+    dataset, temperature, seed, decoder, drafter = key
+    row = by_key.get(key)
+    where = f"on {dataset} at T={temperature:g}, repetition {seed}"
+    if row is None:
+        raise ValueError(
+            f"measure.mixed composes the traffic from the per-pair rows, but results.jsonl has no "
+            f"{decoder} row of {drafter or 'the target alone'} {where}"
         )
-    return methods
+    if row.per_prompt is None or len(row.per_prompt) <= prompt.position:
+        raise ValueError(
+            f"measure.mixed: the row {row.method} {where} has no per-prompt values (measured before they "
+            "were kept): delete results.jsonl to measure again"
+        )
+    return row, row.per_prompt[prompt.position]
 
 
 def mixed_summary(folder: Path, groups: list[MixedGroup]) -> None:
