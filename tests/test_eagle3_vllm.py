@@ -3,12 +3,12 @@
 A head on the demo target's default feature layers (2, 12, 21), with a draft vocabulary of 512 of its 2048
 tokens (so that vLLM must map draft ids through `d2t`), is fitted by the trainer's own loss to the demo
 target's greedy continuations of two prompts and saved in the speculators format (`models.eagle3`). vLLM
-(in a subprocess, `pipelines.export.smoke`) then generates greedily with the target alone and with the
+(in a subprocess, `pipelines.export.vllm_check`) then generates greedily with the target alone and with the
 folder as `speculative_config={"method": "eagle3", ...}`: the outputs must be identical, drafts accepted,
 and vLLM's proposer must accept exactly the draft tokens polydraft's `eagle3` decoder accepts on the same
 prompts, position by position. That equality is what shows vLLM reads the head as polydraft trained it:
 the same feature layers in the same order, norms, positions, vocabulary map and weights. The export's own
-check (`vllm_generation_check` with `method="eagle3"`) passes on the same folder.
+check (`vllm_check.check_of` with `method="eagle3"`) passes on the same generations.
 """
 
 from __future__ import annotations
@@ -87,12 +87,13 @@ def polydraft_eagle3(target, folder, prompts, eos_id: int) -> tuple[list[list[in
 
 
 def test_real_vllm_runs_the_head_as_its_eagle3_draft(head_folder):
-    from polydraft.pipelines.export.smoke import vllm_generation, vllm_generation_check
+    from polydraft.pipelines.export.vllm_check import VllmDraft, check_of, vllm_generations
 
     require_vllm()
     target, folder, prompts = head_folder
     spec = {"path": str(demo_target()), "revision": None, "trust_remote_code": False}
-    result = vllm_generation(spec, folder, K, prompts, NEW_TOKENS, "eagle3")
+    draft = VllmDraft(str(folder), "eagle3", K, prompts)
+    (result,) = vllm_generations(spec, [draft], NEW_TOKENS)
     assert "error" not in result, result["error"]
     outputs, per_position = polydraft_eagle3(target, folder, prompts, target.generation_config.eos_token_id)
     assert result["alone"] == outputs  # vLLM's greedy target and polydraft's agree, token for token
@@ -100,7 +101,10 @@ def test_real_vllm_runs_the_head_as_its_eagle3_draft(head_folder):
     # drafts were accepted at every position, and rejected (so that the counts say something)
     assert min(per_position) > 0 and result["accepted"] < result["drafted_tokens"], (result, per_position)
     assert result["accepted_per_position"] == per_position, (result, per_position)
-    # the export's check on the same folder: identical output and drafts accepted
-    check = vllm_generation_check("require", spec, folder, K, prompts[:2], NEW_TOKENS, method="eagle3")
+    # the export's check of the same generations: identical output and drafts accepted
+    check = check_of(result, draft)
     assert check.status == "pass", check.detail
-    assert "draft tokens accepted" in check.detail
+    assert f"{result['accepted']} of {result['drafted_tokens']} draft tokens accepted" in check.detail
+    # a head whose drafts vLLM all rejected fails it
+    rejected = check_of({**result, "accepted": 0}, draft)
+    assert rejected.status == "fail" and "accepted none of" in rejected.detail

@@ -127,13 +127,14 @@ def demo_drafters(tmp_path_factory):
     return target, good, broken
 
 
-def test_real_vllm_runs_the_drafter_with_the_targets_greedy_output(demo_drafters):
-    """The real CPU build of vLLM: target alone, then with the exported drafter as draft model."""
-    from polydraft.pipelines.export.smoke import vllm_generation_check
+def test_real_vllm_checks_every_drafter_in_one_process_and_names_why_one_does_not_load(demo_drafters):
+    """The real CPU build of vLLM: the target alone, then each folder as its draft model, one subprocess for
+    all: a drafter vLLM cannot load fails with vLLM's reason, and the folder after it is still checked."""
+    from polydraft.pipelines.export.vllm_check import VllmDraft, vllm_generation_checks
     from tests.vllm_setup import require_vllm
 
     require_vllm()
-    target, good, _ = demo_drafters
+    target, good, broken = demo_drafters
     spec = {"path": str(target), "revision": None, "trust_remote_code": False}
     # the demo's task, which the target answers at length (on random ids it may stop at once)
     tokenizer = AutoTokenizer.from_pretrained(target)
@@ -144,35 +145,56 @@ def test_real_vllm_runs_the_drafter_with_the_targets_greedy_output(demo_drafters
     prompts = [
         encode_prompt(tokenizer, vicuna_prompt(translation_messages(pair, text))) for pair, text in sources
     ]
-    check = vllm_generation_check("require", spec, good, 3, prompts, 12)
-    assert check.status == "pass", check.detail
+    drafts = [
+        VllmDraft(str(good), "draft_model", 3, prompts),
+        VllmDraft(str(broken), "draft_model", 3, [[1, 319, 13]]),
+        VllmDraft(str(good), "draft_model", 2, prompts[:1]),
+    ]
+    first, failed, last = vllm_generation_checks("require", spec, drafts, 12)
+    assert first.status == "pass", first.detail
     assert (
-        "24 greedy tokens for 2 prompts" in check.detail and "identical to the target alone" in check.detail
+        "24 greedy tokens for 2 prompts" in first.detail and "identical to the target alone" in first.detail
     )
-
-
-def test_real_vllm_names_why_a_drafter_does_not_load(demo_drafters):
-    from polydraft.pipelines.export.smoke import vllm_generation_check
-    from tests.vllm_setup import require_vllm
-
-    require_vllm()
-    target, _, broken = demo_drafters
-    spec = {"path": str(target), "revision": None, "trust_remote_code": False}
-    check = vllm_generation_check("auto", spec, broken, 3, [[1, 319, 13]], 4)
-    assert check.status == "fail"
-    assert "the drafter does not load" in check.detail and "PolydraftTestForCausalLM" in check.detail, (
-        check.detail
+    assert failed.status == "fail"
+    assert "the drafter does not load" in failed.detail and "PolydraftTestForCausalLM" in failed.detail, (
+        failed.detail
     )
+    assert last.status == "pass" and "12 greedy tokens for 1 prompts" in last.detail, last.detail
+
+
+def test_a_draft_that_kills_the_vllm_process_fails_alone_and_the_rest_are_checked(monkeypatch):
+    """vLLM dying on one folder (a crash, not an exception) fails that folder's check with what it printed;
+    the folders after it are checked in a new subprocess."""
+    from polydraft.pipelines.export import vllm_check
+
+    calls = []
+
+    def fake(target, drafts, max_new_tokens):
+        calls.append([d.folder for d in drafts])
+        done = [{"vllm": "0", "device": "CPU build", "alone": [[1]], "drafted": [[1]], "accepted": 1,
+                 "drafted_tokens": 2, "accepted_per_position": [1]}]  # fmt: skip
+        if drafts[0].folder == "a":  # `a` finishes, then the process dies on `b`
+            return done, "vLLM exited with -11: Segmentation fault"
+        return done * len(drafts), "vLLM exited with 0: "
+
+    monkeypatch.setattr(vllm_check, "_subprocess", fake)
+    drafts = [vllm_check.VllmDraft(name, "draft_model", 2, [[5, 6]]) for name in "abcd"]
+    results = vllm_check.vllm_generations({"path": "t"}, drafts, 4)
+    assert calls == [["a", "b", "c", "d"], ["c", "d"]]
+    assert [r.get("error") for r in results] == [None, "vLLM exited with -11: Segmentation fault", None, None]
+    checks = [vllm_check.check_of(r, d) for r, d in zip(results, drafts, strict=True)]
+    assert [c.status for c in checks] == ["pass", "fail", "pass", "pass"]
 
 
 def test_vllm_generation_is_skipped_or_required(monkeypatch):
     import importlib.util
 
-    from polydraft.pipelines.export.smoke import vllm_generation_check
+    from polydraft.pipelines.export.vllm_check import VllmDraft, vllm_generation_checks
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     target = {"path": "t", "revision": None, "trust_remote_code": False}
-    assert vllm_generation_check("off", target, None, 3, [], 4).status == "skipped"
-    assert vllm_generation_check("auto", target, None, 3, [], 4).status == "skipped"
-    required = vllm_generation_check("require", target, None, 3, [], 4)
-    assert required.status == "fail" and "vllm is not installed" in required.detail
+    drafts = [VllmDraft("d", "draft_model", 3, [])] * 2
+    assert [c.status for c in vllm_generation_checks("off", target, drafts, 4)] == ["skipped"] * 2
+    assert [c.status for c in vllm_generation_checks("auto", target, drafts, 4)] == ["skipped"] * 2
+    required = vllm_generation_checks("require", target, drafts, 4)
+    assert [c.status for c in required] == ["fail"] * 2 and "vllm is not installed" in required[0].detail

@@ -2,7 +2,7 @@
 
 Medusa heads, and BPD heads (vLLM's `original_lm_head`: one shared copy of the target's lm head), fitted to the demo target's own greedy continuations (so that drafts are accepted, partly)
 are saved in polydraft's format plus vLLM's medusa config (`models.heads.add_vllm_medusa`), the way the
-heads stage writes them and the export stage ships them. vLLM (in a subprocess, `pipelines.export.smoke`) then
+heads stage writes them and the export stage ships them. vLLM (in a subprocess, `pipelines.export.vllm_check`) then
 generates greedily with the target alone and with the folder as `speculative_config={"method": "medusa",
 ...}`: the outputs must be identical, and vLLM's medusa proposer (each head's argmax, a chain) must accept
 exactly the draft tokens polydraft's `bpd` decoder accepts on the same prompts, position by position.
@@ -93,12 +93,12 @@ def polydraft_bpd(target, folder, prompts, eos_id: int) -> tuple[list[list[int]]
 
 
 def test_real_vllm_runs_the_heads_as_its_medusa_draft(heads_folder):
-    from polydraft.pipelines.export.smoke import vllm_generation
+    from polydraft.pipelines.export.vllm_check import VllmDraft, vllm_generations
 
     require_vllm()
     target, folder, prompts = heads_folder
     spec = {"path": str(demo_target()), "revision": None, "trust_remote_code": False}
-    result = vllm_generation(spec, folder, NUM_HEADS, prompts, NEW_TOKENS, "medusa")
+    (result,) = vllm_generations(spec, [VllmDraft(str(folder), "medusa", NUM_HEADS, prompts)], NEW_TOKENS)
     assert "error" not in result, result["error"]
     outputs, per_position = polydraft_bpd(target, folder, prompts, target.generation_config.eos_token_id)
     assert result["alone"] == outputs  # vLLM's greedy target and polydraft's agree, token for token

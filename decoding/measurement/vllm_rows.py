@@ -40,19 +40,27 @@ def vllm_unavailable() -> str | None:
     return None
 
 
-def measure_subprocess(request: dict[str, Any], timeout: float | None = None) -> list[dict[str, Any]]:
-    """`decoding.measurement.vllm_measure.measure_in_vllm(**request)` in a fresh Python process (engine core in that
-    process: VLLM_ENABLE_V1_MULTIPROCESSING=0); VllmMeasureFailed when it fails."""
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    done = subprocess.run(
-        [sys.executable, "-m", "polydraft.decoding.measurement.vllm_measure"],
+def vllm_subprocess(
+    module: str, request: dict[str, Any], timeout: float | None
+) -> subprocess.CompletedProcess[str]:
+    """`python -m module` with `request` as JSON on stdin and its output captured: vLLM's engine core in
+    that process (VLLM_ENABLE_V1_MULTIPROCESSING=0), in a session of its own (the module kills itself
+    when polydraft dies, `distill.engines.die_with_parent`). subprocess.TimeoutExpired past `timeout`."""
+    return subprocess.run(
+        [sys.executable, "-m", module],
         input=json.dumps(request),
         capture_output=True,
         text=True,
-        env=env,
-        start_new_session=True,  # its own group: it kills it when polydraft dies (die_with_parent)
+        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        start_new_session=True,
         timeout=timeout,
     )
+
+
+def measure_subprocess(request: dict[str, Any], timeout: float | None = None) -> list[dict[str, Any]]:
+    """`decoding.measurement.vllm_measure.measure_in_vllm(**request)` in a fresh Python process
+    (`vllm_subprocess`); VllmMeasureFailed when it fails."""
+    done = vllm_subprocess("polydraft.decoding.measurement.vllm_measure", request, timeout)
     if done.returncode != 0:
         raise VllmMeasureFailed(
             f"vLLM measure of {request['drafter']} failed (exit {done.returncode}): {done.stderr[-1500:]}"

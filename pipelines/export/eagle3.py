@@ -11,7 +11,7 @@ published it must:
 - when vLLM can run here, generate greedily in vLLM with the folder as the target's `eagle3` draft: the
   target's own output, and vLLM's acceptance counters above zero (a head vLLM read with another vocabulary
   map, feature layers or norm placement than polydraft trained would have all its drafts rejected). The
-  caller runs that check in a subprocess (`pipelines.export.smoke.vllm_generation_check`, `method="eagle3"`).
+  caller runs that check in a subprocess (`pipelines.export.vllm_check`, `method="eagle3"`).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ A standalone drafter's folder must:
   parallel size (so that size must divide its attention heads);
 - give, as transformers' `assistant_model`, exactly the target's own greedy output on a few prompts;
 - when vllm is installed (a GPU build with a GPU, or the CPU build), generate greedily with vLLM: the
-  target alone, then the target with the drafter as its draft model; the tokens must be identical (in a
-  subprocess, so that vLLM's memory is freed and its changes to the process stay there).
+  target alone, then the target with the drafter as its draft model; the tokens must be identical
+  (`pipelines.export.vllm_check`, every folder of the export in one subprocess).
 
 An early-exit head's folder must attach to the loaded target (`models.early_exit.attach_exit_head`)
 and give, with polydraft's `eesd` decoder at temperature 0, exactly the target's greedy output; its
@@ -25,17 +25,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from polydraft.decoding.measurement.vllm_measure import PER_POSITION, spec_counters
-from polydraft.decoding.measurement.vllm_rows import vllm_unavailable
 from polydraft.models.placement import input_device
 
 # Architectures of vLLM's text-generation registry (vllm/model_executor/models/registry.py) that small
@@ -56,7 +51,6 @@ VLLM_ARCHITECTURES = frozenset(
     }
 )
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-VLLM_TIMEOUT_S = 1800
 
 
 @dataclass
@@ -302,160 +296,3 @@ def head_checks(
         Check("vllm", "skipped", "vLLM has no method for polydraft's early-exit heads; decode with `eesd`")
     )
     return checks
-
-
-# ----------------------------------------------------------------------------- a real vLLM generation
-
-
-def vllm_generation_check(
-    mode: str,
-    target: dict[str, Any],
-    drafter_folder: Path,
-    num_speculative_tokens: int,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    method: str = "draft_model",
-) -> Check:
-    """vLLM's greedy output with the drafter as draft model equals the target's alone, in a subprocess
-    (`python -m polydraft.pipelines.export.smoke`).
-
-    `target`: path, revision, trust_remote_code. `mode`: export.vllm_check. `method`: vLLM's speculative
-    method, `draft_model` for a drafter folder, `medusa` for a heads folder (`models.heads.add_vllm_medusa`),
-    `eagle3` for an EAGLE-3 head, which must also have drafts accepted.
-    The check's detail names the draft tokens accepted, in total and per draft position.
-    """
-    if mode == "off":
-        return Check("vllm_generation", "skipped", "export.vllm_check is off")
-    why = vllm_unavailable()
-    if why is not None:
-        return Check("vllm_generation", "fail" if mode == "require" else "skipped", why)
-    result = vllm_generation(target, drafter_folder, num_speculative_tokens, prompts, max_new_tokens, method)
-    if "error" in result:
-        where = f"vLLM {result['vllm']}: " if "vllm" in result else ""
-        return Check("vllm_generation", "fail", where + result["error"])
-    alone, drafted = result["alone"], result["drafted"]
-    for index, (a, d) in enumerate(zip(alone, drafted)):
-        if a != d:
-            at = next((i for i, (x, y) in enumerate(zip(a, d)) if x != y), min(len(a), len(d)))
-            return Check(
-                "vllm_generation",
-                "fail",
-                f"prompt {index}: vLLM {result['vllm']} with the {method} drafter differs from the "
-                f"target alone from new token {at} on ({d[at : at + 5]} vs {a[at : at + 5]})",
-            )
-    if min(len(a) for a in alone) == 0:
-        return Check("vllm_generation", "fail", f"vLLM generated no token for some prompt: {result}")
-    if method == "eagle3" and not result["accepted"]:  # a head read another way than trained drafts nothing
-        return Check(
-            "vllm_generation",
-            "fail",
-            f"vLLM {result['vllm']} accepted none of {result['drafted_tokens']} draft tokens of the head: it "
-            "does not read the head as polydraft trained it (vocabulary map, feature layers or norms)",
-        )
-    return Check(
-        "vllm_generation",
-        "pass",
-        f"vLLM {result['vllm']} ({result['device']}): {sum(len(a) for a in alone)} greedy tokens for "
-        f"{len(prompts)} prompts with the drafter as `{method}` draft (num_speculative_tokens="
-        f"{num_speculative_tokens}), identical to the target alone; {result['accepted']} of "
-        f"{result['drafted_tokens']} draft tokens accepted (per position {result['accepted_per_position']})",
-    )
-
-
-def vllm_generation(
-    target: dict[str, Any],
-    drafter_folder: Path,
-    num_speculative_tokens: int,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    method: str,
-) -> dict[str, Any]:
-    """Greedy generations of vLLM with the target alone and with the drafter (`_vllm_main`, in a subprocess):
-    `alone`, `drafted`, `accepted`, `drafted_tokens`, `accepted_per_position`, `vllm`, `device`; or an
-    `error` saying why none came back (with `vllm`, the version, when the subprocess got that far)."""
-    request = {
-        "target": target,
-        "drafter": str(drafter_folder),
-        "method": method,
-        "num_speculative_tokens": num_speculative_tokens,
-        "prompts": prompts,
-        "max_new_tokens": max_new_tokens,
-    }
-    env = dict(os.environ)
-    # engine core and worker inside the subprocess: the load error surfaces there, not in another process
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "polydraft.pipelines.export.smoke"],
-            input=json.dumps(request),
-            capture_output=True,
-            text=True,
-            env=env,
-            start_new_session=True,  # its own group: it kills it when polydraft dies (die_with_parent)
-            timeout=VLLM_TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired:
-        return {"error": f"vLLM did not finish within {VLLM_TIMEOUT_S} s"}
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
-        return {"error": f"vLLM exited with {done.returncode}: {' | '.join(tail)}"}
-    return json.loads(lines[-1])
-
-
-def _vllm_main() -> None:
-    """Subprocess side: read the request on stdin, generate greedily with the target alone and with the
-    drafter, print one JSON line (the outputs, or the error that stopped vLLM from loading)."""
-    from polydraft.distill.engines import die_with_parent
-
-    die_with_parent()  # no vLLM process outlives a killed export stage
-    import gc
-
-    import vllm
-
-    from polydraft.distill.vllm_backend import engine_kwargs, on_cpu
-
-    request = json.loads(sys.stdin.read())
-    target, prompts = request["target"], request["prompts"]
-    cpu = on_cpu()
-    kwargs = engine_kwargs(
-        target["path"],
-        target["revision"],
-        "auto",
-        target["trust_remote_code"],
-        tensor_parallel_size=1,
-        max_model_len=max(len(p) for p in prompts) + request["max_new_tokens"] + 16,
-        gpu_memory_utilization=0.5,
-        seed=0,
-        cpu_kv_cache_gib=1.0 if cpu else None,
-    )
-    kwargs.update(enforce_eager=True, disable_log_stats=False)
-    params = vllm.SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"])
-    inputs = [{"prompt_token_ids": ids} for ids in prompts]
-    answer: dict[str, Any] = {"vllm": vllm.__version__, "device": "CPU build" if cpu else "GPU"}
-    llm = vllm.LLM(**kwargs)
-    answer["alone"] = [list(o.outputs[0].token_ids) for o in llm.generate(inputs, params, use_tqdm=False)]
-    del llm
-    gc.collect()
-    speculative = {
-        "method": request["method"],
-        "model": request["drafter"],
-        "num_speculative_tokens": request["num_speculative_tokens"],
-    }
-    try:
-        llm = vllm.LLM(**kwargs, speculative_config=speculative)
-    except Exception as err:  # noqa: BLE001 - whatever vLLM raises while loading the drafter is the finding
-        reason = f"{type(err).__name__}: {err}"[:600]  # vLLM may append its whole list of architectures
-        print(json.dumps({**answer, "error": f"the drafter does not load: {reason}"}))
-        return
-    outputs = llm.generate(inputs, params, use_tqdm=False)
-    answer["drafted"] = [list(o.outputs[0].token_ids) for o in outputs]
-    counters = spec_counters(llm)
-    answer["accepted"] = counters["vllm:spec_decode_num_accepted_tokens"]
-    answer["drafted_tokens"] = counters["vllm:spec_decode_num_draft_tokens"]
-    answer["accepted_per_position"] = counters[PER_POSITION]
-    print(json.dumps(answer), flush=True)
-
-
-if __name__ == "__main__":
-    _vllm_main()

@@ -8,7 +8,7 @@ The folder is both formats (`models.heads`): polydraft's (`heads.json`, `heads.s
   same heads, and for BPD heads with the target's own lm head;
 - give, with polydraft's `bpd` and `medusa` decoders at temperature 0, the target's own greedy output;
 - when vLLM can run here, generate greedily in vLLM with the folder as the target's `medusa` draft, with the
-  target's own greedy output (`pipelines.export.smoke.vllm_generation_check`, `method="medusa"`; the caller runs it,
+  target's own greedy output (`pipelines.export.vllm_check`, `method="medusa"`; the caller runs it,
   in a subprocess, before this process loads the target).
 """
 

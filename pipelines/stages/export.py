@@ -71,8 +71,9 @@ from polydraft.pipelines.export.records import (
     write_index,
 )
 from polydraft.pipelines.export.routing_table import export_routing_table
-from polydraft.pipelines.export.smoke import Check, drafter_checks, head_checks, passed, vllm_generation_check
+from polydraft.pipelines.export.smoke import Check, drafter_checks, head_checks, passed
 from polydraft.pipelines.export.smoke_heads import heads_checks
+from polydraft.pipelines.export.vllm_check import VllmDraft, vllm_generation_checks
 from polydraft.pipelines.manifest import git_state, write_json_atomic
 from polydraft.pipelines.schema.inputs import ExportInputs
 from polydraft.pipelines.stage import PROJECT_ROOT, StageContext, StageFailed, StageResult
@@ -389,23 +390,19 @@ def finish_items(
 
     prompts = smoke_prompts(inputs, tokenizer, cfg.smoke_prompts)
     # vLLM first, in subprocesses, while this process holds no model on the GPU
-    vllm_checks = {
-        item.source.name: vllm_generation_check(
-            cfg.vllm_check,
-            {
-                "path": resolved.path,
-                "revision": resolved.revision,
-                "trust_remote_code": resolved.trust_remote_code,
-            },
-            item.staged,
+    in_vllm = [item for item in items if item.kind in ("drafter", "heads", "eagle3")]
+    drafts = [
+        VllmDraft(
+            str(item.staged),
+            {"heads": "medusa", "eagle3": "eagle3"}.get(item.kind, "draft_model"),
             extras[item.source.name]["heads"].num_heads if item.kind == "heads" else item.draft_length,
             [p.tolist() for p in prompts_for(prompts, item.source.pair, cfg.smoke_prompts)],
-            cfg.smoke_max_new_tokens,
-            {"heads": "medusa", "eagle3": "eagle3"}.get(item.kind, "draft_model"),
         )
-        for item in items
-        if item.kind in ("drafter", "heads", "eagle3")
-    }
+        for item in in_vllm
+    ]
+    target_spec = {"path": resolved.path, "revision": resolved.revision, "trust_remote_code": resolved.trust_remote_code}  # fmt: skip
+    found = vllm_generation_checks(cfg.vllm_check, target_spec, drafts, cfg.smoke_max_new_tokens)
+    vllm_checks = {item.source.name: check for item, check in zip(in_vllm, found, strict=True)}
     model = load_target(
         resolved.path,
         resolved.revision,
