@@ -34,7 +34,7 @@ from polydraft.pipelines.schema import (
     TrackingConfig,
 )
 from polydraft.pipelines.tracking import Tracker, start_tracking
-from polydraft.train.drafter import LoopSettings
+from polydraft.train.loop import LoopSettings
 from polydraft.train.progress import ProgressLine
 from polydraft.train.step import OptimSettings
 
@@ -318,9 +318,10 @@ def optim_settings(optim: OptimConfig) -> OptimSettings:
     return OptimSettings(**{**optim.model_dump(), "betas": betas})
 
 
-def loop_settings(loop: MemoryLoop, total_steps: int) -> LoopSettings:
-    """A recipe's loop block as the trainers' plain settings (gradient checkpointing: a loop that trains
-    layers of the target's class)."""
+def loop_settings(loop: LoopConfig, total_steps: int) -> LoopSettings:
+    """A recipe's loop block as the trainers' plain settings (the loss in chunks: a loop whose loss goes
+    through a vocabulary-wide head; gradient checkpointing: a loop that trains layers of the target's
+    class)."""
     return LoopSettings(
         total_steps=total_steps,
         per_device_batch_size=loop.per_device_batch_size,
@@ -331,7 +332,7 @@ def loop_settings(loop: MemoryLoop, total_steps: int) -> LoopSettings:
         checkpoint_every=loop.checkpoint_every,
         keep_checkpoints=loop.keep_checkpoints,
         compile=loop.compile,
-        loss_chunk_tokens=loop.loss_chunk_tokens,
+        loss_chunk_tokens=loop.loss_chunk_tokens if isinstance(loop, MemoryLoop) else None,
         gradient_checkpointing=isinstance(loop, TargetLayerLoop) and loop.gradient_checkpointing,
     )
 

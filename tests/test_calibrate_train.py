@@ -9,7 +9,7 @@ import torch
 
 from polydraft.models.calibration import CalibrationModel
 from polydraft.models.early_exit import build_early_exit, save_exit_head
-from polydraft.pipelines.stage import StageFailed, optim_settings, spec_for
+from polydraft.pipelines.stage import StageFailed, loop_settings, optim_settings, spec_for
 from polydraft.pipelines.stages.calibrate import calibrate
 from polydraft.pipelines.tracking import Tracker
 from polydraft.train.calibrate import (
@@ -20,7 +20,9 @@ from polydraft.train.calibrate import (
     hf_forward,
     label_position,
     sample_positions,
+    total_steps,
 )
+from polydraft.train.loop import TrainJob
 from polydraft.train.losses import IGNORE_INDEX
 from polydraft.train.runtime import make_accelerator
 from tests.drafter_setup import context, run_stage, stage_inputs, tiny_recipe, write_tiny_mix
@@ -83,23 +85,16 @@ def test_fit_learns_a_separable_rule(tmp_path):
     recipe = tiny_recipe(
         tmp_path, calibrate={"optim": {"lr": 0.1}, "loop": {"per_device_batch_size": 64, "epochs": 10.0}}
     )
-    loop = recipe.calibrate.loop
-    model = fit(
-        make_accelerator(1, "no"),
-        CalibrationModel(d, d),
-        rows,
-        optim_settings(recipe.calibrate.optim),
-        per_device=loop.per_device_batch_size,
-        epochs=loop.epochs,
-        max_steps=loop.max_steps,
-        seed=loop.seed,
-        log_every=loop.log_every,
-        checkpoint_every=loop.checkpoint_every,
-        keep_checkpoints=loop.keep_checkpoints,
-        folder=tmp_path / "m",
-        tracker=Tracker(None, "c"),
-        name="t",
+    loop, accelerator = recipe.calibrate.loop, make_accelerator(1, "no")
+    steps = total_steps(
+        len(rows["labels"]), loop.per_device_batch_size, accelerator, loop.epochs, loop.max_steps
     )
+    assert steps == 40  # 64 positions x 4 draft steps = 256 rows: 4 batches of 64 an epoch, 10 epochs
+    job = TrainJob("calibrate t", tmp_path / "m" / "checkpoints", tmp_path / "m" / "train_log.jsonl", Tracker(None, "c"), False)  # fmt: skip
+    settings = loop_settings(loop, steps)
+    model = fit(accelerator, CalibrationModel(d, d), rows, optim_settings(recipe.calibrate.optim), settings, loop.seed, job)  # fmt: skip
+    with pytest.raises(ValueError, match="fewer than one global batch of 64"):
+        total_steps(63, loop.per_device_batch_size, accelerator, loop.epochs, None)
     with torch.no_grad():
         probs = model(rows["steps"], rows["target_hidden"][rows["position"]], rows["draft_hidden"]).softmax(
             -1

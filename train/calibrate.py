@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from polydraft.models.calibration import acceptance_labels
 from polydraft.models.decoder_layers import cache_kwargs
 from polydraft.train.data import epoch_order, micro_batch_indices
-from polydraft.train.loop import LoopPlan, TrainingLoop
+from polydraft.train.loop import LoopSettings, TrainingLoop, TrainJob
 from polydraft.train.losses import IGNORE_INDEX, scale_for_step
 from polydraft.train.runtime import prepare_for_training
 from polydraft.train.step import OptimSettings, StepLog, StepStats
@@ -160,51 +160,51 @@ def predict(
     return torch.cat(out)
 
 
+def total_steps(rows: int, per_device: int, accelerator: Any, epochs: float, max_steps: int | None) -> int:
+    """`max_steps`, else `epochs` passes over `rows` labelled steps in global batches. ValueError when the
+    rows do not fill one global batch."""
+    global_batch = per_device * accelerator.num_processes * accelerator.gradient_accumulation_steps
+    steps_per_epoch = rows // global_batch
+    if steps_per_epoch == 0:
+        raise ValueError(
+            f"{rows} labelled steps are fewer than one global batch of {global_batch}; "
+            "raise calibrate.num_positions or lower calibrate.loop.per_device_batch_size"
+        )
+    return max_steps or max(1, int(epochs * steps_per_epoch))
+
+
 def fit(
     accelerator: Any,
     model: torch.nn.Module,
     rows: dict[str, torch.Tensor],
     optim: OptimSettings,
-    *,
-    per_device: int,
-    epochs: float,
-    max_steps: int | None,
+    loop: LoopSettings,
     seed: int,
-    log_every: int,
-    checkpoint_every: int,
-    keep_checkpoints: int,
-    folder: Path,
-    tracker: Any,
-    name: str,
+    job: TrainJob,
 ) -> torch.nn.Module:
-    """2-class cross-entropy on the labelled steps; resumes from `folder/checkpoints`. ValueError when the
-    rows do not fill one global batch."""
+    """2-class cross-entropy on the labelled steps for `loop.total_steps` steps (`total_steps`), in an
+    order drawn per epoch from `seed`; resumes from `job.checkpoints`."""
     device = accelerator.device
     world, rank, accum = (
         accelerator.num_processes,
         accelerator.process_index,
         accelerator.gradient_accumulation_steps,
     )
+    per_device = loop.per_device_batch_size
     global_batch = per_device * world * accum
     steps_per_epoch = len(rows["labels"]) // global_batch
-    if steps_per_epoch == 0:
-        raise ValueError(
-            f"{len(rows['labels'])} labelled steps are fewer than one global batch of {global_batch}; "
-            "raise calibrate.num_positions or lower calibrate.loop.per_device_batch_size"
-        )
-    total_steps = max_steps or max(1, int(epochs * steps_per_epoch))
-    model, optimizer, scheduler = prepare_for_training(model, optim, total_steps, per_device, accelerator)
-    folder.mkdir(parents=True, exist_ok=True)
-    log_path = folder / "train_log.jsonl"
-    plan = LoopPlan(total_steps, log_every, 0, checkpoint_every, keep_checkpoints)
+    model, optimizer, scheduler = prepare_for_training(
+        model, optim, loop.total_steps, per_device, accelerator
+    )
+    job.checkpoints.parent.mkdir(parents=True, exist_ok=True)
     training = TrainingLoop(
-        accelerator, plan, label=f"calibrate {name}", checkpoints=folder / "checkpoints",
-        log_path=log_path, scheduler=scheduler, quiet=False,  # --quiet sets the process's log level
+        accelerator, loop.plan, label=job.label, checkpoints=job.checkpoints, log_path=job.log_path,
+        scheduler=scheduler, quiet=job.quiet,
     )  # fmt: skip
     training.resume()
     steplog = StepLog(
-        tracker, log_path, prefix=f"{name}/", log_every=log_every, flops_per_token=0.0, peak_flops=None,
-        world=world, main_process=accelerator.is_main_process,
+        job.tracker, job.log_path, prefix=job.prefix, log_every=loop.log_every, flops_per_token=0.0,
+        peak_flops=None, world=world, main_process=accelerator.is_main_process,
     )  # fmt: skip
     order: dict[int, list[int]] = {}  # the example order of the current epoch
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from polydraft.models.drafters import build_drafter, export_drafter, load_drafte
 from polydraft.train.chunked_loss import Teacher, chunked_loss, model_head
 from polydraft.train.data import MixBatches, PackedBatches
 from polydraft.train.evaluation import eval_log, evaluate
-from polydraft.train.loop import LoopPlan, TrainingLoop
+from polydraft.train.loop import LoopSettings, TrainingLoop, TrainJob
 from polydraft.train.losses import ce_sum, loss_window, topk_kl_sum
 from polydraft.train.runtime import loss_chunking, prepare_for_training, unwrap
 from polydraft.train.stage_metrics import DrafterMetrics
@@ -34,24 +33,6 @@ from polydraft.train.stream import corpus_tokens
 from polydraft.train.throughput import matmul_params, peak_flops, train_flops_per_token
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LoopSettings:
-    """What the loop does besides stepping, as plain values (a stage builds this from its recipe block)."""
-
-    total_steps: int
-    per_device_batch_size: int
-    max_length: int
-    log_every: int
-    eval_every: int
-    eval_batches: int
-    checkpoint_every: int
-    keep_checkpoints: int
-    compile: bool = False
-    loss_chunk_tokens: int | None = None
-    """`train.chunked_loss`'s chunk size; None: the full logits."""
-    gradient_checkpointing: bool = False
 
 
 def gathered(state: dict[str, Any], accelerator: Any) -> list[dict[str, Any]]:
@@ -162,21 +143,16 @@ def train_drafter(
     model: torch.nn.Module,
     data: MixBatches | PackedBatches,
     evals: dict[str, list[dict]],
-    tracker: Any,
-    *,
-    name: str,
     optim: OptimSettings,
     loop: LoopSettings,
-    job_dir: Path,
-    quiet: bool,
+    job: TrainJob,
     pad_id: int,
-    log_prefix: str = "",
-    step_offset: int = 0,
-    teacher: Any | None = None,
-    kd: tuple[int, float] = (0, 0.0),
+    kd: tuple[Any, int, float] | None = None,
 ) -> tuple[torch.nn.Module, DrafterMetrics]:
     """Train `model` for `loop.total_steps` optimizer steps, resuming from the last checkpoint under
-    `<job_dir>.checkpoints`; returns the prepared model and its metrics."""
+    `job.checkpoints`; returns the prepared model and its metrics. `kd`: (the target, top-k, weight) of
+    the KL term (`finetune.loss: ce+kd`)."""
+    teacher, kd_top_k, kd_weight = kd or (None, 0, 0.0)
     main_process, device = accelerator.is_main_process, accelerator.device
     config = model.config
     flops_per_token = train_flops_per_token(
@@ -190,27 +166,23 @@ def train_drafter(
     )
     chunk_tokens, bare = loss_chunking(accelerator, loop.loss_chunk_tokens), unwrap(accelerator, model)
 
-    log_path = job_dir.with_name(job_dir.name + ".train_log.jsonl")
-    plan = LoopPlan(
-        loop.total_steps, loop.log_every, loop.eval_every, loop.checkpoint_every, loop.keep_checkpoints
-    )
     training = TrainingLoop(
-        accelerator, plan, label=name, checkpoints=job_dir.with_name(job_dir.name + ".checkpoints"),
-        log_path=log_path, scheduler=scheduler, quiet=quiet,
+        accelerator, loop.plan, label=job.label, checkpoints=job.checkpoints, log_path=job.log_path,
+        scheduler=scheduler, quiet=job.quiet,
     )  # fmt: skip
     saved = training.resume()
     if saved is not None:
         data.restore(rank_state(saved["data"], accelerator))
     steplog = StepLog(
-        tracker,
-        log_path,
-        prefix=log_prefix,
+        job.tracker,
+        job.log_path,
+        prefix=job.prefix,
         log_every=loop.log_every,
         flops_per_token=flops_per_token,
         peak_flops=peak_flops(torch.cuda.get_device_name()) if device.type == "cuda" else None,
         world=accelerator.num_processes,
         main_process=main_process,
-        step_offset=step_offset,
+        step_offset=job.step_offset,
     )
 
     def one_step(step: int) -> StepStats:
@@ -221,14 +193,14 @@ def train_drafter(
             optimizer,
             scheduler,
             micro_batches,
-            lambda batch: step_loss(model, batch, teacher, *kd, chunk_tokens, bare),
+            lambda batch: step_loss(model, batch, teacher, kd_top_k, kd_weight, chunk_tokens, bare),
             optim.max_grad_norm,
         )
 
     def periodic_eval(step: int) -> None:
         metrics = evaluate(accelerator, model, evals, loop.per_device_batch_size, loop.eval_batches, pad_id)
         if main_process:
-            tracker.log(eval_log(metrics), step=step_offset + step)
+            job.tracker.log(eval_log(metrics), step=job.step_offset + step)
 
     result = training.run(
         one_step,

@@ -31,7 +31,6 @@ The stage entry point is `pipelines.stages.eagle3`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,12 +42,11 @@ from transformers import DynamicCache
 from polydraft.models.eagle3 import Eagle3Head, feature_capture
 from polydraft.train.chunked_loss import OutputHead, model_head
 from polydraft.train.data import MixBatches
-from polydraft.train.drafter import LoopSettings
-from polydraft.train.loop import LoopPlan, LoopResult, TrainingLoop
+from polydraft.train.loop import HeldOut, LoopResult, LoopSettings, TrainJob, run_with_evals
 from polydraft.train.losses import IGNORE_INDEX
-from polydraft.train.runtime import unwrap
+from polydraft.train.runtime import loss_chunking, unwrap
 from polydraft.train.stage_metrics import Eagle3Eval, Eagle3StepScore
-from polydraft.train.step import StepLog, StepStats, token_counts, train_step
+from polydraft.train.step import StepStats, token_counts, train_step
 
 
 @dataclass(frozen=True)
@@ -251,36 +249,14 @@ def evaluate(
     )
 
 
-def eval_log(metrics: Eagle3Eval, prefix: str) -> dict[str, float]:
-    out = {
-        f"{prefix}eval/loss": metrics.eval_loss,
-        f"{prefix}eval/expected_accepted": metrics.expected_accepted,
-    }
+def eval_log(metrics: Eagle3Eval) -> dict[str, float]:
+    out = {"eval/loss": metrics.eval_loss, "eval/expected_accepted": metrics.expected_accepted}
     for j, score in enumerate(metrics.steps):
-        out |= {f"{prefix}eval/step{j}_{k}": v for k, v in score.model_dump().items()}
+        out |= {f"eval/step{j}_{k}": v for k, v in score.model_dump().items()}
     return out
 
 
 # ----------------------------------------------------------------------------- training
-
-
-@dataclass(frozen=True)
-class Eagle3Job:
-    """Where one head's run lives and how it is labelled: `<work_dir>/<name>.checkpoints/`,
-    `<name>.train_log.jsonl`, wandb metrics under `<name>/` from step `step_offset` on."""
-
-    name: str
-    work_dir: Path
-    step_offset: int
-    quiet: bool
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.work_dir / f"{self.name}.checkpoints"
-
-    @property
-    def log_path(self) -> Path:
-        return self.work_dir / f"{self.name}.train_log.jsonl"
 
 
 def fit(
@@ -290,43 +266,19 @@ def fit(
     optimization: tuple[Any, Any, float],
     batches: MixBatches,
     evals: list[dict[str, torch.Tensor]],
-    tracker: Any,
     loop: LoopSettings,
     settings: Eagle3Settings,
-    job: Eagle3Job,
+    job: TrainJob,
 ) -> tuple[LoopResult, Eagle3Eval | None, Eagle3Eval | None]:
-    """Train one head through the shared loop (`train.loop`). `optimization`: (optimizer, scheduler,
-    max_grad_norm). Returns the loop's result and the held-out metrics of the initial and final head."""
+    """Train one head through the shared loop (`train.loop.run_with_evals`). `optimization`: (optimizer,
+    scheduler, max_grad_norm). Returns the loop's result and the held-out metrics of the initial and final
+    head."""
     optimizer, scheduler, max_grad_norm = optimization
     device, main_process = accelerator.device, accelerator.is_main_process
-    prefix = f"{job.name}/"
-    plan = LoopPlan(
-        loop.total_steps, loop.log_every, loop.eval_every, loop.checkpoint_every, loop.keep_checkpoints
-    )
-    training = TrainingLoop(
-        accelerator, plan, label=f"eagle3 {job.name}", checkpoints=job.checkpoints, log_path=job.log_path,
-        scheduler=scheduler, quiet=job.quiet,
-    )  # fmt: skip
-    saved = training.resume()
-    initial: Eagle3Eval | None = None
-    if saved is not None:
-        initial = Eagle3Eval.model_validate(saved["initial_eval"]) if saved["initial_eval"] else None
-    elif evals:  # the head as initialised: the baseline training must beat
-        initial = evaluate(accelerator, target, unroll, evals, settings)
-        if main_process:
-            tracker.log(eval_log(initial, prefix), step=job.step_offset)
     bare = unwrap(accelerator, unroll)
     teacher = model_head(target.get_output_embeddings(), target.config)
-    # the target runs forward only, the head forward and backward once per unrolled step
-    frozen = sum(p.numel() for p in target.parameters())
-    trained = sum(p.numel() for p in bare.parameters())
-    steplog = StepLog(
-        tracker, job.log_path, prefix=prefix, log_every=loop.log_every,
-        flops_per_token=2.0 * frozen + 6.0 * settings.ttt_steps * trained, peak_flops=None,
-        world=accelerator.num_processes, main_process=main_process, step_offset=job.step_offset,
-    )  # fmt: skip
     weights = settings.weights(device)
-    chunk_tokens = loop.loss_chunk_tokens
+    chunk_tokens = loss_chunking(accelerator, loop.loss_chunk_tokens)
     current: dict[str, torch.Tensor] = {}
 
     def loss_sum(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -348,25 +300,17 @@ def fit(
         if done % loop.log_every == 0 or done == loop.total_steps:  # every process joins the reduction
             kls = (accelerator.reduce(current["sums"], "sum") / rows.clamp(min=1)).tolist()
             if main_process:
-                metrics = {f"{prefix}train/step{j}_kl": kl for j, kl in enumerate(kls)}
-                tracker.log(metrics, step=job.step_offset + done, echo=False)
+                metrics = {f"{job.prefix}train/step{j}_kl": kl for j, kl in enumerate(kls)}
+                job.tracker.log(metrics, step=job.step_offset + done, echo=False)
         return stats
 
-    def periodic_eval(step: int) -> None:
-        metrics = evaluate(accelerator, target, unroll, evals, settings)
-        if main_process:
-            tracker.log(eval_log(metrics, prefix), step=job.step_offset + step)
-
-    result = training.run(
-        one_step,
-        steplog,
-        evaluate=periodic_eval if evals else None,
-        state=lambda: {"initial_eval": initial.model_dump() if initial else None},
-        epoch=batches.epoch,
-    )
-    final = None
+    held_out = None
     if evals:
-        final = evaluate(accelerator, target, unroll, evals, settings)
-        if main_process:
-            tracker.log(eval_log(final, prefix), step=job.step_offset + result.steps)
-    return result, initial, final
+        held_out = HeldOut(
+            lambda: evaluate(accelerator, target, unroll, evals, settings), eval_log, Eagle3Eval
+        )
+    # the target runs forward only, the head forward and backward once per unrolled step
+    frozen = sum(p.numel() for p in target.parameters())
+    trained = sum(p.numel() for p in bare.parameters())
+    flops = 2.0 * frozen + 6.0 * settings.ttt_steps * trained
+    return run_with_evals(accelerator, loop, job, scheduler, one_step, held_out, flops, batches.epoch)

@@ -19,6 +19,7 @@ once the head is written.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +30,11 @@ from polydraft.models.early_exit import EarlyExitDrafter
 from polydraft.models.partial_load import decoder_parts
 from polydraft.train.chunked_loss import OutputHead, Teacher, chunked_loss, model_head
 from polydraft.train.data import MixBatches
-from polydraft.train.loop import LoopPlan, TrainingLoop
+from polydraft.train.loop import HeldOut, LoopResult, LoopSettings, TrainJob, run_with_evals
 from polydraft.train.losses import IGNORE_INDEX, ce_sum, loss_window, topk_kl_sum
+from polydraft.train.runtime import loss_chunking
 from polydraft.train.stage_metrics import HeadEval
-from polydraft.train.step import StepLog, StepStats, train_step
+from polydraft.train.step import StepStats, train_step
 
 HEAD_DIR = "head"
 LOG_FILE = "train_log.jsonl"
@@ -186,78 +188,50 @@ def head_eval_log(metrics: HeadEval) -> dict[str, float]:
     return {f"eval/{k}": v for k, v in metrics.model_dump().items()}
 
 
+@dataclass(frozen=True)
+class ExitLoss:
+    """Cross-entropy, and with the full target as `teacher` (`loss: ce+kl`) the weighted top-k KL to it."""
+
+    teacher: torch.nn.Module | None
+    kl_weight: float
+    kl_top_k: int
+
+
 def fit(
     accelerator: Any,
     drafter: EarlyExitDrafter,
     head: torch.nn.Module,
-    optimizer: Any,
-    scheduler: Any,
+    optimization: tuple[Any, Any, float],
     batches: MixBatches,
-    evals: list[dict[str, torch.Tensor]],
-    references: list[torch.Tensor],
-    tracker: Any,
-    *,
-    total_steps: int,
-    max_grad_norm: float,
-    log_every: int,
-    eval_every: int,
-    checkpoint_every: int,
-    keep_checkpoints: int,
-    work_dir: Path,
-    quiet: bool,
-    teacher: torch.nn.Module | None,
-    kl_top_k: int,
-    kl_weight: float,
-    chunk_tokens: int | None = None,
-) -> tuple[int, float | None, HeadEval | None, HeadEval | None]:
-    """Train the head through the shared loop (`train.loop`): steps with exact token-mean losses, evals.
-    Returns (steps, train loss, held-out metrics of the initial head, held-out metrics at the end)."""
-    device, main_process = accelerator.device, accelerator.is_main_process
-    log_path = work_dir / LOG_FILE
-    plan = LoopPlan(total_steps, log_every, eval_every, checkpoint_every, keep_checkpoints)
-    training = TrainingLoop(
-        accelerator, plan, label="early_exit", checkpoints=work_dir / "checkpoints", log_path=log_path,
-        scheduler=scheduler, quiet=quiet,
-    )  # fmt: skip
-    saved = training.resume()
-    initial: HeadEval | None = None
-    if saved is not None:
-        initial = HeadEval.model_validate(saved["initial_eval"]) if saved["initial_eval"] else None
-    elif evals:  # the head as initialised from the target's last layer: the baseline training must beat
-        initial = evaluate(accelerator, drafter, head, evals, references)
-        if main_process:
-            tracker.log(head_eval_log(initial), step=0)
-    # the frozen layers run without autograd (forward only), the head forward and backward
-    frozen = sum(p.numel() for p in drafter.parameters()) - sum(p.numel() for p in head.parameters())
-    trained = sum(p.numel() for p in head.parameters())
-    steplog = StepLog(
-        tracker, log_path, prefix="", log_every=log_every, flops_per_token=2.0 * frozen + 6.0 * trained,
-        peak_flops=None, world=accelerator.num_processes, main_process=main_process,
-    )  # fmt: skip
+    held_out: tuple[list[dict[str, torch.Tensor]], list[torch.Tensor]],
+    loop: LoopSettings,
+    loss: ExitLoss,
+    job: TrainJob,
+) -> tuple[LoopResult, HeadEval | None, HeadEval | None]:
+    """Train the head through the shared loop (`train.loop.run_with_evals`): steps with exact token-mean
+    losses, evals. `optimization`: (optimizer, scheduler, max_grad_norm); `held_out`: the eval batches and
+    the full target's greedy tokens on them (`eval_reference`). Returns the loop's result and the held-out
+    metrics of the initial head and at the end."""
+    optimizer, scheduler, max_grad_norm = optimization
+    evals, references = held_out
+    device = accelerator.device
+    chunk_tokens = loss_chunking(accelerator, loop.loss_chunk_tokens)
 
     def one_step(step: int) -> StepStats:
         micro_batches = [{k: v.to(device) for k, v in b.items()} for b in batches.micro_batches(step)]
         return train_step(
             accelerator, head, optimizer, scheduler, micro_batches,
-            lambda batch: exit_loss(drafter, head, batch, teacher, kl_weight, kl_top_k, chunk_tokens),
+            lambda batch: exit_loss(drafter, head, batch, loss.teacher, loss.kl_weight, loss.kl_top_k, chunk_tokens),
             max_grad_norm,
         )  # fmt: skip
 
-    def periodic_eval(step: int) -> None:
-        metrics = evaluate(accelerator, drafter, head, evals, references)
-        if main_process:
-            tracker.log(head_eval_log(metrics), step=step)
-
-    result = training.run(
-        one_step,
-        steplog,
-        evaluate=periodic_eval if evals else None,
-        state=lambda: {"initial_eval": initial.model_dump() if initial else None},
-        epoch=batches.epoch,
-    )
-    final = None
-    if evals:
-        final = evaluate(accelerator, drafter, head, evals, references)
-        if main_process:
-            tracker.log(head_eval_log(final), step=result.steps)
-    return result.steps, result.train_loss, initial, final
+    heldout = None
+    if evals:  # the head as initialised from the target's last layer is the baseline training must beat
+        heldout = HeldOut(
+            lambda: evaluate(accelerator, drafter, head, evals, references), head_eval_log, HeadEval
+        )
+    # the frozen layers run without autograd (forward only), the head forward and backward
+    frozen = sum(p.numel() for p in drafter.parameters()) - sum(p.numel() for p in head.parameters())
+    trained = sum(p.numel() for p in head.parameters())
+    flops = 2.0 * frozen + 6.0 * trained
+    return run_with_evals(accelerator, loop, job, scheduler, one_step, heldout, flops, batches.epoch)

@@ -22,7 +22,7 @@ heads are written.
 
 from __future__ import annotations
 
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,11 +31,11 @@ import torch.nn.functional as F
 from polydraft.models.heads import Heads
 from polydraft.train.chunked_loss import model_head, rows_loss
 from polydraft.train.data import MixBatches
-from polydraft.train.loop import LoopPlan, TrainingLoop
+from polydraft.train.loop import HeldOut, LoopResult, LoopSettings, TrainJob, run_with_evals
 from polydraft.train.losses import IGNORE_INDEX
-from polydraft.train.runtime import unwrap
+from polydraft.train.runtime import loss_chunking, unwrap
 from polydraft.train.stage_metrics import HeadScore, HeadsEval
-from polydraft.train.step import StepLog, StepStats, token_counts, train_step
+from polydraft.train.step import StepStats, token_counts, train_step
 
 HEADS_DIR = "heads"
 LOG_FILE = "train_log.jsonl"
@@ -177,55 +177,37 @@ def eval_log(metrics: HeadsEval) -> dict[str, float]:
 # ----------------------------------------------------------------------------- training
 
 
+@dataclass(frozen=True)
+class HeadsSettings:
+    """The heads' loss: `num_heads` heads, head i's token mean weighted `loss_decay ** i`; BPD heads project
+    through the target's own lm head (`shared_head`), Medusa heads through their own (None)."""
+
+    num_heads: int
+    loss_decay: float
+    shared_head: torch.nn.Module | None
+
+
 def fit(
     accelerator: Any,
     target: torch.nn.Module,
     heads: torch.nn.Module,
-    shared_head: torch.nn.Module | None,
-    optimizer: Any,
-    scheduler: Any,
+    optimization: tuple[Any, Any, float],
     batches: MixBatches,
     evals: list[dict[str, torch.Tensor]],
-    tracker: Any,
-    *,
-    num_heads: int,
-    loss_decay: float,
-    total_steps: int,
-    max_grad_norm: float,
-    log_every: int,
-    eval_every: int,
-    checkpoint_every: int,
-    keep_checkpoints: int,
-    work_dir: Path,
-    quiet: bool,
-    chunk_tokens: int | None = None,
-) -> tuple[int, float | None, HeadsEval | None, HeadsEval | None]:
-    """Train the heads through the shared loop (`train.loop`): steps with exact per-head token means,
-    per-head losses, evals. Returns (steps, train loss, held-out metrics of the initial heads, held-out
-    metrics at the end)."""
+    loop: LoopSettings,
+    settings: HeadsSettings,
+    job: TrainJob,
+) -> tuple[LoopResult, HeadsEval | None, HeadsEval | None]:
+    """Train the heads through the shared loop (`train.loop.run_with_evals`): steps with exact per-head
+    token means, per-head losses, evals. `optimization`: (optimizer, scheduler, max_grad_norm). Returns the
+    loop's result and the held-out metrics of the initial heads and at the end."""
+    optimizer, scheduler, max_grad_norm = optimization
+    num_heads, shared_head = settings.num_heads, settings.shared_head
     device, main_process = accelerator.device, accelerator.is_main_process
-    weights = torch.tensor([loss_decay**i for i in range(num_heads)], dtype=torch.float64, device=device)
-    log_path = work_dir / LOG_FILE
-    plan = LoopPlan(total_steps, log_every, eval_every, checkpoint_every, keep_checkpoints)
-    training = TrainingLoop(
-        accelerator, plan, label="heads", checkpoints=work_dir / "checkpoints", log_path=log_path,
-        scheduler=scheduler, quiet=quiet,
-    )  # fmt: skip
-    saved = training.resume()
-    initial: HeadsEval | None = None
-    if saved is not None:
-        initial = HeadsEval.model_validate(saved["initial_eval"]) if saved["initial_eval"] else None
-    elif evals:  # the heads as initialised: the baseline training must beat
-        initial = evaluate(accelerator, target, heads, shared_head, evals, num_heads)
-        if main_process:
-            tracker.log(eval_log(initial), step=0)
-    # the target runs forward only (2 FLOPs a parameter and token), the heads forward and backward
-    frozen = sum(p.numel() for p in target.parameters())
-    trained = sum(p.numel() for p in heads.parameters())
-    steplog = StepLog(
-        tracker, log_path, prefix="", log_every=log_every, flops_per_token=2.0 * frozen + 6.0 * trained,
-        peak_flops=None, world=accelerator.num_processes, main_process=main_process,
-    )  # fmt: skip
+    weights = torch.tensor(
+        [settings.loss_decay**i for i in range(num_heads)], dtype=torch.float64, device=device
+    )
+    chunk_tokens = loss_chunking(accelerator, loop.loss_chunk_tokens)
     bare = unwrap(accelerator, heads)
     current: dict[str, torch.Tensor] = {}  # this step's per-head loss factors and detached loss sums
 
@@ -251,28 +233,20 @@ def fit(
         current["sums"] = torch.zeros(num_heads, dtype=torch.float64, device=device)
         stats = train_step(accelerator, heads, optimizer, scheduler, micro_batches, loss_sum, max_grad_norm)
         done = step + 1
-        if done % log_every == 0 or done == total_steps:  # every process joins the reduction
+        if done % loop.log_every == 0 or done == loop.total_steps:  # every process joins the reduction
             losses = (accelerator.reduce(current["sums"], "sum") / head_tokens.clamp(min=1)).tolist()
             if main_process:
                 metrics = {f"train/head{i}_loss": loss for i, loss in enumerate(losses)}
-                tracker.log(metrics, step=done, echo=False)
+                job.tracker.log(metrics, step=done, echo=False)
         return stats
 
-    def periodic_eval(step: int) -> None:
-        metrics = evaluate(accelerator, target, heads, shared_head, evals, num_heads)
-        if main_process:
-            tracker.log(eval_log(metrics), step=step)
-
-    result = training.run(
-        one_step,
-        steplog,
-        evaluate=periodic_eval if evals else None,
-        state=lambda: {"initial_eval": initial.model_dump() if initial else None},
-        epoch=batches.epoch,
-    )
-    final = None
+    held_out = None
     if evals:
-        final = evaluate(accelerator, target, heads, shared_head, evals, num_heads)
-        if main_process:
-            tracker.log(eval_log(final), step=result.steps)
-    return result.steps, result.train_loss, initial, final
+        held_out = HeldOut(
+            lambda: evaluate(accelerator, target, heads, shared_head, evals, num_heads), eval_log, HeadsEval
+        )
+    # the target runs forward only (2 FLOPs a parameter and token), the heads forward and backward
+    frozen = sum(p.numel() for p in target.parameters())
+    trained = sum(p.numel() for p in heads.parameters())
+    flops = 2.0 * frozen + 6.0 * trained
+    return run_with_evals(accelerator, loop, job, scheduler, one_step, held_out, flops, batches.epoch)

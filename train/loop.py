@@ -1,8 +1,9 @@
 """The training loop every trainer runs: resume, steps, the per-step log, progress, eval, checkpoints.
 
 Pretrain, finetune (`train.drafter`), the early-exit head (`train.early_exit`), the Medusa / BPD heads
-(`train.heads`) and the calibration MLP (`train.calibrate`) differ in their model, data, loss and eval
-metric; they hand those to `TrainingLoop` as callables and the loop does everything else the same way:
+(`train.heads`), the EAGLE-3 heads (`train.eagle3`) and the calibration MLP (`train.calibrate`) differ in
+their model, data, loss and eval metric; they hand those to `TrainingLoop` as callables and the loop does
+everything else the same way:
 
 - `resume()` loads the newest checkpoint that loads (a damaged one is named and the previous one used),
   truncates the step log to its step, and gives the trainer its own saved state back;
@@ -10,6 +11,10 @@ metric; they hand those to `TrainingLoop` as callables and the loop does everyth
   `log_every` steps one readable line goes to the console (step/total, epoch, loss, lr, throughput,
   time left), every `eval_every` steps the trainer's eval runs, every `checkpoint_every` steps (and at
   the last) a checkpoint is written with the trainer's state, the tokens seen and the scheduler.
+
+The heads' trainers (early exit, Medusa / BPD, EAGLE-3) also share what surrounds the loop,
+`run_with_evals`: the held-out eval of the untrained head (kept in the checkpoints, so that a resumed run
+reports the same baseline), periodic evals, the final eval, and the step log's throughput accounting.
 
 For the resume tests, `POLYDRAFT_TEST_KILL_AFTER_STEP=N` makes the main process SIGKILL its process
 group right after step N's log entry is written (before that step's eval or checkpoint): a kill at a
@@ -24,7 +29,9 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
+
+from pydantic import BaseModel
 
 from polydraft.train.checkpoint import resume_checkpoint, save_checkpoint
 from polydraft.train.progress import ProgressLine
@@ -35,6 +42,31 @@ from polydraft.train.steplog import mean_loss, truncate_log
 log = logging.getLogger(__name__)
 
 KILL_ENV = "POLYDRAFT_TEST_KILL_AFTER_STEP"
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """What the loop does besides stepping, as plain values (a stage builds this from its recipe block,
+    `pipelines.stage.loop_settings`)."""
+
+    total_steps: int
+    per_device_batch_size: int
+    max_length: int
+    log_every: int
+    eval_every: int
+    eval_batches: int
+    checkpoint_every: int
+    keep_checkpoints: int
+    compile: bool = False
+    loss_chunk_tokens: int | None = None
+    """`train.chunked_loss`'s chunk size; None: the full logits."""
+    gradient_checkpointing: bool = False
+
+    @property
+    def plan(self) -> LoopPlan:
+        return LoopPlan(
+            self.total_steps, self.log_every, self.eval_every, self.checkpoint_every, self.keep_checkpoints
+        )
 
 
 @dataclass(frozen=True)
@@ -139,3 +171,94 @@ class TrainingLoop:
                     plan.keep_checkpoints, {"scheduler": self.scheduler},
                 )  # fmt: skip
         return LoopResult(self.step, self.tokens, mean_loss(self.log_path, plan.log_every))
+
+
+# ----------------------------------------------------------------------------- the heads' trainers
+
+Metrics = TypeVar("Metrics", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """Where one trainer's run lives and how it is reported: checkpoints under `checkpoints`, the step log
+    at `log_path`, console lines labelled `label`, tracker metrics under `prefix` from step `step_offset`
+    on (several heads trained one after the other share one tracker)."""
+
+    label: str
+    checkpoints: Path
+    log_path: Path
+    tracker: Any
+    quiet: bool
+    prefix: str = ""
+    step_offset: int = 0
+
+    @classmethod
+    def beside(
+        cls, output: Path, label: str, tracker: Any, quiet: bool, prefix: str = "", step_offset: int = 0
+    ) -> TrainJob:
+        """A job whose checkpoints and step log sit beside its output folder: `<output>.checkpoints/` and
+        `<output>.train_log.jsonl` (the drafters, the EAGLE-3 heads: several jobs in one stage folder)."""
+        return cls(
+            label, output.with_name(output.name + ".checkpoints"), output.with_name(output.name + ".train_log.jsonl"),
+            tracker, quiet, prefix, step_offset,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class HeldOut(Generic[Metrics]):
+    """A trainer's held-out eval: `measure()` gives the metrics, `report(metrics)` what the tracker gets
+    (the job's prefix added), `kind` their type (how a checkpoint's saved baseline is read back)."""
+
+    measure: Callable[[], Metrics]
+    report: Callable[[Metrics], dict[str, float]]
+    kind: type[Metrics]
+
+
+def run_with_evals(
+    accelerator: Any,
+    loop: LoopSettings,
+    job: TrainJob,
+    scheduler: Any,
+    one_step: Callable[[int], StepStats],
+    held_out: HeldOut[Metrics] | None,
+    flops_per_token: float,
+    epoch: Callable[[int], float] | None,
+) -> tuple[LoopResult, Metrics | None, Metrics | None]:
+    """Resume, evaluate the untrained model on a fresh run (a resumed one reads that baseline from its
+    checkpoint), run the loop with the periodic evals, evaluate at the end. Returns the loop's result and
+    the held-out metrics before and after training (None without `held_out`). `flops_per_token`: what a
+    step costs per input token, for the step log's MFU."""
+    main_process = accelerator.is_main_process
+    training = TrainingLoop(
+        accelerator, loop.plan, label=job.label, checkpoints=job.checkpoints, log_path=job.log_path,
+        scheduler=scheduler, quiet=job.quiet,
+    )  # fmt: skip
+    saved = training.resume()
+
+    def evaluate(step: int) -> Metrics:
+        assert held_out is not None
+        metrics = held_out.measure()
+        if main_process:
+            report = {job.prefix + k: v for k, v in held_out.report(metrics).items()}
+            job.tracker.log(report, step=job.step_offset + step)
+        return metrics
+
+    initial = None
+    if saved is not None:
+        if held_out is not None and saved["initial_eval"]:
+            initial = held_out.kind.model_validate(saved["initial_eval"])
+    elif held_out is not None:  # the model as initialised: the baseline training must beat
+        initial = evaluate(0)
+    steplog = StepLog(
+        job.tracker, job.log_path, prefix=job.prefix, log_every=loop.log_every, flops_per_token=flops_per_token,
+        peak_flops=None, world=accelerator.num_processes, main_process=main_process, step_offset=job.step_offset,
+    )  # fmt: skip
+    result = training.run(
+        one_step,
+        steplog,
+        evaluate=evaluate if held_out is not None else None,
+        state=lambda: {"initial_eval": initial.model_dump() if initial is not None else None},
+        epoch=epoch,
+    )
+    final = evaluate(result.steps) if held_out is not None else None
+    return result, initial, final

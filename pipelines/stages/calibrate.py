@@ -32,6 +32,7 @@ from polydraft.pipelines.stage import (
     StageResult,
     StageSpec,
     launch_training,
+    loop_settings,
     optim_settings,
     training_main,
 )
@@ -46,8 +47,10 @@ from polydraft.train.calibrate import (
     label_position,
     predict,
     sample_positions,
+    total_steps,
 )
 from polydraft.train.data import encode_rows
+from polydraft.train.loop import TrainJob
 from polydraft.train.stage_metrics import CalibrateMetrics, CalibrationReport
 
 Loader = Callable[[], tuple[Forward, Callable[[], Any], int, str]]
@@ -184,14 +187,13 @@ def calibrate_drafter(
     target_size = target.config.get_text_config().hidden_size
     model = CalibrationModel(target_size, draft_size, block.max_steps).to(device)
     try:
-        model = fit(
-            accelerator, model, splits["train"], optim_settings(block.optim), per_device=loop.per_device_batch_size,
-            epochs=loop.epochs, max_steps=loop.max_steps, seed=loop.seed, log_every=loop.log_every,
-            checkpoint_every=loop.checkpoint_every, keep_checkpoints=loop.keep_checkpoints, folder=folder,
-            tracker=tracker, name=name,
-        )  # fmt: skip
+        steps = total_steps(len(splits["train"]["labels"]), loop.per_device_batch_size, accelerator, loop.epochs, loop.max_steps)  # fmt: skip
     except ValueError as err:
         raise StageFailed(f"calibrate {name}: {err}") from err
+    job = TrainJob(  # not quiet: --quiet sets the process's log level
+        f"calibrate {name}", folder / "checkpoints", folder / "train_log.jsonl", tracker, False, prefix=f"{name}/"
+    )  # fmt: skip
+    model = fit(accelerator, model, splits["train"], optim_settings(block.optim), loop_settings(loop, steps), loop.seed, job)  # fmt: skip
     state = accelerator.get_state_dict(model)  # every process: ZeRO-3 gathers the shards
     report = CalibrationReport(
         drafter=name,

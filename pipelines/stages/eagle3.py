@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +50,11 @@ from polydraft.pipelines.stages.mix_training import (
 )
 from polydraft.pipelines.tracking import Tracker
 from polydraft.train.data import pad_id_of
-from polydraft.train.eagle3 import Eagle3Job, Eagle3Settings, Unroll, fit
+from polydraft.train.eagle3 import Eagle3Settings, Unroll, fit
 from polydraft.train.evaluation import eval_set
+from polydraft.train.loop import TrainJob
 from polydraft.train.mix_cache import MixExamples, balanced_union, load_examples
-from polydraft.train.runtime import loss_chunking, prepare_for_training, unwrap
+from polydraft.train.runtime import prepare_for_training, unwrap
 from polydraft.train.stage_metrics import DraftVocab, Eagle3HeadMetrics, Eagle3Metrics, Launched
 
 log = logging.getLogger(__name__)
@@ -258,14 +258,12 @@ class Job:
         evals = eval_set(
             self.held_out(pairs), loop.per_device_batch_size, loop.eval_batches, accelerator, pad_id
         )
-        settings = replace(
-            loop_settings(loop, total_steps),
-            loss_chunk_tokens=loss_chunking(accelerator, loop.loss_chunk_tokens),
+        job = TrainJob.beside(
+            work_dir / name, f"eagle3 {name}", self.tracker, self.spec.quiet, f"{name}/", step_offset
         )
         result, initial, final = fit(
             accelerator, self.target, unroll, (optimizer, scheduler, optim.max_grad_norm), batches, evals,
-            self.tracker, settings, Eagle3Settings(block.ttt_steps, block.step_decay),
-            Eagle3Job(name, work_dir, step_offset, self.spec.quiet),
+            loop_settings(loop, total_steps), Eagle3Settings(block.ttt_steps, block.step_decay), job,
         )  # fmt: skip
         metrics = Eagle3HeadMetrics(
             steps=result.steps, tokens=result.tokens, train_loss=result.train_loss, initial=initial, final=final,

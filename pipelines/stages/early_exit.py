@@ -23,6 +23,7 @@ from polydraft.pipelines.stage import (
     StageResult,
     StageSpec,
     launch_training,
+    loop_settings,
     optim_settings,
     training_main,
 )
@@ -33,9 +34,10 @@ from polydraft.pipelines.stages.mix_training import (
 )
 from polydraft.pipelines.tracking import Tracker
 from polydraft.train.data import pad_id_of
-from polydraft.train.early_exit import HEAD_DIR, eval_reference, fit
+from polydraft.train.early_exit import HEAD_DIR, LOG_FILE, ExitLoss, eval_reference, fit
 from polydraft.train.evaluation import eval_set
-from polydraft.train.runtime import loss_chunking, prepare_for_training, resolve_attn_implementation
+from polydraft.train.loop import TrainJob
+from polydraft.train.runtime import prepare_for_training, resolve_attn_implementation
 from polydraft.train.stage_metrics import EarlyExitMetrics
 
 
@@ -104,17 +106,14 @@ def train_early_exit(
     prepared, optimizer, scheduler = prepare_for_training(
         drafter.exit, optim, total_steps, loop.per_device_batch_size, accelerator, loop.compile
     )
-    steps, train_loss, initial, final = fit(
-        accelerator, drafter, prepared, optimizer, scheduler, batches, evals, references, tracker,
-        total_steps=total_steps, max_grad_norm=optim.max_grad_norm, log_every=loop.log_every,
-        eval_every=loop.eval_every, checkpoint_every=loop.checkpoint_every,
-        keep_checkpoints=loop.keep_checkpoints, work_dir=work_dir, quiet=spec.quiet, teacher=teacher,
-        kl_top_k=block.kl_top_k, kl_weight=block.kl_weight,
-        chunk_tokens=loss_chunking(accelerator, loop.loss_chunk_tokens),
+    job = TrainJob("early_exit", work_dir / "checkpoints", work_dir / LOG_FILE, tracker, spec.quiet)
+    result, initial, final = fit(
+        accelerator, drafter, prepared, (optimizer, scheduler, optim.max_grad_norm), batches, (evals, references),
+        loop_settings(loop, total_steps), ExitLoss(teacher, block.kl_weight, block.kl_top_k), job,
     )  # fmt: skip
     metrics = EarlyExitMetrics(
-        steps=steps,
-        train_loss=train_loss,
+        steps=result.steps,
+        train_loss=result.train_loss,
         initial=initial,
         final=final,
         peak_memory_gib=peak_memory_gib(device),

@@ -37,6 +37,7 @@ from polydraft.pipelines.tracking import Tracker
 from polydraft.train.data import pad_id_of
 from polydraft.train.drafter import export, initial_drafter, train_drafter
 from polydraft.train.evaluation import read_eval_sets
+from polydraft.train.loop import TrainJob
 from polydraft.train.mix_cache import MixExamples, balanced_union, load_examples
 from polydraft.train.runtime import resolve_attn_implementation
 from polydraft.train.stage_metrics import DrafterMetrics, FinetuneMetrics, Launched, MultilingualMetrics
@@ -198,11 +199,12 @@ class Job:
             target_name=f"target {target.path}",
         )
         evals = read_eval_sets(self.distill_dir, eval_pairs, tokenizer, loop.max_length)
+        job = TrainJob.beside(
+            out_dir, f"finetune {name}", self.tracker, self.spec.quiet, f"{name}/", step_offset
+        )
         model, metrics = train_drafter(
-            accelerator, model, batches, evals, self.tracker, name=f"finetune {name}",
-            optim=optim_settings(block.optim), loop=loop_settings(loop, total_steps), job_dir=out_dir,
-            quiet=self.spec.quiet, pad_id=pad_id_of(tokenizer), log_prefix=f"{name}/", step_offset=step_offset,
-            teacher=self.teacher, kd=(block.kd_top_k, block.kd_weight),
+            accelerator, model, batches, evals, optim_settings(block.optim), loop_settings(loop, total_steps), job,
+            pad_id_of(tokenizer), (self.teacher, block.kd_top_k, block.kd_weight),
         )  # fmt: skip
         export(accelerator, model, tokenizer, out_dir)
         accelerator.free_memory()

@@ -23,6 +23,7 @@ from polydraft.pipelines.stage import (
     StageResult,
     StageSpec,
     launch_training,
+    loop_settings,
     optim_settings,
     training_main,
 )
@@ -34,8 +35,9 @@ from polydraft.pipelines.stages.mix_training import (
 from polydraft.pipelines.tracking import Tracker
 from polydraft.train.data import pad_id_of
 from polydraft.train.evaluation import eval_set
-from polydraft.train.heads import HEADS_DIR, fit
-from polydraft.train.runtime import loss_chunking, prepare_for_training
+from polydraft.train.heads import HEADS_DIR, LOG_FILE, HeadsSettings, fit
+from polydraft.train.loop import TrainJob
+from polydraft.train.runtime import prepare_for_training
 from polydraft.train.stage_metrics import HeadsMetrics
 
 
@@ -85,17 +87,14 @@ def train_heads(
     prepared, optimizer, scheduler = prepare_for_training(
         heads, optim, total_steps, loop.per_device_batch_size, accelerator, loop.compile
     )
-    steps, train_loss, initial, final = fit(
-        accelerator, target, prepared, shared_head, optimizer, scheduler, batches, evals, tracker,
-        num_heads=block.num_heads, loss_decay=block.loss_decay, total_steps=total_steps,
-        max_grad_norm=optim.max_grad_norm, log_every=loop.log_every, eval_every=loop.eval_every,
-        checkpoint_every=loop.checkpoint_every, keep_checkpoints=loop.keep_checkpoints,
-        work_dir=work_dir, quiet=spec.quiet,
-        chunk_tokens=loss_chunking(accelerator, loop.loss_chunk_tokens),
+    job = TrainJob("heads", work_dir / "checkpoints", work_dir / LOG_FILE, tracker, spec.quiet)
+    result, initial, final = fit(
+        accelerator, target, prepared, (optimizer, scheduler, optim.max_grad_norm), batches, evals,
+        loop_settings(loop, total_steps), HeadsSettings(block.num_heads, block.loss_decay, shared_head), job,
     )  # fmt: skip
     metrics = HeadsMetrics(
-        steps=steps,
-        train_loss=train_loss,
+        steps=result.steps,
+        train_loss=result.train_loss,
         initial=initial,
         final=final,
         peak_memory_gib=peak_memory_gib(device),

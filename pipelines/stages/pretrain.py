@@ -30,6 +30,7 @@ from polydraft.pipelines.stage import (
 from polydraft.pipelines.tracking import Tracker
 from polydraft.train.data import PackedBatches, pad_id_of
 from polydraft.train.drafter import export, initial_drafter, pretrain_steps, train_drafter
+from polydraft.train.loop import TrainJob
 from polydraft.train.runtime import resolve_attn_implementation
 from polydraft.train.stage_metrics import PretrainMetrics
 from polydraft.train.stream import documents as document_stream
@@ -99,10 +100,10 @@ def pretrain(spec: StageSpec, inputs: PretrainInputs, accelerator: Any, tracker:
         tokenizer, sources, inputs.data_seed, max_steps=loop.max_steps, epochs=loop.epochs,
         max_length=loop.max_length, token_budget=block.token_budget, global_batch=batches.global_batch,
     )  # fmt: skip
+    job = TrainJob.beside(work_dir / "model", "pretrain", tracker, spec.quiet, "pretrain/")
     model, metrics = train_drafter(
-        accelerator, model, batches, {}, tracker, name="pretrain", optim=optim_settings(block.optim),
-        loop=loop_settings(loop, total_steps), job_dir=work_dir / "model", quiet=spec.quiet,
-        pad_id=pad_id_of(tokenizer), log_prefix="pretrain/",
+        accelerator, model, batches, {}, optim_settings(block.optim), loop_settings(loop, total_steps), job,
+        pad_id_of(tokenizer),
     )  # fmt: skip
     export(accelerator, model, tokenizer, work_dir / "model")
     return {"drafter": metrics.model_dump()}
