@@ -1,0 +1,87 @@
+"""Where an EAGLE-3 training step's time goes on the demo target: the frozen target's forward pass that
+computes the features (`train.eagle3.target_pass`), the unrolled head's forward with the loss
+(`train.eagle3.ttt_losses`, which includes that pass) and the whole step (with backward and the AdamW update).
+
+The demo's setting: the committed demo target (24 layers, hidden 128), feature layers 2, 12 and 21, a
+1024-token draft vocabulary, 3 unrolled steps, the loss in chunks of 256 rows, batches of `--rows` random
+rows of `--length` tokens with the first 40 masked as the prompt. The three measurements are interleaved,
+`--repeats` rounds of `--steps` each after a warm-up, and reported as mean ± std over the rounds.
+
+    python -m bench.eagle3_step [--rows 2] [--length 110] [--record bench/results/eagle3_step.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.held_out import record
+from polydraft.models.eagle3 import head_for_target
+from polydraft.train.chunked_loss import model_head
+from polydraft.train.eagle3 import Unroll, target_pass, ttt_losses
+from polydraft.train.losses import IGNORE_INDEX
+
+TARGET = Path(__file__).resolve().parent.parent / "recipes/demo/target/659066c489eb7c49"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=2)
+    parser.add_argument("--length", type=int, default=110)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--record", type=Path)
+    args = parser.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_pretrained(TARGET).eval().requires_grad_(False)
+    head = head_for_target(target, torch.arange(1024), [2, 12, 21])
+    unroll = Unroll(head, 3)
+    optimizer = torch.optim.AdamW(unroll.parameters(), lr=1e-3)
+    teacher = model_head(target.get_output_embeddings(), target.config)
+    ids = torch.randint(5, target.config.vocab_size, (args.rows, args.length))
+    labels = ids.clone()
+    labels[:, :40] = IGNORE_INDEX
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+
+    def features() -> None:
+        target_pass(target, batch, head.aux_layers)
+
+    def forward() -> None:
+        ttt_losses(unroll, unroll, teacher, target, batch, 256)
+
+    def step() -> None:
+        sums, _ = ttt_losses(unroll, unroll, teacher, target, batch, 256)
+        sums.sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    parts = {"target forward (features)": features, "head forward + loss (with the target)": forward, "whole step": step}  # fmt: skip
+    for run in parts.values():
+        run()
+    times: dict[str, list[float]] = {name: [] for name in parts}
+    for _ in range(args.repeats):
+        for name, run in parts.items():
+            clock = time.perf_counter()
+            for _ in range(args.steps):
+                run()
+            times[name].append(1000 * (time.perf_counter() - clock) / args.steps)
+    whole = statistics.mean(times["whole step"])
+    lines = ["| part | ms per step | share of the step |", "| --- | ---: | ---: |"]
+    for name, values in times.items():
+        mean, std = statistics.mean(values), statistics.stdev(values)
+        lines.append(f"| {name} | {mean:.1f} ± {std:.1f} | {mean / whole:.0%} |")
+    setting = (
+        f"Demo target, {args.rows} rows of {args.length} tokens a step, {torch.get_num_threads()} threads; "
+        f"{args.repeats} interleaved rounds of {args.steps} steps each, mean ± std over the rounds."
+    )
+    record("eagle3_step", setting, lines, args.record)
+
+
+if __name__ == "__main__":
+    main()
