@@ -366,7 +366,7 @@ def _measure(recipe: Recipe, plan: Plan, target: Shape, drafter: Shape) -> Stage
     generated = seconds = 0.0
     for source in recipe.data.eval:
         prompts = min(source_rows(source, recipe, "eval"), per_set)
-        if prompts < per_set:
+        if prompts < per_set and m.disjoint_prompts:  # otherwise every seed decodes all there are
             plan.warnings.append(
                 f"measure: eval source {source.path or source.kind} has {prompts} prompts, fewer than the "
                 f"{per_set} that num_prompts x seeds asks for (disjoint_prompts: the stage will stop)"

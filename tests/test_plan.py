@@ -4,6 +4,7 @@ values, and the idle-GPU and does-not-fit warnings."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -153,6 +154,24 @@ def test_small_batches_are_reported(tmp_path):
     assert any("raise per_device_batch_size" in w for w in warnings)
 
 
+def test_too_few_eval_prompts_are_reported_only_where_the_stage_would_stop(tmp_path):
+    """30 held-out prompts against 3 seeds x 20: disjoint repetitions need 60 and stop; shared ones decode
+    the 30 there are in every repetition."""
+    warnings = {}
+    for disjoint in (True, False):
+        (tmp_path / str(disjoint)).mkdir()
+        measure = {"enabled": True, "decoders": ["ar"], "num_prompts": 20, "disjoint_prompts": disjoint}
+        recipe = small_recipe(tmp_path / str(disjoint), measure=measure)
+        warnings[disjoint] = [
+            w for w in estimate(recipe, parse_gpus("2xA100-80GB"), 1).warnings if "measure" in w
+        ]
+    assert warnings[False] == []
+    assert warnings[True] == [
+        "measure: eval source rows.jsonl has 30 prompts, fewer than the 60 that num_prompts x seeds asks for "
+        "(disjoint_prompts: the stage will stop)"
+    ]
+
+
 def test_a_70b_target_is_spread_over_the_gpus_it_needs_and_does_not_fit_one():
     recipe = load_recipe("recipes/llama2-chat-7b/de.yaml", ["target.path=meta-llama/Llama-2-70b-chat-hf"])
     plan = estimate(recipe, parse_gpus("8xA100-80GB"), distill_engines=1)
@@ -300,3 +319,18 @@ def test_eagle3_keeps_the_distilled_rows_of_its_temperatures_at_their_length(tmp
         stages[name] = {s.name: s for s in estimate(recipe, gpus, distill_engines=1).stages}["eagle3 de-en"]
     assert stages["greedy"].tokens == pytest.approx(stages["all"].tokens / 2)  # T=0 of T in {0, 1}
     assert stages["greedy"].note.split(" x ")[-1] == stages["all"].note.split(" x ")[-1]  # same rows
+
+
+GPU_RECIPES = sorted(
+    str(p) for p in Path("recipes").glob("*/*.yaml") if p.parent.name not in ("demo", "accelerate")
+)
+
+
+@pytest.mark.parametrize("path", GPU_RECIPES)
+def test_no_shipped_gpu_recipe_is_planned_with_a_warning(path):
+    """Every shipped recipe for a GPU target, on the node it is written for (8 A100s): no GPU idle for long,
+    no micro-batch too small to keep a GPU busy, nothing that does not fit (the demo's recipes are for a
+    CPU: on A100s their tiny models leave every GPU idle)."""
+    assert len(GPU_RECIPES) >= 20
+    plan = estimate(load_recipe(path), parse_gpus("8xA100-80GB"))
+    assert plan.warnings == [], plan.warnings
