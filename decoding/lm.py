@@ -43,7 +43,7 @@ class CachedLM:
         self.aux_layers = aux_layers
         self.features: Tensor | None = None
         """With `aux_layers`: the feature-layer states [n, len(aux_layers) * H] of the last forward's n
-        new positions (`models.eagle3.target_features`)."""
+        new positions (captured by `models.eagle3.feature_capture`)."""
         self.decoder = model.base_model
         self.head = model.get_output_embeddings()
         if self.head is None:
