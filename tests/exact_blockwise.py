@@ -7,8 +7,8 @@ takes over the decoders' other sources of randomness, each by the law it is prov
 - `sample` wherever a decoder imported it, rows of a [N, V] tensor drawn independently (what
   `torch.multinomial` does; `bpd` draws its K drafts at once);
 - `gumbel_topk` in `decoding.lattice` (the Medusa candidate tree): k tokens per row drawn in order without
-  replacement (the Gumbel-top-k trick; tests/test_decoding_exact.py checks the top-k of the perturbed
-  log-probabilities, tests/test_decoding_sampling.py the noise);
+  replacement (the Gumbel-top-k trick; tests/decoding/test_decoding_exact.py checks the top-k of the perturbed
+  log-probabilities, tests/decoding/test_decoding_sampling.py the noise);
 - `stochastic_beam_step` in `decoding.tree` at width 1 (`bpd+rescore` when sampling draws one path): one
   token from the row, as the Gumbel-max trick gives (truncating the Gumbels is monotone per parent, so
   the argmax stays the argmax). Wider beams raise: their joint law is not integrated here.

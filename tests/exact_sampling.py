@@ -323,7 +323,7 @@ def tree_law(
     return explorer.law(program)
 
 
-# The checks (tests/test_decoding_exact.py runs them; tests/test_decoding_mutations.py plants bugs under them)
+# The checks (tests/decoding/test_decoding_exact.py runs them; tests/decoding/test_decoding_mutations.py plants bugs under them)
 V = 5
 PLAIN, TOP_K, TOP_P = Sampling(1.0), Sampling(0.7, top_k=3), Sampling(1.0, top_p=0.9)
 PAIRS = {"plain": (PLAIN, PLAIN), "top-k": (TOP_K, TOP_K), "top-p": (TOP_P, TOP_P), "mixed": (TOP_K, TOP_P)}

@@ -105,7 +105,7 @@ def paired_interval(
     interval of so few prompts is too narrow (a normal one over 24 prompts wrongly held in 4.1% of 2,000
     simulated studies, against 2.5%). The level holds while the spread between training seeds stays below
     the standard error of the prompts' mean: with 2 seeds the bootstrap sees half their variance
-    (tests/test_paired_rule.py). None with fewer than 2 prompts."""
+    (tests/decoding/test_paired_rule.py). None with fewer than 2 prompts."""
     seeds = [np.array([np.mean(r) for r in by_prompt.values() if len(r)]) for by_prompt in values.values()]
     seeds = [s for s in seeds if s.size]
     prompts = sum(s.size for s in seeds)

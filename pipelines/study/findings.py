@@ -51,8 +51,8 @@ def lossless(runs: Runs) -> Finding:
         details = (
             f"Decoders no variant measured at T=0: {', '.join(f'`{d}`' for d in unmeasured) or 'none'}. "
             "T > 0: sampled outputs differ from `ar`'s by design, so the study does not recheck them; the "
-            "proofs are the exact tests (`tests/test_decoding_exact.py`: each verification step gives the "
-            "target's distribution to 1e-6) and the distribution tests (`tests/test_decoding_distribution.py`)."
+            "proofs are the exact tests (`tests/decoding/test_decoding_exact.py`: each verification step gives the "
+            "target's distribution to 1e-6) and the distribution tests (`tests/decoding/test_decoding_distribution.py`)."
         )
         return checks, details, []
 

@@ -33,7 +33,7 @@ from polydraft.models.placement import (
 from polydraft.pipelines.schema import DataConfig, TargetConfig
 from polydraft.pipelines.target import resolve_target
 from tests.decoding_helpers import single_thread_fixture
-from tests.test_decoding_families import (
+from tests.decoding.test_decoding_families import (
     chain_decoders,
     decode_all,
     fitted_heads,

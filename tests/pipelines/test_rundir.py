@@ -19,7 +19,7 @@ from polydraft.pipelines.runner import run_pipeline
 from polydraft.pipelines.stage import PROJECT_ROOT, Stage
 from polydraft.pipelines.status import stage_states
 from tests.fake_stages import TARGET, TOPOLOGY, _make, fake_stages, reuse, run
-from tests.test_runner import RECIPE, ran
+from tests.pipelines.test_runner import RECIPE, ran
 
 RECIPES = PROJECT_ROOT / "recipes"
 
@@ -82,7 +82,7 @@ def test_a_run_dir_made_before_origins_were_kept_is_told_by_its_run_json(tmp_pat
 def test_polydraft_run_refuses_another_recipes_run_dir_with_exit_2_before_any_stage(
     tmp_path, capsys, tiny_target_dir
 ):
-    from tests.test_bad_inputs import BASE, write
+    from tests.pipelines.test_bad_inputs import BASE, write
 
     good = tiny_target_dir
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()

@@ -304,7 +304,7 @@ def test_two_nodes_distill_with_an_engine_each_one_node_killed_then_rerun_give_e
     require_vllm()
     from polydraft.pipelines.recipe import dump_recipe
     from tests.distill_setup import free_port
-    from tests.test_multinode import MULTINODE
+    from tests.pipelines.test_multinode import MULTINODE
 
     target = demo_target()
     data = translation_file(tmp_path, 10)

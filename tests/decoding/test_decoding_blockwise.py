@@ -5,14 +5,14 @@ Greedy: heads fitted for a few steps to the target's own greedy continuations of
 drafts are accepted, partly), both head kinds, rescoring drafters that agree with the target fully,
 partly and hardly, prompts of several lengths, length limits and an EOS met part-way.
 
-Sampling (tiny vocabulary, as tests/test_decoding_distribution.py): 4 new tokens, so that the second
+Sampling (tiny vocabulary, as tests/decoding/test_decoding_distribution.py): 4 new tokens, so that the second
 round drafts two levels from the heads' first hidden state; the exact law of tokens 2 and 3,
 sum_a q(a) q(b | a) q(c | a, b), against 1500 samples by a chi-square test with the threshold fixed in
 advance (p > 1e-3, fixed seed, no retries). Power: with the df of these tables (at most 35) the test
 rejects with probability >= 0.9 any output law whose chi-square divergence sum (p1 - p0)^2 / p0 from the
 exact one is >= 0.035, e.g. 4% of the mass moved between two cells of probability 0.05 (divergence
 0.064); `test_stated_power` recomputes this. The verification steps themselves (`verify_chain`,
-`verify_tree`) are also proved exactly by tests/test_decoding_exact.py; these tests cover what is new
+`verify_tree`) are also proved exactly by tests/decoding/test_decoding_exact.py; these tests cover what is new
 here, how the drafts are drawn and which distributions are handed to verification.
 """
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.eagle3_setup import fit_eagle3
-from tests.test_heads_vllm import demo_prompts
+from tests.export.test_heads_vllm import demo_prompts
 from tests.vllm_setup import demo_target, require_vllm
 
 K = 3
@@ -56,7 +56,7 @@ def head_folder(tmp_path_factory):
 
 
 def polydraft_eagle3(target, folder, prompts, eos_id: int) -> tuple[list[list[int]], list[int]]:
-    """polydraft's `eagle3` at temperature 0, counted the way vLLM counts (see tests/test_heads_vllm.py's
+    """polydraft's `eagle3` at temperature 0, counted the way vLLM counts (see tests/export/test_heads_vllm.py's
     `polydraft_bpd`: vLLM drafts K tokens every step and counts acceptance until the output holds EOS or
     NEW_TOKENS tokens)."""
     from polydraft.decoding.control import FixedK

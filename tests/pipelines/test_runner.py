@@ -17,7 +17,7 @@ from polydraft.pipelines.runner import stale_stages
 from polydraft.pipelines.stage import StageFailed
 from tests.fake_stages import TARGET, TOPOLOGY, fake_stages, reuse, run
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE = """
 target:
   path: org/target

@@ -33,7 +33,7 @@ def test_each_node_starts_its_share_and_accelerate_gets_the_total(tmp_path):
     config.write_text("num_machines: 2\nnum_processes: 16\n")
     assert processes_per_node(config, None) == 8  # accelerate's 16 over 2 machines
     assert processes_per_node(config, 4) == 4  # launch.num_processes is per node
-    ddp = Path(__file__).resolve().parent.parent / "recipes" / "accelerate" / "ddp.yaml"
+    ddp = Path(__file__).resolve().parents[2] / "recipes" / "accelerate" / "ddp.yaml"
     assert processes_per_node(ddp, None) == 4
     command = accelerate_command(config, 2 * 8, "m", ["spec"], Machines(2, 1, "gpu04", 29877))
     text = " ".join(command)

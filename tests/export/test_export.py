@@ -320,7 +320,7 @@ def test_finetuned_drafters_cards_say_which_mixed_traffic_choice_won(
 ):
     from polydraft.decoding.measurement.mixed import write_group
     from polydraft.pipelines.stage import StageFailed
-    from tests.test_mixed_traffic import _groups, _seconds
+    from tests.decoding.test_mixed_traffic import _groups, _seconds
 
     templates = build_templates(tmp_path / "templates", tiny_tokenizer, tiny_target_dir)
     for group in _groups(_seconds([1.6, 1.7, 1.8]), _seconds([1.2, 1.3, 1.4])):

@@ -28,7 +28,7 @@ from polydraft.pipelines.schema import DataConfig, MeasureConfig, Recipe, Source
 from polydraft.pipelines.stage import StageFailed
 from tests.decoding_helpers import single_thread_fixture
 from tests.measure_setup import PAIRS, measure_context, measure_recipe, run_measure
-from tests.test_decoding_measure import finetune_dir  # noqa: F401 (the module's drafters fixture)
+from tests.decoding.test_decoding_measure import finetune_dir  # noqa: F401 (the module's drafters fixture)
 
 single_thread = single_thread_fixture()
 

@@ -5,7 +5,7 @@ refactor that moves it makes this test fail instead of pass), compiles it in the
 module, and patches every module that imported the function. Then the checks that should catch it
 run (all must fail): the exact sampler checks (tests/exact_sampling.py), a full-decoder
 configuration of the distribution grid (tests/decoder_grid.py) and greedy decoding against `ar` on a
-tiny Llama (the check of tests/test_decoding_lossless.py and tests/test_decoding_eesd.py). A variant
+tiny Llama (the check of tests/decoding/test_decoding_lossless.py and tests/decoding/test_decoding_eesd.py). A variant
 that no check rejects would be a gap in the suite; the unmutated code passes the same checks in those
 modules.
 

@@ -254,7 +254,7 @@ def test_relative_paths_resolve_against_the_recipe_file_not_the_working_director
     )  # an existing folder
     mine = str(tmp_path / "recipes" / "mine")
     assert models.measure.extra_drafters == {"hub": "org/other", "mine": mine}  # a hub id stays as written
-    demo = load_recipe(Path(__file__).resolve().parent.parent / "recipes" / "demo" / "demo.yaml")
+    demo = load_recipe(Path(__file__).resolve().parents[2] / "recipes" / "demo" / "demo.yaml")
     assert (Path(demo.target.bootstrap.cache_dir) / "659066c489eb7c49").is_dir()  # the committed build
 
 

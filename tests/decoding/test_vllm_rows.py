@@ -1,6 +1,6 @@
 """Rows of engine `vllm` beside polydraft's: made from `measure_in_vllm` results, flagged in the summary
 where they differ, kept out of polydraft's best K, and `measure.vllm` without vLLM (no engine runs here;
-`tests/test_vllm_measure.py` runs the real one)."""
+`tests/decoding/test_vllm_measure.py` runs the real one)."""
 
 from __future__ import annotations
 

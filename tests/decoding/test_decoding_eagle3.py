@@ -2,7 +2,7 @@
 length limits, an EOS, and a draft vocabulary that leaves target tokens out; its rounds accept drafts.
 
 (At temperature > 0 its exact output law is tested with the other decoders: tests/decoder_grid.py; on every
-model family: tests/test_decoding_families.py; a planted cache bug: tests/test_decoding_mutations.py.)
+model family: tests/decoding/test_decoding_families.py; a planted cache bug: tests/decoding/test_decoding_mutations.py.)
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from polydraft.decoding.lm import CachedLM
 from polydraft.decoding.sampling import Sampling
 from tests.decoding_helpers import single_thread_fixture, tiny_pair
 from tests.eagle3_setup import fit_eagle3
-from tests.test_decoding_lossless import CASES, check_record
+from tests.decoding.test_decoding_lossless import CASES, check_record
 
 single_thread = single_thread_fixture()
 VOCAB = 96

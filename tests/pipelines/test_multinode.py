@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from polydraft.pipelines.cli import main
 from polydraft.train.steplog import read_log
 from tests.distill_setup import free_port
-from tests.test_pipeline_e2e import RECIPE
+from tests.pipelines.test_pipeline_e2e import RECIPE
 from tests.vllm_setup import PROJECT_ROOT
 
 MULTINODE = """compute_environment: LOCAL_MACHINE

@@ -25,7 +25,7 @@ from polydraft.pipelines.study.verdicts import (
 )
 from tests.export_setup import result_row
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "recipes" / "demo" / "study.yaml"  # the demo recipe with the study's measure settings
 FINDINGS = [  # the seeds' findings by seed, then the study items; written here so that dropping one fails
     "pf_over_p",

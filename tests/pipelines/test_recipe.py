@@ -13,7 +13,7 @@ from polydraft.pipelines.recipe import (
     parse_override,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 BASE = """
 target:
