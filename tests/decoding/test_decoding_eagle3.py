@@ -15,9 +15,9 @@ from polydraft.decoding.eagle3 import Eagle3Drafter, eagle3_decode
 from polydraft.decoding.engine import autoregressive
 from polydraft.decoding.lm import CachedLM
 from polydraft.decoding.sampling import Sampling
+from tests.decoding.test_decoding_lossless import CASES, check_record
 from tests.decoding_helpers import single_thread_fixture, tiny_pair
 from tests.eagle3_setup import fit_eagle3
-from tests.decoding.test_decoding_lossless import CASES, check_record
 
 single_thread = single_thread_fixture()
 VOCAB = 96

@@ -17,10 +17,10 @@ from polydraft.decoding.measurement.results import read_rows
 from polydraft.decoding.sampling import Sampling
 from polydraft.models.eagle3 import save_eagle3
 from polydraft.pipelines.stage import StageFailed
+from tests.decoding.test_decoding_measure import finetune_dir  # noqa: F401 (the module's drafters fixture)
 from tests.decoding_helpers import single_thread_fixture
 from tests.eagle3_setup import fit_eagle3
 from tests.measure_setup import PAIRS, measure_context, measure_recipe, run_measure
-from tests.decoding.test_decoding_measure import finetune_dir  # noqa: F401 (the module's drafters fixture)
 
 single_thread = single_thread_fixture()
 LAYERS = [1, 2, 3]

@@ -26,9 +26,9 @@ from polydraft.decoding.measurement.results import PromptResult, read_rows, writ
 from polydraft.decoding.routing import LanguageRouter
 from polydraft.pipelines.schema import DataConfig, MeasureConfig, Recipe, SourceConfig, TargetConfig
 from polydraft.pipelines.stage import StageFailed
+from tests.decoding.test_decoding_measure import finetune_dir  # noqa: F401 (the module's drafters fixture)
 from tests.decoding_helpers import single_thread_fixture
 from tests.measure_setup import PAIRS, measure_context, measure_recipe, run_measure
-from tests.decoding.test_decoding_measure import finetune_dir  # noqa: F401 (the module's drafters fixture)
 
 single_thread = single_thread_fixture()
 

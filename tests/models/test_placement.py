@@ -32,7 +32,6 @@ from polydraft.models.placement import (
 )
 from polydraft.pipelines.schema import DataConfig, TargetConfig
 from polydraft.pipelines.target import resolve_target
-from tests.decoding_helpers import single_thread_fixture
 from tests.decoding.test_decoding_families import (
     chain_decoders,
     decode_all,
@@ -42,6 +41,7 @@ from tests.decoding.test_decoding_families import (
     target_model,
     tree_decoders,
 )
+from tests.decoding_helpers import single_thread_fixture
 
 single_thread = single_thread_fixture()
 
