@@ -345,7 +345,7 @@ def _calibrate(recipe: Recipe, cluster: Cluster, target: Shape, row_tokens: floa
 
 def _measure(recipe: Recipe, plan: Plan, target: Shape, drafter: Shape) -> StagePlan:
     """Batch 1, every method on every prompt of every (eval set, T, seed) group; the groups dealt to one
-    process per copy of the target node 0's GPUs hold (`measure.processes`)."""
+    process per copy of the target a node's GPUs hold (`measure.processes`), on every node."""
     m = recipe.measure
     cluster = plan.cluster
     languages = len(recipe.data.pairs) if recipe.finetune.enabled else 0
@@ -385,9 +385,11 @@ def _measure(recipe: Recipe, plan: Plan, target: Shape, drafter: Shape) -> Stage
     weights = (target.params() + drafters * drafter.params()) * 2
     seconds += weights / LOAD_BYTES_PER_S
     gpus, peak = spread(weights * 1.1, cluster)
-    copies = m.processes or max(1, cluster.per_node // gpus)  # the groups dealt to one process per copy
+    per_node = m.processes or max(1, cluster.per_node // gpus)  # one process per copy of the target
+    copies = per_node * cluster.nodes  # the groups dealt over every node's processes
+    on_nodes = f" on each of {cluster.nodes} nodes" if cluster.nodes > 1 else ""
     note = (
-        f"{copies} process(es) with a copy of the target on {gpus} GPU(s) each, batch 1, "
+        f"{per_node} process(es){on_nodes} with a copy of the target on {gpus} GPU(s) each, batch 1, "
         f"{ar_seconds * 1000:.0f} ms a target step"
     )
     return StagePlan("measure", generated, seconds / 3600 / copies, gpus * copies, peak, note)

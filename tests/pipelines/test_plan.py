@@ -149,6 +149,19 @@ def test_idle_gpus_are_reported(tmp_path):
     assert two.stages[0].hours * 3600 - VLLM_STARTUP_S == pytest.approx(work[1] / 2)
 
 
+def test_measure_deals_its_groups_over_every_node():
+    """On two 8-GPU nodes measure runs as many processes on node 1 as on node 0 (one per copy of the
+    target): 16 GPUs, half the hours of one node, no GPU idle; one node's plan is as it was."""
+    recipe = load_recipe("recipes/vicuna-7b/de.yaml")
+    one, two = (estimate(recipe, parse_gpus("8xA100-80GB", nodes=n)) for n in (1, 2))
+    alone, both = (next(s for s in plan.stages if s.name == "measure") for plan in (one, two))
+    assert (alone.gpus, both.gpus) == (8, 16)
+    assert alone.note.startswith("8 process(es) with a copy of the target on 1 GPU(s) each")
+    assert both.note.startswith("8 process(es) on each of 2 nodes with a copy of the target on 1 GPU(s) each")
+    assert both.hours == pytest.approx(alone.hours / 2) and both.gpu_hours == pytest.approx(alone.gpu_hours)
+    assert not any(w.startswith("measure:") for w in one.warnings + two.warnings), two.warnings
+
+
 def test_small_batches_are_reported(tmp_path):
     warnings = estimate(small_recipe(tmp_path), parse_gpus("2xA100-80GB"), 1).warnings
     assert any("raise per_device_batch_size" in w for w in warnings)
