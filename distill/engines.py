@@ -16,7 +16,8 @@ its parent), so no engine core is left holding GPU memory for the rerun to fail 
 
 On several nodes (`pipelines/nodes.py`) node 0 deals the requests over every node's engines, as many on
 each node as on node 0: it starts its own, announces the others, and each other node starts its share
-(`run_share`) on its own GPUs, writing into the shared run directory. While they run, that node rewrites
+(`run_share`) on its own GPUs, writing into the shared run directory. How the nodes watch each other's
+engines is `distill/node_share.py`'s (shared with the measure stage): while they run, that node rewrites
 `node-R.alive` every second and writes each engine's exit status to `engine-E.exit` when it ends; node 0
 waits for every engine, and a node whose heartbeat stands still for the node timeout (killed, lost) fails
 the stage with the records of every engine kept, so a rerun deals out only what is missing. A node stops
@@ -30,7 +31,6 @@ exit status), all rewritten by each run.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import json
 import logging
@@ -45,12 +45,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from polydraft.distill.node_share import (
+    RemoteProcess,
+    fail_share,
+    remote_processes,
+    stopped_on_error,
+    wait_all,
+    watch_share,
+    write_atomic,
+)
 from polydraft.distill.requests import Key, PromptItem, Request
 
 log = logging.getLogger(__name__)
 
 ENGINES_DIR = "engines"
-POLL_SECONDS = 1.0
 
 
 class EngineError(RuntimeError):
@@ -128,27 +136,15 @@ def deal(requests: list[Request], engines: int) -> list[list[Request]]:
     return [requests[i::engines] for i in range(engines)]
 
 
+def _name(index: int) -> str:
+    """Engine `index`'s name: its files are `<name>.<what>` (`<name>.exit` too, `distill/node_share.py`)."""
+    return f"engine-{index}"
+
+
 def _paths(work_dir: Path, index: int) -> dict[str, Path]:
     root = work_dir / ENGINES_DIR
-    names = ("json", "requests.jsonl", "pid", "progress", "log", "result.json", "exit")
-    return {name: root / f"engine-{index}.{name}" for name in names}
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def _stop(process: subprocess.Popen, grace: float = 30.0) -> None:
-    """Stop an engine and every process of its group (the engine core and workers it spawned)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=grace)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    names = ("json", "requests.jsonl", "pid", "progress", "log", "result.json")
+    return {name: root / f"{_name(index)}.{name}" for name in names}
 
 
 def _log_tail(path: Path, lines: int = 15) -> str:
@@ -172,30 +168,6 @@ def _start(spec: EngineSpec, env: dict[str, str]) -> subprocess.Popen:
     return process
 
 
-class _Remote:
-    """An engine another node runs, seen from node 0: ended when its `engine-E.exit` appears; lost (exit
-    status None, `lost` set) when its node's `node-R.alive` stands still for `timeout` seconds."""
-
-    def __init__(self, spec: EngineSpec, node: int, timeout: float):
-        self.paths = _paths(Path(spec.work_dir), spec.index)
-        self.alive = self.paths["json"].parent / f"node-{node}.alive"
-        self.node, self.timeout = node, timeout
-        self.returncode: int | None = None
-        self.lost = False
-        self.beat, self.seen = None, time.monotonic()
-        self.pid = f"node {node}"
-
-    def poll(self) -> int | None:
-        if self.paths["exit"].exists():
-            self.returncode = int(self.paths["exit"].read_text() or 1)
-            return self.returncode
-        beat = self.alive.read_text() if self.alive.exists() else None
-        if beat != self.beat:
-            self.beat, self.seen = beat, time.monotonic()
-        self.lost = time.monotonic() - self.seen > self.timeout
-        return -1 if self.lost else None
-
-
 def run_engines(
     specs: list[EngineSpec],
     shares: list[list[Request]],
@@ -213,52 +185,40 @@ def run_engines(
     for spec, share in zip(specs, shares, strict=True):
         paths = _paths(Path(spec.work_dir), spec.index)
         paths["json"].parent.mkdir(parents=True, exist_ok=True)
-        for name in ("progress", "result.json", "exit"):
+        for name in ("progress", "result.json"):
             paths[name].unlink(missing_ok=True)
-        _write_atomic(paths["json"], json.dumps(asdict(spec)))
+        write_atomic(paths["json"], json.dumps(asdict(spec)))
         lines = (
             json.dumps({"item": asdict(r.item), "temperature": r.temperature, "samples": r.sample_indices})
             for r in share
         )
-        _write_atomic(paths["requests.jsonl"], "".join(line + "\n" for line in lines))
+        write_atomic(paths["requests.jsonl"], "".join(line + "\n" for line in lines))
         log.info("distill: engine %d answers %d requests", spec.index, len(share))
-    processes: list[Any] = []
     seen = [0] * len(specs)
-    try:
+
+    def report_progress() -> None:
+        for spec in specs:
+            path = _paths(Path(spec.work_dir), spec.index)["progress"]
+            count = int(path.read_text() or 0) if path.exists() else 0
+            if count > seen[spec.index]:
+                progress(count - seen[spec.index])
+                seen[spec.index] = count
+
+    processes: list[subprocess.Popen | RemoteProcess] = []
+    with stopped_on_error(processes):
         for spec, env in zip(specs[:local], envs, strict=True):
             processes.append(_start(spec, env))
         if len(specs) > local:
             assert announce is not None, "engines of other nodes need an announcement"
             root = Path(specs[0].work_dir) / ENGINES_DIR
-            for node in range(1, len(specs) // local):
-                (root / f"node-{node}.alive").unlink(missing_ok=True)
+            processes += remote_processes(root, [_name(s.index) for s in specs], local, node_timeout)
             announce({"kind": "engines", "engines_dir": str(root), "per_node": local, "engines": len(specs)})
-            processes += [
-                _Remote(spec, i // local, node_timeout) for i, spec in enumerate(specs) if i >= local
-            ]
-        while True:
-            running = [p.poll() is None for p in processes]
-            for spec in specs:
-                path = _paths(Path(spec.work_dir), spec.index)["progress"]
-                count = int(path.read_text() or 0) if path.exists() else 0
-                if count > seen[spec.index]:
-                    progress(count - seen[spec.index])
-                    seen[spec.index] = count
-            if not any(running):
-                break
-            time.sleep(POLL_SECONDS)
-    except BaseException:
-        for process in processes[:local]:
-            _stop(process)
-        raise
+        wait_all(processes, report_progress)
     results, failed = [], []
     for spec, process in zip(specs, processes, strict=True):
         paths = _paths(Path(spec.work_dir), spec.index)
-        if getattr(process, "lost", False):
-            failed.append(
-                f"engine {spec.index} on node {process.node}: the node stopped answering (its heartbeat "
-                f"{process.alive} stood still for {node_timeout:.0f} s); is its `polydraft run` still running?"
-            )
+        if isinstance(process, RemoteProcess) and process.lost:
+            failed.append(f"engine {spec.index} on node {process.node}: {process.lost_why()}")
         elif process.returncode != 0 or not paths["result.json"].exists():
             failed.append(
                 f"engine {spec.index} ({process.pid}) exited with {process.returncode}; "
@@ -275,40 +235,23 @@ def run_engines(
 
 def run_share(event: dict[str, Any], rank: int, gone: Callable[[], str | None]) -> None:
     """Node `rank`'s share of node 0's engines (an `engines` announcement): start them on this node's
-    GPUs, beat `node-R.alive` while they run, write each one's exit status to `engine-E.exit` as it ends.
-    When `gone()` says why node 0 no longer waits for them, stop them and return."""
+    GPUs and watch them for node 0 (`distill.node_share.watch_share`) until they end or node 0 no longer
+    waits for them (`gone()` says why)."""
     root, per = Path(event["engines_dir"]), int(event["per_node"])
     indices = list(range(rank * per, (rank + 1) * per))
     if indices[-1] >= int(event["engines"]):
         raise EngineError(f"node {rank}: node 0 dealt {event['engines']} engines, none to this node")
-    specs = [EngineSpec(**json.loads((root / f"engine-{i}.json").read_text())) for i in indices]
-    alive, beat = root / f"node-{rank}.alive", 0
+    specs = [EngineSpec(**json.loads((root / f"{_name(i)}.json").read_text())) for i in indices]
     try:
         gpus = visible_gpus()
         envs = engine_envs(per, specs[0].engine["tensor_parallel_size"], gpus)
     except EngineError as err:  # node 0 reports it with the end of each engine's log
         for spec in specs:
             _paths(root.parent, spec.index)["log"].write_text(f"node {rank}: {err}\n")
-            _write_atomic(_paths(root.parent, spec.index)["exit"], "1")
+        fail_share(root, [_name(i) for i in indices])
         return
-    processes = [_start(spec, env) for spec, env in zip(specs, envs, strict=True)]
-    written = [False] * per
-    try:
-        while not all(written):
-            beat += 1
-            _write_atomic(alive, str(beat))
-            for k, process in enumerate(processes):
-                if not written[k] and process.poll() is not None:
-                    _write_atomic(_paths(root.parent, specs[k].index)["exit"], str(process.returncode))
-                    written[k] = True
-            if not all(written) and (why := gone()) is not None:
-                log.warning("distill: node %d stops engines %s: %s", rank, indices, why)
-                return
-            time.sleep(POLL_SECONDS)
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                _stop(process)
+    processes = [(_name(spec.index), _start(spec, env)) for spec, env in zip(specs, envs, strict=True)]
+    watch_share(root, rank, processes, gone)
 
 
 # ----------------------------------------------------------------------------- inside an engine process
@@ -322,7 +265,7 @@ class _ProgressFile:
 
     def update(self, n: int) -> None:
         self.count += n
-        _write_atomic(self.path, str(self.count))
+        write_atomic(self.path, str(self.count))
 
 
 WATCH_SECONDS = 0.2
@@ -387,7 +330,7 @@ def main(argv: list[str] | None = None) -> None:
         store.close()
     failures = [[*key, why] for key, why in writer.failures.items()]
     result = {"written": writer.written, "response_tokens": writer.response_tokens, "failures": failures}
-    _write_atomic(paths["result.json"], json.dumps(result))
+    write_atomic(paths["result.json"], json.dumps(result))
 
 
 if __name__ == "__main__":
