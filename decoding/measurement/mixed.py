@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict
 from polydraft.decoding.measurement.claims import LEVEL, POWER, PairedInterval, paired_interval
 from polydraft.decoding.measurement.eval_inputs import EvalSet, repetition_prompts
 from polydraft.decoding.measurement.metrics import format_cell, mean_std
-from polydraft.decoding.measurement.results import PromptResult
+from polydraft.decoding.measurement.results import PromptResult, prompt_speedup
 
 MIXED_DIR = "mixed"
 ROUTED = "routed"
@@ -310,12 +310,8 @@ def _paired(groups: list[MixedGroup], names: tuple[str, str]) -> PairedInterval 
         if ar is None or routed is None or single is None:
             return None
         for i, (a, r, m) in enumerate(zip(ar, routed, single, strict=True)):
-            differences[group.seed, i] = [_speedup(r, a) - _speedup(m, a)]
+            differences[group.seed, i] = [prompt_speedup(r, a) - prompt_speedup(m, a)]
     return paired_interval({0: differences})
-
-
-def _speedup(method: PromptResult, ar: PromptResult) -> float:
-    return (method.new_tokens / method.wall_seconds) / (ar.new_tokens / ar.wall_seconds)
 
 
 def markdown(groups: list[MixedGroup]) -> str:

@@ -47,15 +47,44 @@ class PromptResult(BaseModel):
     new_tokens: int
     target_calls: int
     wall_seconds: float
+    drafted: int | None = None
+    """Draft tokens sent to the target (None in rows written before this field)."""
+    accepted: int | None = None
+    """Draft tokens accepted and kept (None in rows written before this field)."""
 
     @property
     def block_efficiency(self) -> float:
         return self.new_tokens / max(self.target_calls, 1)
 
+    @property
+    def token_rate(self) -> float | None:
+        return self.new_tokens / self.wall_seconds if self.wall_seconds else None
+
+    @property
+    def hm(self) -> float | None:
+        """Seed 001's HM of this prompt: the harmonic mean of accepted / drafted and accepted / new tokens
+        (`decoding.measurement.metrics.summarize`); None without drafts or without the counts."""
+        if self.drafted is None or self.accepted is None or not self.drafted or not self.new_tokens:
+            return None
+        v_d, r_d = self.accepted / self.drafted, self.accepted / self.new_tokens
+        return 2 * v_d * r_d / (v_d + r_d) if v_d + r_d > 0 else None
+
+
+def prompt_speedup(method: PromptResult, ar: PromptResult) -> float:
+    """The speedup of one prompt: the method's token rate over `ar`'s on the same prompt and repetition
+    (ar's wall seconds over the method's when both wrote the same tokens, as at T=0)."""
+    return (method.new_tokens / method.wall_seconds) / (ar.new_tokens / ar.wall_seconds)
+
 
 def prompt_results(generations: Sequence[Generation]) -> list[PromptResult]:
     """Each generation of a row, in the group's prompt order."""
-    return [PromptResult(new_tokens=len(g.tokens), target_calls=g.target_calls, wall_seconds=g.wall_seconds) for g in generations]  # fmt: skip
+    return [
+        PromptResult(
+            new_tokens=len(g.tokens), target_calls=g.target_calls, wall_seconds=g.wall_seconds,
+            drafted=sum(r.drafted for r in g.rounds), accepted=sum(r.accepted for r in g.rounds),
+        )
+        for g in generations
+    ]  # fmt: skip
 
 
 class ResultRow(BaseModel):
