@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from polydraft.data.offline import KINDS
 from polydraft.data.prompts import PAIRS
@@ -40,6 +40,14 @@ UniqueList = Annotated[list[Item], AfterValidator(_no_duplicates)]
 """A list field that names a set (temperatures, seeds, pairs, decoders, ...): a duplicate is an error,
 never a silently repeated measurement or a doubled share of the data."""
 
+
+def _yaml_off(value: Any) -> Any:
+    """YAML 1.1 reads an unquoted `off` (in a recipe or a `key=off` override) as false: the switch's `off`."""
+    return "off" if value is False else value
+
+
+VllmSwitch = Annotated[Literal["off", "auto", "require"], BeforeValidator(_yaml_off)]
+"""`off`, `auto` (when vLLM can run here) or `require` (fail where it cannot)."""
 PositiveInt = Annotated[int, Field(ge=1)]
 Temperature = Annotated[float, Field(ge=0)]
 

@@ -6,7 +6,14 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from polydraft.pipelines.schema.common import FieldError, PositiveInt, StrictModel, Temperature, UniqueList
+from polydraft.pipelines.schema.common import (
+    FieldError,
+    PositiveInt,
+    StrictModel,
+    Temperature,
+    UniqueList,
+    VllmSwitch,
+)
 
 Decoder = Literal[
     "ar",
@@ -146,7 +153,7 @@ class MeasureConfig(StrictModel):
     the pair, and `cross_pairs: false` measures it on that pair's eval set only."""
     profile: bool = True
     """Attribute time to forward passes (the overhead share); on a GPU this synchronises after each."""
-    vllm: Literal["off", "auto", "require"] = "off"
+    vllm: VllmSwitch = "off"
     """Also measure each standalone drafter inside vLLM (draft-model speculative decoding, K =
     `draft_length`, first seed) on the same eval prompts at every temperature: rows of engine `vllm` beside
     polydraft's in results.jsonl, the cards and the summary. `auto`: when vllm can be imported, else skipped
@@ -225,7 +232,7 @@ class ExportConfig(StrictModel):
     greedily by the target alone and with the exported drafter as `assistant_model`; outputs must match."""
     smoke_max_new_tokens: int = Field(default=32, ge=1)
     """New tokens per smoke prompt."""
-    vllm_check: Literal["auto", "require", "off"] = "auto"
+    vllm_check: VllmSwitch = "auto"
     """One real vLLM generation with the exported drafter as draft model (`method: draft_model`), in a
     subprocess. `auto`: when vllm can run here (the CPU build, or a GPU build with a GPU), else recorded as
     skipped; `require`: a vLLM that cannot run fails that check; `off`: never run. The static checks of vLLM's draft-model rules

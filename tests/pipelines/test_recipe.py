@@ -124,6 +124,15 @@ def test_overrides_parse_yaml_values_and_report_their_origin(tmp_path):
         load_recipe(path, ["finetune.nope=1"])
 
 
+def test_an_unquoted_off_switches_vllm_off(tmp_path):
+    """YAML reads `off` as false: in a recipe and in an override it still means the switch's `off`."""
+    path = write(tmp_path, "r.yaml", BASE + "measure:\n  vllm: off\n")
+    recipe = load_recipe(path, ["export.vllm_check=off"])
+    assert (recipe.measure.vllm, recipe.export.vllm_check) == ("off", "off")
+    with pytest.raises(RecipeError, match="export.vllm_check: expected 'off', 'auto' or 'require', got True"):
+        load_recipe(path, ["export.vllm_check=on"])
+
+
 def test_dump_round_trips(tmp_path):
     recipe = load_recipe(write(tmp_path, "r.yaml", BASE))
     again = load_recipe(write(tmp_path, "resolved.yaml", dump_recipe(recipe)))
