@@ -86,3 +86,34 @@ def resolve_target(
         trust_remote_code=False,
         max_memory_per_gpu_gib=target.max_memory_per_gpu_gib,
     )
+
+
+def gpus_per_copy(target: ResolvedTarget) -> int:
+    """GPUs one copy of the target takes for decoding: its 16-bit weights and 10% more, against GPU 0's
+    memory (or `target.max_memory_per_gpu_gib`); every GPU when its size is unknown."""
+    import math
+
+    import torch
+
+    from polydraft.pipelines.plan_model import GIB, MEMORY_HEADROOM, PlanError, target_shape
+
+    try:
+        shape = target_shape(TargetConfig(path=target.path, revision=target.revision))
+    except PlanError:
+        return torch.cuda.device_count()
+    usable = torch.cuda.get_device_properties(0).total_memory * MEMORY_HEADROOM
+    if target.max_memory_per_gpu_gib is not None:
+        usable = min(usable, target.max_memory_per_gpu_gib * GIB)
+    return max(1, math.ceil(shape.params() * 2 * 1.1 / usable))
+
+
+def copy_devices(target: ResolvedTarget) -> list[str]:
+    """One `CUDA_VISIBLE_DEVICES` value per copy of the target this node's GPUs hold, each copy on as few
+    GPUs as it fits (`gpus_per_copy`); none on a machine without a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    per = gpus_per_copy(target)
+    copies = max(1, torch.cuda.device_count() // per)
+    return [",".join(str(copy * per + i) for i in range(per)) for copy in range(copies)]

@@ -41,17 +41,21 @@ def vllm_unavailable() -> str | None:
 
 
 def vllm_subprocess(
-    module: str, request: dict[str, Any], timeout: float | None
+    module: str, request: dict[str, Any], timeout: float | None, device: str | None = None
 ) -> subprocess.CompletedProcess[str]:
     """`python -m module` with `request` as JSON on stdin and its output captured: vLLM's engine core in
     that process (VLLM_ENABLE_V1_MULTIPROCESSING=0), in a session of its own (the module kills itself
-    when polydraft dies, `distill.engines.die_with_parent`). subprocess.TimeoutExpired past `timeout`."""
+    when polydraft dies, `distill.engines.die_with_parent`), on the GPUs `device` names
+    (CUDA_VISIBLE_DEVICES; None: what this process sees). subprocess.TimeoutExpired past `timeout`."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if device is not None:
+        env["CUDA_VISIBLE_DEVICES"] = device
     return subprocess.run(
         [sys.executable, "-m", module],
         input=json.dumps(request),
         capture_output=True,
         text=True,
-        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        env=env,
         start_new_session=True,
         timeout=timeout,
     )

@@ -7,7 +7,8 @@ so that vLLM's memory is freed and its changes to the process stay there): it im
 with the target alone once on every prompt any folder is checked on, then builds one engine per folder
 (`speculative_config={"method": ..., "model": folder, ...}`), one after the other, and prints one JSON line
 per folder as it finishes. A folder whose engine kills the subprocess fails its check with what the
-subprocess printed, and the folders after it are checked in a new one.
+subprocess printed, and the folders after it are checked in a new one. On a GPU node the folders are
+dealt to one such subprocess per copy of the target the node's GPUs hold, all at once.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -38,17 +40,18 @@ class VllmDraft:
 
 
 def vllm_generation_checks(
-    mode: str, target: dict[str, Any], drafts: list[VllmDraft], max_new_tokens: int
+    mode: str, target: dict[str, Any], drafts: list[VllmDraft], max_new_tokens: int, devices: list[str]
 ) -> list[Check]:
     """Per draft, in order: vLLM's greedy output with it equals the target's alone (and an EAGLE-3 head had
-    drafts accepted). `target`: path, revision, trust_remote_code; `mode`: export.vllm_check. The detail
-    names the draft tokens accepted, in total and per draft position."""
+    drafts accepted). `target`: path, revision, trust_remote_code; `mode`: export.vllm_check; `devices`:
+    the GPUs of each copy of the target (`vllm_generations`). The detail names the draft tokens accepted,
+    in total and per draft position."""
     if mode == "off":
         return [Check("vllm_generation", "skipped", "export.vllm_check is off") for _ in drafts]
     why = vllm_unavailable()
     if why is not None:
         return [Check("vllm_generation", "fail" if mode == "require" else "skipped", why) for _ in drafts]
-    results = vllm_generations(target, drafts, max_new_tokens)
+    results = vllm_generations(target, drafts, max_new_tokens, devices)
     return [check_of(result, draft) for result, draft in zip(results, drafts, strict=True)]
 
 
@@ -88,16 +91,36 @@ def check_of(result: dict[str, Any], draft: VllmDraft) -> Check:
 
 
 def vllm_generations(
-    target: dict[str, Any], drafts: list[VllmDraft], max_new_tokens: int
+    target: dict[str, Any], drafts: list[VllmDraft], max_new_tokens: int, devices: list[str]
 ) -> list[dict[str, Any]]:
     """Per draft, greedy generations of vLLM with the target alone and with the draft (`main`, in a
     subprocess): `alone`, `drafted`, `accepted`, `drafted_tokens`, `accepted_per_position`, `vllm`,
     `device`; or an `error` saying why none came back (with `vllm`, the version, when the subprocess got
-    that far)."""
+    that far). `devices`: one `CUDA_VISIBLE_DEVICES` value per copy of the target this node's GPUs hold;
+    the drafts are dealt round-robin to one subprocess per copy, all running at once (none: one
+    subprocess that sees what this process sees, a CPU's)."""
+    copies = devices[: len(drafts)] or [None]
+    results: list[dict[str, Any]] = [{} for _ in drafts]
+
+    def check_share(copy: int) -> None:
+        indices = list(range(copy, len(drafts), len(copies)))
+        for index, result in zip(indices, _one_copy(target, [drafts[i] for i in indices], max_new_tokens, copies[copy]), strict=True):  # fmt: skip
+            results[index] = result
+
+    with ThreadPoolExecutor(len(copies)) as pool:
+        list(pool.map(check_share, range(len(copies))))
+    return results
+
+
+def _one_copy(
+    target: dict[str, Any], drafts: list[VllmDraft], max_new_tokens: int, device: str | None
+) -> list[dict[str, Any]]:
+    """`drafts` in subprocesses on one copy of the target: a subprocess that dies fails the draft it was
+    on, and a new one goes on with the rest."""
     results: list[dict[str, Any]] = []
     while len(results) < len(drafts):
         remaining = drafts[len(results) :]
-        found, error = _subprocess(target, remaining, max_new_tokens)
+        found, error = _subprocess(target, remaining, max_new_tokens, device)
         results += found
         if len(found) < len(remaining):  # the subprocess died on this draft: it fails, the rest go on
             results.append({"error": error})
@@ -105,14 +128,14 @@ def vllm_generations(
 
 
 def _subprocess(
-    target: dict[str, Any], drafts: list[VllmDraft], max_new_tokens: int
+    target: dict[str, Any], drafts: list[VllmDraft], max_new_tokens: int, device: str | None
 ) -> tuple[list[dict[str, Any]], str]:
     """The results of the drafts one subprocess finished (a prefix of `drafts`), and what it said when it
     ended (the reason, when it stopped before the last draft)."""
     request = {"target": target, "drafts": [asdict(d) for d in drafts], "max_new_tokens": max_new_tokens}
     timeout = VLLM_TIMEOUT_S * len(drafts)
     try:
-        done = vllm_subprocess(__name__, request, timeout)
+        done = vllm_subprocess(__name__, request, timeout, device)
     except subprocess.TimeoutExpired as err:
         stdout = err.stdout.decode() if isinstance(err.stdout, bytes) else err.stdout or ""
         return _lines(stdout), f"vLLM did not finish within {timeout} s"

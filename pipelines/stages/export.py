@@ -77,6 +77,7 @@ from polydraft.pipelines.export.vllm_check import VllmDraft, vllm_generation_che
 from polydraft.pipelines.manifest import git_state, write_json_atomic
 from polydraft.pipelines.schema.inputs import ExportInputs
 from polydraft.pipelines.stage import PROJECT_ROOT, StageContext, StageFailed, StageResult
+from polydraft.pipelines.target import copy_devices
 from polydraft.train.stage_metrics import CalibrationReport
 
 log = logging.getLogger(__name__)
@@ -401,7 +402,8 @@ def finish_items(
         for item in in_vllm
     ]
     target_spec = {"path": resolved.path, "revision": resolved.revision, "trust_remote_code": resolved.trust_remote_code}  # fmt: skip
-    found = vllm_generation_checks(cfg.vllm_check, target_spec, drafts, cfg.smoke_max_new_tokens)
+    devices = copy_devices(resolved)  # the folders dealt over the copies of the target this node holds
+    found = vllm_generation_checks(cfg.vllm_check, target_spec, drafts, cfg.smoke_max_new_tokens, devices)
     vllm_checks = {item.source.name: check for item, check in zip(in_vllm, found, strict=True)}
     model = load_target(
         resolved.path,

@@ -93,7 +93,7 @@ def test_real_vllm_runs_the_head_as_its_eagle3_draft(head_folder):
     target, folder, prompts = head_folder
     spec = {"path": str(demo_target()), "revision": None, "trust_remote_code": False}
     draft = VllmDraft(str(folder), "eagle3", K, prompts)
-    (result,) = vllm_generations(spec, [draft], NEW_TOKENS)
+    (result,) = vllm_generations(spec, [draft], NEW_TOKENS, [])
     assert "error" not in result, result["error"]
     outputs, per_position = polydraft_eagle3(target, folder, prompts, target.generation_config.eos_token_id)
     assert result["alone"] == outputs  # vLLM's greedy target and polydraft's agree, token for token

@@ -150,7 +150,7 @@ def test_real_vllm_checks_every_drafter_in_one_process_and_names_why_one_does_no
         VllmDraft(str(broken), "draft_model", 3, [[1, 319, 13]]),
         VllmDraft(str(good), "draft_model", 2, prompts[:1]),
     ]
-    first, failed, last = vllm_generation_checks("require", spec, drafts, 12)
+    first, failed, last = vllm_generation_checks("require", spec, drafts, 12, [])
     assert first.status == "pass", first.detail
     assert (
         "24 greedy tokens for 2 prompts" in first.detail and "identical to the target alone" in first.detail
@@ -169,7 +169,7 @@ def test_a_draft_that_kills_the_vllm_process_fails_alone_and_the_rest_are_checke
 
     calls = []
 
-    def fake(target, drafts, max_new_tokens):
+    def fake(target, drafts, max_new_tokens, device):
         calls.append([d.folder for d in drafts])
         done = [{"vllm": "0", "device": "CPU build", "alone": [[1]], "drafted": [[1]], "accepted": 1,
                  "drafted_tokens": 2, "accepted_per_position": [1]}]  # fmt: skip
@@ -179,11 +179,33 @@ def test_a_draft_that_kills_the_vllm_process_fails_alone_and_the_rest_are_checke
 
     monkeypatch.setattr(vllm_check, "_subprocess", fake)
     drafts = [vllm_check.VllmDraft(name, "draft_model", 2, [[5, 6]]) for name in "abcd"]
-    results = vllm_check.vllm_generations({"path": "t"}, drafts, 4)
+    results = vllm_check.vllm_generations({"path": "t"}, drafts, 4, [])
     assert calls == [["a", "b", "c", "d"], ["c", "d"]]
     assert [r.get("error") for r in results] == [None, "vLLM exited with -11: Segmentation fault", None, None]
     checks = [vllm_check.check_of(r, d) for r, d in zip(results, drafts, strict=True)]
     assert [c.status for c in checks] == ["pass", "fail", "pass", "pass"]
+
+
+def test_the_drafts_are_dealt_over_the_copies_of_the_target_and_come_back_in_order(monkeypatch):
+    """On a node whose GPUs hold 2 copies of the target, the folders go round-robin to one subprocess per
+    copy, each on its copy's GPUs; the results come back in the folders' order; a copy without a folder
+    starts nothing."""
+    from polydraft.pipelines.export import vllm_check
+
+    calls = []
+
+    def fake(target, drafts, max_new_tokens, device):
+        calls.append((device, [d.folder for d in drafts]))
+        return [{"vllm": "0", "folder": d.folder} for d in drafts], "vLLM exited with 0: "
+
+    monkeypatch.setattr(vllm_check, "_subprocess", fake)
+    drafts = [vllm_check.VllmDraft(name, "draft_model", 2, [[5]]) for name in "abcde"]
+    results = vllm_check.vllm_generations({"path": "t"}, drafts, 4, ["0,1", "2,3"])
+    assert sorted(calls) == [("0,1", ["a", "c", "e"]), ("2,3", ["b", "d"])]
+    assert [r["folder"] for r in results] == list("abcde")
+    calls.clear()
+    vllm_check.vllm_generations({"path": "t"}, drafts[:1], 4, ["0", "1", "2"])
+    assert calls == [("0", ["a"])]
 
 
 def test_vllm_generation_is_skipped_or_required(monkeypatch):
@@ -194,7 +216,7 @@ def test_vllm_generation_is_skipped_or_required(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     target = {"path": "t", "revision": None, "trust_remote_code": False}
     drafts = [VllmDraft("d", "draft_model", 3, [])] * 2
-    assert [c.status for c in vllm_generation_checks("off", target, drafts, 4)] == ["skipped"] * 2
-    assert [c.status for c in vllm_generation_checks("auto", target, drafts, 4)] == ["skipped"] * 2
-    required = vllm_generation_checks("require", target, drafts, 4)
+    assert [c.status for c in vllm_generation_checks("off", target, drafts, 4, [])] == ["skipped"] * 2
+    assert [c.status for c in vllm_generation_checks("auto", target, drafts, 4, [])] == ["skipped"] * 2
+    required = vllm_generation_checks("require", target, drafts, 4, [])
     assert [c.status for c in required] == ["fail"] * 2 and "vllm is not installed" in required[0].detail

@@ -98,7 +98,7 @@ def test_real_vllm_runs_the_heads_as_its_medusa_draft(heads_folder):
     require_vllm()
     target, folder, prompts = heads_folder
     spec = {"path": str(demo_target()), "revision": None, "trust_remote_code": False}
-    (result,) = vllm_generations(spec, [VllmDraft(str(folder), "medusa", NUM_HEADS, prompts)], NEW_TOKENS)
+    (result,) = vllm_generations(spec, [VllmDraft(str(folder), "medusa", NUM_HEADS, prompts)], NEW_TOKENS, [])
     assert "error" not in result, result["error"]
     outputs, per_position = polydraft_bpd(target, folder, prompts, target.generation_config.eos_token_id)
     assert result["alone"] == outputs  # vLLM's greedy target and polydraft's agree, token for token
