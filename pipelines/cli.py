@@ -299,12 +299,16 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _follow(run_dir: Path, machines: Machines, args: argparse.Namespace) -> int:
-    """Another node than node 0: join node 0 through the shared run directory, then each training launch
-    and each distillation it announces (this node's engines)."""
+    """Another node than node 0: join node 0 through the shared run directory, then each training launch,
+    distillation (this node's engines) and measure stage (this node's measure processes) it announces."""
 
     def join(event: dict[str, Any], gone: Callable[[], str | None]) -> None:
         if event["kind"] == "engines":
             run_share(event, machines.rank, gone)
+        elif event["kind"] == "measure":
+            from polydraft.pipelines.stages.measure import run_share as run_measure_share
+
+            run_measure_share(event, machines.rank, gone)
         else:
             join_launch(event, run_dir, machines, args.quiet)
 

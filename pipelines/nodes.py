@@ -1,15 +1,18 @@
-"""Several nodes: node 0 runs the pipeline, every other node follows it and joins its training launches.
+"""Several nodes: node 0 runs the pipeline, every other node follows it and joins the work it spreads.
 
 When the recipe's accelerate config names `num_machines` > 1, or a SLURM job holds several nodes
 (`slurm_machines`: their count, this node's rank and node 0's address come from SLURM's variables),
 `polydraft run` runs on every node with the same recipe and run directory, and `--node-rank R` (default: the
 config's `machine_rank`, or `SLURM_NODEID`). Every node starts `launch.num_processes` training processes (a
 count per node: accelerate's own `--num_processes` is the total, which polydraft passes as nodes x that). Node 0 runs
-the pipeline as on one node: the stages that do not train (measure, export, ...) run there only,
-except distillation's vLLM engines, which every node runs (`distill/engines.py`), and each training
-launch or engine start is announced in `<run_dir>/nodes/leader.json`. Every other node starts
-the same `accelerate launch` with its own machine rank, so the training processes of all nodes meet at
-the config's `main_process_ip:main_process_port`, and waits for the next announcement.
+the pipeline as on one node. Besides the training stages, distillation's vLLM engines
+(`distill/engines.py`) and the measure stage's processes (`pipelines/stages/measure.py`) use every node:
+as many on each node as on node 0, which watches the other nodes' ones through the run directory
+(`distill/node_share.py`); the rest (the export, distillation's other backends, ...) runs on node 0 only.
+Each training launch, engine start and measure start is announced in `<run_dir>/nodes/leader.json`. For a
+training launch every other node starts the same `accelerate launch` with its own machine rank, so the
+training processes of all nodes meet at the config's `main_process_ip:main_process_port`; for engines or
+measure it starts its share of the processes; then it waits for the next announcement.
 
 The run directory must be one folder every node sees (a shared filesystem: NFS, Lustre, ...): the
 training processes of every node read the specs, data and checkpoints node 0 writes there, and the nodes
@@ -148,7 +151,7 @@ def _not_shared(run_dir: Path, waited: float, what: str) -> str:
 
 
 class NodeLeader:
-    """Node 0's side: acknowledges the other nodes, keeps a heartbeat, announces training launches."""
+    """Node 0's side: acknowledges the other nodes, keeps a heartbeat, announces the work they join."""
 
     def __init__(self, run_dir: Path, machines: Machines):
         self.dir = Path(run_dir) / NODES_DIR
@@ -197,7 +200,8 @@ class NodeLeader:
 
     def announce(self, event: dict[str, Any]) -> None:
         """An event the other nodes act on: `launch` (join this accelerate launch), `engines` (start your
-        share of the distillation engines, `distill/engines.py`), `finished`, `failed`."""
+        share of the distillation engines, `distill/engines.py`), `measure` (start your share of the measure
+        processes, `pipelines/stages/measure.py`), `finished`, `failed`."""
         with self._lock:
             self.state["events"].append(event)
         self._publish()
@@ -237,8 +241,9 @@ def follow(
     launch: Callable[[dict[str, Any], Callable[[], str | None]], None],
 ) -> int:
     """Another node's side: join node 0, then run `launch(event, gone)` for each launch it announces (a
-    training launch, or distillation engines), in order, until it finishes; `gone()` says why node 0 no
-    longer waits for that launch (None while it does). Returns the number of launches joined."""
+    training launch, distillation engines or measure processes), in order, until it finishes; `gone()`
+    says why node 0 no longer waits for that launch (None while it does). Returns the number of launches
+    joined."""
     directory = Path(run_dir) / NODES_DIR
     directory.mkdir(parents=True, exist_ok=True)
     mine = directory / f"node-{rank}.json"

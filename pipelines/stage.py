@@ -69,7 +69,8 @@ class StageContext:
     quiet: bool = False
     verbose: bool = False
     leader: NodeLeader | None = None
-    """Node 0 of several (`pipelines/nodes.py`): training launches are announced to the other nodes."""
+    """Node 0 of several (`pipelines/nodes.py`): training launches, distillation engines and measure
+    processes are announced to the other nodes."""
 
     def progress(self, total: int, verb: str, unit: str, initial: int = 0) -> ProgressLine:
         """A line of progress every 5% of `total` units, with the rate and the time left (none with

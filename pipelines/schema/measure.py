@@ -62,10 +62,11 @@ class MeasureConfig(StrictModel):
     that the seeds are repetitions over different prompts and their spread shows the prompts' variance,
     at temperature 0 too (where seeds alone change nothing but Thompson sampling's draws)."""
     processes: int | None = Field(default=None, ge=1)
-    """Measure processes, each with its own copy of the target, the (eval set, temperature, seed) groups
-    dealt between them; each process's speedups are timed within its own groups. Unset: one per copy of
-    the target this node's GPUs hold (8 on 8 GPUs for a target that fits one), 1 on a CPU machine. Node 0's
-    GPUs only; vLLM's rows run after them in one process (the mixed traffic is composed from their rows)."""
+    """Measure processes on each node, each with its own copy of the target, the (eval set, temperature,
+    seed) groups dealt between every node's; each process's speedups are timed within its own groups.
+    Unset: one per copy of the target a node's GPUs hold (8 on 8 GPUs for a target that fits one), 1 on a
+    CPU machine. vLLM's rows run after them in one process on node 0 (the mixed traffic is composed from
+    their rows)."""
     latency_repeats: int = Field(default=20, ge=1)
     """Repeats of each forward-latency measurement (medians) behind the latency model's predicted speedups."""
     max_new_tokens: int = Field(default=128, ge=1)

@@ -3,14 +3,15 @@
 Drafters are found upstream (`decoding.measurement.eval_inputs.discover_drafters`); for each (eval set, temperature, seed)
 group every method decodes the same prompts in one process (`decoding.measurement.groups.measure_group`) and the
 group's typed rows are appended to `results.jsonl` (`decoding.measurement.results`), so a killed run resumes with the
-groups it has not finished. With `measure.vllm` the standalone drafters are then measured inside vLLM too
-(`decoding.measurement.vllm_rows`), rows of engine `vllm` beside polydraft's. Ends with `summary.md` and PNG plots
+groups it has not finished. The groups are dealt to several measure processes when this node's GPUs hold
+several copies of the target, and to as many on every other node of the run (`spread_groups`). With
+`measure.vllm` the standalone drafters are then measured inside vLLM too (`decoding.measurement.vllm_rows`),
+on node 0, rows of engine `vllm` beside polydraft's. Ends with `summary.md` and PNG plots
 (`decoding.measurement.tables`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import functools
 import json
@@ -18,6 +19,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,15 @@ from polydraft.decoding.measurement.vllm_rows import (
     vllm_unavailable,
 )
 from polydraft.decoding.sampling import Sampling
+from polydraft.distill.engines import die_with_parent
+from polydraft.distill.node_share import (
+    RemoteProcess,
+    clear_share,
+    remote_processes,
+    stopped_on_error,
+    wait_all,
+    watch_share,
+)
 from polydraft.models.calibration import check_covers
 from polydraft.models.drafters import DrafterMismatch
 from polydraft.pipelines.schema import MeasureConfig
@@ -75,7 +86,7 @@ from polydraft.pipelines.stage import (
 from polydraft.pipelines.stages.measure_methods import build_methods, measure_latencies, measured_on
 from polydraft.pipelines.stages.measure_mixed import measure_mixed, mixed_summary
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("polydraft.pipelines.stages.measure")  # not `__main__` in a measure process
 
 LATENCY_FILE = "latency.json"
 
@@ -219,8 +230,9 @@ def run(inputs: MeasureInputs, ctx: StageContext) -> StageResult:
         part.unlink()
     done = {row.group for row in rows}
     processes = measure_processes(cfg, inputs.target)
+    nodes = ctx.leader.machines.nodes if ctx.leader is not None else 1
     loaded = None
-    if processes == 1:
+    if processes * nodes == 1:
         loaded = load(inputs, ctx.upstream, ctx.work_dir / LATENCY_FILE)
         todo = [g for g in all_groups(cfg, loaded.eval_sets) if ("polydraft", *g) not in done]
         for group in ctx.track(todo, "measured", "group"):
@@ -255,8 +267,8 @@ SPEC_FILE = "measure-spec.json"
 
 
 def measure_processes(cfg: MeasureConfig, target: ResolvedTarget) -> int:
-    """`measure.processes`, else one process per copy of the target this node's GPUs hold (a copy on as
-    few GPUs as it fits, `models.placement`), else 1 (a CPU machine)."""
+    """Measure processes on each node: `measure.processes`, else one per copy of the target this node's
+    GPUs hold (a copy on as few GPUs as it fits, `models.placement`), else 1 (a CPU machine)."""
     if cfg.processes is not None:
         return cfg.processes
     if not torch.cuda.is_available():
@@ -282,27 +294,55 @@ def gpus_per_copy(target: ResolvedTarget) -> int:
     return max(1, math.ceil(shape.params() * 2 * 1.1 / usable))
 
 
+def _name(rank: int) -> str:
+    """Measure process `rank`'s name: its log is `<name>.log`, its exit status on another node
+    `<name>.exit` (`distill/node_share.py`)."""
+    return f"measure.part{rank}"
+
+
+def _start(
+    spec_path: Path, rank: int, processes: int, local_rank: int, per_node: int, per_copy: int
+) -> subprocess.Popen:
+    """Start measure process `rank` of `processes` (`main`), the `local_rank`-th of this node's `per_node`:
+    on GPUs `local_rank * per_copy` .. of this node (none: the CPU), with its share of the cores, its output
+    in `measure.part<rank>.log`, leading a process group of its own."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // per_node))}
+    if per_copy:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(local_rank * per_copy + i) for i in range(per_copy))
+    command = [sys.executable, "-m", __name__, str(spec_path), str(rank), str(processes)]
+    with (spec_path.parent / f"{_name(rank)}.log").open("ab") as out:
+        return subprocess.Popen(
+            command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
 def spread_groups(
     inputs: MeasureInputs, ctx: StageContext, processes: int, rows: list[ResultRow]
 ) -> list[ResultRow]:
-    """Deal the groups not in `rows` round-robin to `processes` measure processes, each with its own copy of
-    the target (on its own GPUs), wait for them and gather their rows into results.jsonl in group order.
-    A process writes `results.part<i>.jsonl` group by group, so a rerun keeps every group finished."""
+    """Deal the groups not in `rows` round-robin to `processes` measure processes on every node of the run
+    (node r runs ranks r x processes .. (r + 1) x processes - 1), each with its own copy of the target on
+    its own GPUs: start this node's, announce the other nodes' (each starts them with `run_share`), wait for
+    every one and gather their rows into results.jsonl in group order. A process writes
+    `results.part<rank>.jsonl` group by group into the shared work folder, so a rerun keeps every group
+    finished, those of a process that failed or of a node lost included."""
     spec_path = spec_for(inputs, ctx).write(ctx.work_dir / SPEC_FILE)
     per_copy = gpus_per_copy(inputs.target) if torch.cuda.is_available() else 0
-    threads = max(1, (os.cpu_count() or 1) // processes)
-    children = []
-    with contextlib.ExitStack() as logs:
+    leader = ctx.leader
+    total = processes * (leader.machines.nodes if leader is not None else 1)
+    for rank in range(total):
+        (ctx.work_dir / f"error.part{rank}.txt").unlink(missing_ok=True)  # an earlier run's
+    names = [_name(rank) for rank in range(total)]
+    children: list[subprocess.Popen | RemoteProcess] = []
+    with stopped_on_error(children):
         for rank in range(processes):
-            env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-            if per_copy:
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(str(rank * per_copy + i) for i in range(per_copy))
-            command = [sys.executable, "-m", __name__, str(spec_path), str(rank), str(processes)]
-            log_path = ctx.work_dir / f"measure.part{rank}.log"
-            log_file = logs.enter_context(log_path.open("ab"))
-            children.append((rank, log_path, subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT)))  # fmt: skip
-        log.info("measure: the groups dealt to %d processes (logs: measure.part<i>.log)", processes)
-        failed = [(rank, log_path) for rank, log_path, child in children if child.wait() != 0]
+            children.append(_start(spec_path, rank, total, rank, processes, per_copy))
+        if leader is not None and total > processes:
+            children += remote_processes(ctx.work_dir, names, processes, leader.timeout)
+            leader.announce({"kind": "measure", "spec": str(spec_path), "per_node": processes,
+                             "processes": total, "gpus_per_process": per_copy})  # fmt: skip
+        log.info("measure: the groups dealt to %d processes (logs: measure.part<i>.log)", total)
+        wait_all(children, lambda: None)
+    clear_share(ctx.work_dir, names, processes)  # the other nodes' exit files and heartbeats
     parts = sorted(ctx.work_dir.glob(PART_GLOB))
     try:
         rows = rows + [row for part in parts for row in read_rows(part)]
@@ -313,12 +353,21 @@ def spread_groups(
     write_rows(ctx.work_dir / RESULTS_FILE, rows)
     for part in parts:
         part.unlink()
+    failed = []
+    for rank, child in enumerate(children):
+        if isinstance(child, RemoteProcess) and child.lost:
+            failed.append(f"process {rank} of {total} on node {child.node}: {child.lost_why()}")
+        elif child.returncode != 0:
+            error = ctx.work_dir / f"error.part{rank}.txt"
+            why = (
+                error.read_text(encoding="utf-8").strip()
+                if error.is_file()
+                else f"see {ctx.work_dir / _name(rank)}.log"
+            )
+            failed.append(f"process {rank} of {total} ({child.pid}) failed: {why}")
     if failed:
-        rank, log_path = failed[0]
-        error = ctx.work_dir / f"error.part{rank}.txt"
-        why = error.read_text(encoding="utf-8").strip() if error.is_file() else f"see {log_path}"
         raise StageFailed(
-            f"measure: process {rank} of {processes} failed: {why} (a rerun keeps its finished groups)"
+            "measure: " + "\n".join(failed) + "\nEvery finished group is kept: a rerun measures only the rest"
         )
     first = ctx.work_dir / "latency.part0.json"
     if first.is_file():
@@ -326,9 +375,27 @@ def spread_groups(
     return rows
 
 
+def run_share(event: dict[str, Any], rank: int, gone: Callable[[], str | None]) -> None:
+    """Node `rank`'s share of node 0's measure processes (a `measure` announcement): ranks rank x per_node
+    .. (rank + 1) x per_node - 1, started on this node's GPUs as node 0 starts its own, then watched for
+    node 0 (`distill.node_share.watch_share`) until they end or node 0 no longer waits for them (`gone()`
+    says why)."""
+    spec_path, per_node, total = Path(event["spec"]), int(event["per_node"]), int(event["processes"])
+    ranks = range(rank * per_node, (rank + 1) * per_node)
+    started = []
+    for local_rank, global_rank in enumerate(ranks):
+        process = _start(spec_path, global_rank, total, local_rank, per_node, int(event["gpus_per_process"]))
+        started.append((_name(global_rank), process))
+    log.info("measure: node %d runs processes %d..%d of %d", rank, ranks[0], ranks[-1], total)
+    watch_share(spec_path.parent, rank, started, gone)
+
+
 def main(argv: list[str] | None = None) -> None:
     """One measure process: `python -m polydraft.pipelines.stages.measure SPEC RANK PROCESSES` decodes every
-    PROCESSES-th group not yet in results.jsonl, from the RANK-th, into `results.part<RANK>.jsonl`."""
+    PROCESSES-th group not yet in results.jsonl, from the RANK-th, into `results.part<RANK>.jsonl`. It dies
+    with the process that started it (`distill.engines.die_with_parent`), so no process of a killed node
+    goes on writing into the shared folder."""
+    die_with_parent()
     spec_file, rank, processes = argv or sys.argv[1:]
     spec = StageSpec.read(spec_file)
     setup_process_logging(spec)

@@ -12,26 +12,15 @@ from polydraft.models.tiny import build_llama
 from polydraft.pipelines.schema import DataConfig, MeasureConfig, SourceConfig
 from polydraft.pipelines.stage import StageFailed
 from tests.decoding_helpers import single_thread_fixture
-from tests.measure_setup import PAIRS, measure_context, measure_recipe, run_measure
+from tests.measure_setup import PAIRS, measure_context, measure_recipe, run_measure, write_drafters
 
 single_thread = single_thread_fixture()
 
 
 @pytest.fixture(scope="module")
 def finetune_dir(tmp_path_factory, tiny_tokenizer, tiny_target):
-    """Two 'finetuned' drafters: the target's first layer plus its head (so they agree with it sometimes)."""
-    folder = tmp_path_factory.mktemp("finetune")
-    for index, pair in enumerate(PAIRS):
-        tok = tiny_tokenizer
-        drafter = build_llama(len(tok), 64, 1, 4, 128, bos_token_id=tok.bos_token_id,
-                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, seed=index)  # fmt: skip
-        state = {k: v for k, v in tiny_target.state_dict().items() if not k.startswith("model.layers.")}
-        state.update(
-            {k: v for k, v in tiny_target.state_dict().items() if k.startswith(f"model.layers.{index}.")}
-        )
-        drafter.load_state_dict({k.replace(f"layers.{index}.", "layers.0."): v for k, v in state.items()})
-        drafter.save_pretrained(folder / pair)
-        tok.save_pretrained(folder / pair)
+    """Two 'finetuned' drafters (`write_drafters`), and a file next to them that is not one."""
+    folder = write_drafters(tmp_path_factory.mktemp("finetune"), tiny_tokenizer, tiny_target)
     (folder / "de-en.metrics.json").write_text("{}")  # files next to the drafters are ignored
     return folder
 
