@@ -15,7 +15,7 @@ on the prompt, which yields the first hidden state.
   an exact draw), verified by speculative sampling against the rows r_j(. | y_<j) it was drawn from.
 - `medusa` (tree): a candidate tree from the heads' top tokens (`CandidateTree`), children drawn without
   replacement when sampling, verified in one target forward with the tree mask and recursive rejection
-  sampling (`decoding.tree.verify_tree`), exactly as `rsd_c` / `rsd_s` trees are.
+  sampling (`decoding.tree.verify_tree`), in the round `rsd_c` / `rsd_s` trees run (`decoding.tree.tree_decode`).
 - `medusa+rescore`: the tree of every beam of a width-W beam search over the rescored lattice (all W
   nodes of each level, as `rsd_s` keeps them), stochastic beam search when sampling.
 At temperature 0 every variant's output is `ar`'s, token for token: greedy verification keeps exactly
@@ -31,11 +31,11 @@ import torch
 from torch import Tensor
 
 from polydraft.decoding.chain import chain_decode, target_call
-from polydraft.decoding.engine import Generation, Output, Round, finish, next_token
+from polydraft.decoding.engine import Generation, Output, finish
 from polydraft.decoding.lattice import CandidateTree, best_path, candidate_tree, head_log_probs, rescorer
 from polydraft.decoding.lm import CachedLM
 from polydraft.decoding.sampling import Sampling, sample
-from polydraft.decoding.tree import TreeShape, check_window, draft_tree, tree_inputs, verify_rows, verify_tree
+from polydraft.decoding.tree import Tree, TreeShape, check_window, draft_tree, tree_decode
 
 
 class HeadsDraft:
@@ -176,6 +176,46 @@ def blockwise_chain(
     return _finish(out, start, target, heads, rescoring, rounds)
 
 
+class HeadsTree:
+    """`medusa` (a candidate tree of `shape` from the heads' top tokens) or `medusa+rescore` (the beams of
+    the drafter-rescored lattice), for `tree_decode`: the heads read the target's hidden state at the
+    newest token, so the first round, with no hidden state yet, is a plain target step."""
+
+    def __init__(
+        self, target: CachedLM, heads: HeadsDraft, shape: CandidateTree | None, rescoring: Rescoring | None,
+        sampling: Sampling, generator: torch.Generator,
+    ) -> None:  # fmt: skip
+        if (shape is None) == (rescoring is None):
+            raise ValueError("blockwise_tree takes a candidate tree shape (medusa) or a rescoring, not both")
+        self.heads, self.shape, self.rescoring = heads, shape, rescoring
+        self.sampling, self.generator = sampling, generator
+        self.depth_limit = min(shape.depth, heads.num_heads) if shape is not None else heads.num_heads
+        self.max_nodes = len(shape.paths) if shape is not None else rescoring.beam_width * self.depth_limit
+        self.models = [target] if rescoring is None else [target, rescoring.drafter]
+        self.head_logp: Tensor | None = None
+
+    def max_depth(self) -> int:
+        return self.depth_limit if self.head_logp is not None else 0
+
+    def draft(self, out: Output, depth: int) -> tuple[Tree, Tensor | None]:
+        assert self.head_logp is not None
+        if self.rescoring is None:
+            return candidate_tree(self.head_logp, self.shape, depth, self.sampling, self.generator)
+        r = self.rescoring
+        return draft_tree(
+            r.drafter, out.pending(r.drafter.length), TreeShape.beam(r.beam_width, depth), depth,
+            self.sampling, self.generator, rescorer(self.head_logp, r.top_k, r.weight, self.sampling),
+        )  # fmt: skip
+
+    def keep(self, n: int, tree: Tree | None, path: list[int], hidden: Tensor) -> None:
+        if tree is None:  # a plain target step: the heads read its newest token's state
+            self.head_logp = self.heads.log_probs(hidden[-1], self.sampling)
+            return
+        if self.rescoring is not None:
+            self.rescoring.drafter.keep(n, [node for node in path if node < tree.fed])
+        self.head_logp = self.heads.log_probs(hidden[path[-1] + 1 if path else 0], self.sampling)
+
+
 @torch.inference_mode()
 def blockwise_tree(
     target: CachedLM,
@@ -189,44 +229,8 @@ def blockwise_tree(
     rescoring: Rescoring | None = None,
 ) -> Generation:
     """Decode one prompt with `medusa` (a candidate tree of `shape`) or `medusa+rescore` (`rescoring`)."""
-    if (shape is None) == (rescoring is None):
-        raise ValueError("blockwise_tree takes a candidate tree shape (medusa) or a rescoring, not both")
+    proposer = HeadsTree(target, heads, shape, rescoring, sampling, generator)
     start = _start(target, heads, rescoring)
-    depth_limit = min(shape.depth, heads.num_heads) if shape is not None else heads.num_heads
-    max_nodes = len(shape.paths) if shape is not None else rescoring.beam_width * depth_limit
-    out = Output(prompt.to(target.device), max_new_tokens, eos_ids, slack=depth_limit + 1)
-    models = [target] if rescoring is None else [target, rescoring.drafter]
-    head_logp: Tensor | None = None
-    rounds: list[Round] = []
-    while not out.done:
-        n = out.length
-        check_window(models, n, max_nodes)
-        depth = min(depth_limit, out.remaining - 1) if head_logp is not None else 0
-        pending = out.pending(target.length)
-        if depth == 0:  # the prompt (no hidden state yet) or one token left: a plain target step
-            logits, hidden = target.forward(pending)
-            token = next_token(logits[-1], sampling, generator)
-            head_logp = heads.log_probs(hidden[-1], sampling)
-            out.commit([int(token)], token)
-            rounds.append(Round(0, 0, 0))
-            continue
-        if rescoring is None:
-            tree, dists = candidate_tree(head_logp, shape, depth, sampling, generator)
-        else:
-            drafter = rescoring.drafter
-            tree, dists = draft_tree(
-                drafter, out.pending(drafter.length), TreeShape.beam(rescoring.beam_width, depth), depth,
-                sampling, generator, rescorer(head_logp, rescoring.top_k, rescoring.weight, sampling),
-            )  # fmt: skip
-        inputs, positions, mask = tree_inputs(target, pending, n, tree)
-        logits, hidden = target.forward(inputs, len(tree) + 1, positions, mask)
-        path, token = verify_tree(
-            tree, dists, verify_rows(tree, logits, sampling), sampling.greedy, generator
-        )
-        target.keep(n, path)
-        if rescoring is not None:
-            rescoring.drafter.keep(n, [node for node in path if node < tree.fed])
-        head_logp = heads.log_probs(hidden[path[-1] + 1 if path else 0], sampling)
-        kept = out.commit([tree.tokens[node] for node in path] + [token])
-        rounds.append(Round(depth, len(tree), min(len(path), kept)))
+    out = Output(prompt.to(target.device), max_new_tokens, eos_ids, slack=proposer.depth_limit + 1)
+    rounds = tree_decode(proposer, target, out, sampling, generator)
     return _finish(out, start, target, heads, rescoring, rounds)

@@ -1,4 +1,4 @@
-"""The chain-decoding round shared by `sd`, `eesd` and `bpd` / `bpd+rescore` (trees keep their own loop).
+"""The chain-decoding round shared by `sd`, `eesd` and `bpd` / `bpd+rescore` (trees share `decoding.tree.tree_decode`).
 
 A round: draft up to K tokens after the committed ones, score the pending committed token(s) and the
 drafts in one target call (the last K+1 rows), accept a prefix of the drafts, commit the accepted drafts

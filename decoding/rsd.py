@@ -1,9 +1,10 @@
 """`rsd_c` and `rsd_s`: recursive speculative decoding with draft trees (seed 002 Alg. 2 and 7).
 
-Each round: grow the tree with the drafter (`decoding.tree.draft_tree`), score the pending committed
-token(s) and every node in ONE target forward (tree mask + position ids, head on the root and the
-nodes only), walk the tree with recursive rejection sampling level by level, then keep only the
-accepted path in both caches (`CachedLM.keep`) and commit the path plus the final token.
+Each round (`decoding.tree.tree_decode`): grow the tree with the drafter (`decoding.tree.draft_tree`),
+score the pending committed token(s) and every node in ONE target forward (tree mask + position ids,
+head on the root and the nodes only), walk the tree with recursive rejection sampling level by level,
+then keep only the accepted path in both caches (`CachedLM.keep`) and commit the path plus the final
+token.
 """
 
 from __future__ import annotations
@@ -13,10 +14,37 @@ import time
 import torch
 from torch import Tensor
 
-from polydraft.decoding.engine import Generation, Output, Round, finish, next_token
+from polydraft.decoding.engine import Generation, Output, finish
 from polydraft.decoding.lm import CachedLM
 from polydraft.decoding.sampling import Sampling
-from polydraft.decoding.tree import TreeShape, check_window, draft_tree, tree_inputs, verify_rows, verify_tree
+from polydraft.decoding.tree import Tree, TreeShape, draft_tree, tree_decode
+
+
+class DrafterTree:
+    """`rsd_c` / `rsd_s`: the drafter grows the tree (`draft_tree` of `shape`), its cache follows the
+    target's accepted path (`tree_decode`'s `TreeProposer`)."""
+
+    def __init__(
+        self,
+        target: CachedLM,
+        drafter: CachedLM,
+        shape: TreeShape,
+        sampling: Sampling,
+        generator: torch.Generator,
+    ) -> None:
+        self.drafter, self.shape, self.sampling, self.generator = drafter, shape, sampling, generator
+        self.models, self.max_nodes = [target, drafter], shape.max_nodes
+
+    def max_depth(self) -> int:
+        return self.shape.depth
+
+    def draft(self, out: Output, depth: int) -> tuple[Tree, Tensor | None]:
+        pending = out.pending(self.drafter.length)
+        return draft_tree(self.drafter, pending, self.shape, depth, self.sampling, self.generator)
+
+    def keep(self, n: int, tree: Tree | None, path: list[int], hidden: Tensor) -> None:
+        if tree is not None:
+            self.drafter.keep(n, [node for node in path if node < tree.fed])
 
 
 @torch.inference_mode()
@@ -34,33 +62,8 @@ def recursive_speculative(
     start = time.perf_counter()
     target.reset()
     drafter.reset()
-    device = target.device
-    out = Output(prompt.to(device), max_new_tokens, eos_ids, slack=shape.depth + 1)
-    rounds: list[Round] = []
-    while not out.done:
-        n = out.length
-        check_window([target, drafter], n, shape.max_nodes)
-        depth = min(shape.depth, out.remaining - 1)
-        pending = out.pending(target.length)
-        if depth == 0:
-            # one token left: a plain target step
-            logits, _ = target.forward(pending)
-            token = next_token(logits[-1], sampling, generator)
-            out.commit([int(token)], token)
-            rounds.append(Round(0, 0, 0))
-            continue
-        tree, draft_probs = draft_tree(
-            drafter, out.pending(drafter.length), shape, depth, sampling, generator
-        )
-        size = len(tree)
-        inputs, positions, mask = tree_inputs(target, pending, n, tree)
-        logits, _ = target.forward(inputs, size + 1, positions, mask)
-        path, token = verify_tree(
-            tree, draft_probs, verify_rows(tree, logits, sampling), sampling.greedy, generator
-        )
-        target.keep(n, path)
-        drafter.keep(n, [node for node in path if node < tree.fed])
-        new = [tree.tokens[node] for node in path] + [token]
-        kept = out.commit(new)
-        rounds.append(Round(depth, size, min(len(path), kept)))
+    out = Output(prompt.to(target.device), max_new_tokens, eos_ids, slack=shape.depth + 1)
+    rounds = tree_decode(
+        DrafterTree(target, drafter, shape, sampling, generator), target, out, sampling, generator
+    )
     return finish(out, start, target, drafter, rounds)

@@ -14,16 +14,23 @@ target's argmax, so the output is `ar`'s.
 
 Attention: a node sees every committed position and its own ancestors (Alg. 5, where a child's mask
 row is its parent's row plus itself); it sits at position (root position + depth).
+
+`tree_decode` is the round every tree decoder shares (`rsd_c` / `rsd_s` with a drafter's tree, `medusa`
+and `medusa+rescore` with the heads'): grow the tree (a `TreeProposer`), score the pending committed
+token(s) and every node in one target forward, walk the tree, keep the accepted path in every cache and
+commit it with the target's next token.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
+from polydraft.decoding.engine import Output, Round, next_token
 from polydraft.decoding.lm import CachedLM, additive_mask
 from polydraft.decoding.sampling import (
     Sampling,
@@ -268,3 +275,56 @@ def verify_tree(
 def verify_rows(tree: Tree, logits: Tensor, sampling: Sampling) -> Tensor:
     """What `verify_tree` reads from the target's logits [1 + N, V]."""
     return logits.argmax(-1) if sampling.greedy else probabilities(logits, sampling)
+
+
+class TreeProposer(Protocol):
+    """Who grows the draft tree and which caches follow the target's, for one sequence (`tree_decode`)."""
+
+    models: list[CachedLM]
+    """The caches a round writes to (the target's first): each must hold `max_nodes` more positions."""
+    max_nodes: int
+
+    def max_depth(self) -> int:
+        """Levels the next round may draft (0: a plain target step, e.g. before any target state)."""
+        ...
+
+    def draft(self, out: Output, depth: int) -> tuple[Tree, Tensor | None]:
+        """A tree of up to `depth` levels below `out`'s last committed token and, when sampling, the
+        distributions its children were drawn from (`draft_tree`'s)."""
+        ...
+
+    def keep(self, n: int, tree: Tree | None, path: list[int], hidden: Tensor) -> None:
+        """After the target's call at length `n` (on `tree`, None for a plain step) accepted the nodes
+        `path`: drop the rest from the proposer's caches; `hidden` holds the call's final hidden states,
+        row 0 at the root and row i + 1 at node i (the newest token's is `hidden[-1]` after a plain step)."""
+        ...
+
+
+def tree_decode(
+    proposer: TreeProposer, target: CachedLM, out: Output, sampling: Sampling, generator: torch.Generator
+) -> list[Round]:
+    """Run tree rounds until `out` is done; returns them."""
+    rounds: list[Round] = []
+    while not out.done:
+        n = out.length
+        check_window(proposer.models, n, proposer.max_nodes)
+        depth = min(proposer.max_depth(), out.remaining - 1)
+        pending = out.pending(target.length)
+        if depth <= 0:  # nothing to draft from yet, or one token left: a plain target step
+            logits, hidden = target.forward(pending)
+            token = next_token(logits[-1], sampling, generator)
+            proposer.keep(n, None, [], hidden)
+            out.commit([int(token)], token)
+            rounds.append(Round(0, 0, 0))
+            continue
+        tree, draft_probs = proposer.draft(out, depth)
+        inputs, positions, mask = tree_inputs(target, pending, n, tree)
+        logits, hidden = target.forward(inputs, len(tree) + 1, positions, mask)
+        path, token = verify_tree(
+            tree, draft_probs, verify_rows(tree, logits, sampling), sampling.greedy, generator
+        )
+        target.keep(n, path)
+        proposer.keep(n, tree, path, hidden)
+        kept = out.commit([tree.tokens[node] for node in path] + [token])
+        rounds.append(Round(depth, len(tree), min(len(path), kept)))
+    return rounds

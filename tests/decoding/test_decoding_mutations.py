@@ -183,9 +183,10 @@ VARIANTS: dict[str, tuple[object, str, str, str, list[str]]] = {
         "self.model.crop(n + drafts, exit_length)",
         ["greedy:eesd", "grid:eesd-fixed:T1-topk2"],
     ),
+    # the tree round rsd_c / rsd_s and medusa share (`decoding.tree.tree_decode`)
     "tree cache keeps the first nodes, not the accepted path": (
-        polydraft.decoding.rsd, "recursive_speculative", "target.keep(n, path)", "target.crop(n + len(path))",
-        ["greedy:rsd", "grid:rsd_s:T0.7-topk2"],
+        polydraft.decoding.tree, "tree_decode", "target.keep(n, path)", "target.crop(n + len(path))",
+        ["greedy:rsd", "grid:rsd_s:T0.7-topk2", "greedy-table:medusa", "grid:medusa:T0.7-topp0.8"],
     ),
     "Gumbel-top-k children in increasing order": (
         SAMPLING, "gumbel_topk", 'return tokens, values > float("-inf")',
@@ -210,10 +211,6 @@ VARIANTS: dict[str, tuple[object, str, str, str, list[str]]] = {
     "rescored lattice rows not renormalised over the top k": (
         polydraft.decoding.lattice, "rescorer", "out[:, tokens] = torch.log_softmax(mixed, dim=-1)",
         "out[:, tokens] = mixed", ["exact:bpd+rescore:T0.7-topk2", "tree-rescored:top-k"],
-    ),
-    "medusa cache keeps the first nodes, not the accepted path": (
-        polydraft.decoding.blockwise, "blockwise_tree", "target.keep(n, path)", "target.crop(n + len(path))",
-        ["greedy-table:medusa", "grid:medusa:T0.7-topp0.8"],
     ),
 }  # fmt: skip
 """name -> (module, function, old line part, new line part, the checks that must reject it)."""
