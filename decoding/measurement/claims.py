@@ -1,17 +1,12 @@
-"""The rules that turn measurements into an outcome.
+"""The rule that turns paired measurements into an outcome, written once.
 
 Paired by prompt (`paired_interval`): where both arms decoded the same prompts, each prompt gives one
 difference A - B; a strict claim `A > B` *holds* when the interval of their mean lies above zero, is
 *contradicted* when it lies below, and is *within noise* otherwise, with the smallest difference the
-prompts could have shown (`PairedInterval.detectable`). The mixed-traffic decision
-(`decoding.measurement.mixed`) and the EAGLE-3 goals (`bench/eagle3_goals.py`) use it.
-
-Per repetition (`noise_of`, `outcome_of`), what the study's verdicts (`pipelines.study.verdicts`) still use
-until the study keeps per-prompt values: the noise of a comparison is twice the pooled sample std of the
-two groups' repetition means. A strict claim holds only when A - B exceeds the noise, is contradicted when
-B - A does, and is within noise otherwise; this cut-off does not shrink as repetitions are added. A claim
-`A >= B` can never hold: it is *consistent* unless A is below B by more than the noise. A claim `A == B`
-holds when |A - B| is within the noise and is contradicted otherwise.
+prompts could have shown (`PairedInterval.detectable`). A claim `A >= B` can never hold: it is
+*consistent* unless the interval lies below zero. A claim `A == B` holds unless the interval excludes zero.
+The study's verdicts (`pipelines.study.verdicts`), the mixed-traffic decision (`decoding.measurement.mixed`)
+and the EAGLE-3 goals (`bench/eagle3_goals.py`) use it.
 """
 
 from __future__ import annotations
@@ -25,27 +20,9 @@ from typing import Literal
 import numpy as np
 from scipy.stats import t as student_t
 
-from polydraft.decoding.measurement.tables import pooled_std
-
 Claim = Literal[">", ">=", "=="]
-Outcome = Literal["holds", "consistent", "contradicted", "within noise", "too few repetitions"]
-
-
-def noise_of(first: list[float], second: list[float]) -> float | None:
-    """Twice the pooled sample std of the two groups (None without 2 values in each)."""
-    spread = pooled_std(first, second)
-    return None if spread is None else 2 * spread
-
-
-def outcome_of(claim: Claim, difference: float, noise: float) -> Outcome:
-    """The outcome of `A claim B` given difference = A - B and the noise (see the module docstring)."""
-    if claim == "==":
-        return "holds" if abs(difference) <= noise else "contradicted"
-    if difference < -noise:
-        return "contradicted"
-    if claim == ">=":
-        return "consistent"  # not contradicted is all a non-strict claim can show
-    return "holds" if difference > noise else "within noise"
+Outcome = Literal["holds", "consistent", "contradicted", "within noise", "too few prompts"]
+"""`too few prompts`: fewer than 2 prompts that both arms decoded, so no interval."""
 
 
 # ----------------------------------------------------------------------------- paired differences

@@ -18,16 +18,18 @@ from polydraft.pipelines.study.findings_drafters import (
     in_domain,
     pf_over_f,
     pf_over_p,
+    pf_over_p_budgets,
 )
 from polydraft.pipelines.study.findings_eesd import (
+    cali_over_beta,
     exit_layer,
     shared_layers,
     thompson_eesd,
     thompson_standalone,
 )
-from polydraft.pipelines.study.findings_trees import rescoring, rsd_budget, trees
+from polydraft.pipelines.study.findings_trees import rescoring, rsd_budget, rsd_budget_low, trees
 from polydraft.pipelines.study.model import Finding, Panel, Runs, finish, ok
-from polydraft.pipelines.study.verdicts import Check, Stat, outcome_of, stat
+from polydraft.pipelines.study.verdicts import Check, Stat, stat
 
 
 def lossless(runs: Runs) -> Finding:
@@ -39,12 +41,11 @@ def lossless(runs: Runs) -> Finding:
             share = stat(same)
             if share is None:
                 continue
-            difference = share.mean - 1.0
             checks.append(
                 Check(
                     label=f"{decoder}: output identical to ar at T=0", claim="==", first="identical",
-                    second="all", a=share, b=Stat(mean=1.0, std=0.0, n=len(same)), difference=difference,
-                    noise=0.0, outcome=outcome_of("==", difference, 0.0),
+                    second="all", a=share, b=Stat(mean=1.0, std=0.0, n=len(same)), first_values=[],
+                    second_values=[], interval=None, outcome="holds" if all(same) else "contradicted",
                 )
             )  # fmt: skip
         unmeasured = [d for d in get_args(DecoderName) if d != "ar" and d not in {r.decoder for r in rows}]
@@ -78,8 +79,8 @@ def sanity_checks(runs: Runs) -> list[Finding]:
 
 
 def all_findings(runs: Runs, draft_length: int, pairs: list[str], shared_layers_n: int) -> list[Finding]:
-    """The seeds' findings by seed (003, 001, 002, 000), the study items that are no seed claim last; the
-    sanity checks are in `sanity_checks`."""
+    """The seeds' findings by seed (003, 001, 002, 000), then a seed's side remark and the study items that
+    are no seed claim; the sanity checks are in `sanity_checks`."""
     k = draft_length
     return [
         pf_over_p(runs, k, pairs),
@@ -89,11 +90,15 @@ def all_findings(runs: Runs, draft_length: int, pairs: list[str], shared_layers_
         exit_layer(runs),
         shared_layers(runs, shared_layers_n),
         thompson_eesd(runs, best=False),
+        cali_over_beta(runs),
         thompson_eesd(runs, best=True),
         thompson_standalone(runs, pairs, best=False),
         trees(runs, pairs),
         rsd_budget(runs, pairs),
-        rescoring(runs),
+        rescoring(runs, "block_efficiency"),
+        rescoring(runs, "speedup"),
+        rsd_budget_low(runs, pairs),
+        pf_over_p_budgets(runs, k, pairs),
         thompson_standalone(runs, pairs, best=True),
         distill_temperatures(runs, k, pairs),
     ]

@@ -1,7 +1,7 @@
-"""Seed 001's findings: the exit layer (Table 4), the number of shared layers N (Fig. 4), and Thompson
-sampling against the seed's preset K=10 (Tables 4 and 5) and against the best fixed K (Fig. 3), reported
-as separate findings. All greedy, as the seed measures them; every head or drafter trained with each
-training seed, n counts training seed x prompt subset."""
+"""Seed 001's findings: the exit layer (Table 4), the number of shared layers N (Fig. 4), Thompson
+sampling against the seed's preset K=10 (Tables 4 and 5) and against the best fixed K (Fig. 3), and
+Cali-TS against Beta-TS (Table 4), reported as separate findings. All greedy, as the seed measures them;
+every head or drafter trained with each training seed, each check paired by training seed and prompt."""
 
 from __future__ import annotations
 
@@ -21,12 +21,15 @@ from polydraft.pipelines.study.model import (
     ts_variant,
     where,
 )
-from polydraft.pipelines.study.verdicts import Check, compare, stat
+from polydraft.pipelines.study.prompts import PromptMetric, prompt_values
+from polydraft.pipelines.study.verdicts import ArmValues, Check, arm_stat, compare, stat
 
 
 def _eesd(
-    runs: Runs, names: list[str], dataset: str, control: str, metric: str, k: int | None = None
-) -> list:
+    runs: Runs, names: list[str], dataset: str, control: str, metric: PromptMetric, k: int | None = None
+) -> ArmValues:
+    """`metric` per prompt of `eesd` at T=0 under `control` (and fixed K=k), each training seed's head
+    from its own variant of `names`."""
     fields: dict[str, object] = {
         "decoder": "eesd",
         "control": control,
@@ -35,29 +38,35 @@ def _eesd(
     }
     if k is not None:
         fields["draft_length"] = k
-    return [v for name in names for v in where(rows_of(runs, name), metric, **fields)]
+    return {
+        seed: prompt_values(rows_of(runs, name), metric, **fields) for seed, name in zip(TRAIN_SEEDS, names)
+    }
 
 
 def _datasets(rows: list[ResultRow]) -> list[str]:
     return sorted({r.dataset for r in rows})
 
 
-def _best_k(values: dict[int, list]) -> int | None:
+def _best_k(values: dict[int, ArmValues]) -> int | None:
     """The fixed K of the highest mean (chosen after measuring, which favours the fixed K)."""
-    means = {k: s.mean for k, v in values.items() if (s := stat(v)) is not None}
+    means = {k: s.mean for k, v in values.items() if (s := arm_stat(v)) is not None}
     return max(means, key=lambda k: means[k]) if means else None
 
 
-def _fixed(rows_by: dict[int, list], best: int | None) -> str:
-    means = {k: s.mean for k, v in sorted(rows_by.items()) if (s := stat(v)) is not None}
+def _fixed(rows_by: dict[int, ArmValues], best: int | None) -> str:
+    means = {k: s.mean for k, v in sorted(rows_by.items()) if (s := arm_stat(v)) is not None}
     return ", ".join(f"K={k}: {m:.3f}" for k, m in means.items()) + f" (best K={best})"
 
 
-def _sweep(runs: Runs, names: list[str], dataset: str) -> dict[int, list]:
+def _sweep(runs: Runs, names: list[str], dataset: str) -> dict[int, ArmValues]:
     ks = sorted(
         {r.draft_length for n in names for r in rows_of(runs, n) if r.control == "fixed" and r.draft_length}
     )
     return {k: _eesd(runs, names, dataset, "fixed", "speedup", k) for k in ks}
+
+
+SEED_EXIT_LAYER = {"speedup": 1.91 - 1.18, "hm": (57.22 - 23.69) / 100}
+"""Seed 001 Table 4 (LLaMA-2-13B, Gsm8k, Beta-TS): with the exit layer minus without (HM in percent there)."""
 
 
 def exit_layer(runs: Runs) -> Finding:
@@ -72,14 +81,14 @@ def exit_layer(runs: Runs) -> Finding:
                     _eesd(runs, layer, dataset, "beta_ts", metric),
                     _eesd(runs, none, dataset, "beta_ts", metric),
                 )
-                checks.append(compare(f"{dataset}, Beta-TS: {metric} with the exit layer > without", ">", "1 layer", a, "0 layers", b))  # fmt: skip
+                checks.append(compare(f"{dataset}, Beta-TS: {metric} with the exit layer > without", ">", "1 layer", a, "0 layers", b, SEED_EXIT_LAYER[metric]))  # fmt: skip
             sweeps = [_sweep(runs, names, dataset) for names in (layer, none)]
             best = [_best_k(s) for s in sweeps]
             if None not in best:
                 a, b = sweeps[0][best[0]], sweeps[1][best[1]]
                 checks.append(compare(f"{dataset}, each at its best fixed K ({best[0]}, {best[1]}): speedup with the exit layer > without", ">", "1 layer", a, "0 layers", b))  # fmt: skip
             for label, names in (("with the exit layer", layer), ("without", none)):
-                parts = [f"{m} {_text(_eesd(runs, names, dataset, 'beta_ts', m))}" for m in ("acceptance_rate", "draft_proportion", "hm")]  # fmt: skip
+                parts = [f"{m} {_rows_text(runs, names, dataset, m)}" for m in ("acceptance_rate", "draft_proportion", "hm")]  # fmt: skip
                 lines.append(f"- {dataset}, {label}, Beta-TS: v_d (acceptance_rate) / r_d (draft_proportion) / HM: " + "; ".join(parts))  # fmt: skip
             lines += [f"- {dataset}, fixed K speedups {label}: {_fixed(s, b)}" for label, s, b in zip(("with the exit layer", "without"), sweeps, best)]  # fmt: skip
         return checks, "\n".join(lines), []
@@ -102,8 +111,15 @@ def exit_layer(runs: Runs) -> Finding:
     )
 
 
-def _text(values: list) -> str:
-    s = stat(values)
+def _rows_text(runs: Runs, names: list[str], dataset: str, metric: str) -> str:
+    """`metric` of the Beta-TS rows (one per training seed and repetition) as mean ± std (n)."""
+    fields = {"decoder": "eesd", "control": "beta_ts", "dataset": dataset, "temperature": 0.0}
+    s = stat([v for name in names for v in where(rows_of(runs, name), metric, **fields)])
+    return "-" if s is None else s.text()
+
+
+def _text(values: ArmValues) -> str:
+    s = arm_stat(values)
     return "-" if s is None else s.text()
 
 
@@ -144,6 +160,12 @@ def shared_layers(runs: Runs, n0: int) -> Finding:
     )
 
 
+SEED_BETA_OVER_K10 = 1.91 - 1.66
+"""Seed 001 Table 4 (LLaMA-2-13B, Gsm8k): EESD with Beta-TS against a fixed K=10."""
+SEED_CALI_OVER_BETA = 2.04 - 1.91
+"""Seed 001 Table 4 (LLaMA-2-13B, Gsm8k): EESD with Cali-TS against Beta-TS."""
+
+
 def thompson_eesd(runs: Runs, best: bool) -> Finding:
     heads = [eesd_variant(s) for s in TRAIN_SEEDS]
 
@@ -154,12 +176,10 @@ def thompson_eesd(runs: Runs, best: bool) -> Finding:
             k = _best_k(sweep) if best else PRESET_K
             beta = _eesd(runs, heads, dataset, "beta_ts", "speedup")
             if k is not None:
-                checks.append(compare(f"{dataset}: Beta-TS > fixed K={k}", ">", "Beta-TS", beta, f"K={k}", sweep.get(k, [])))  # fmt: skip
+                effect = None if best else SEED_BETA_OVER_K10
+                checks.append(compare(f"{dataset}: Beta-TS > fixed K={k}", ">", "Beta-TS", beta, f"K={k}", sweep.get(k, {}), effect))  # fmt: skip
             if best:
                 lines.append(f"- {dataset}: fixed K mean speedups {_fixed(sweep, k)}, chosen after measuring")
-            else:
-                cali = _eesd(runs, heads, dataset, "cali_ts", "speedup")
-                checks.append(compare(f"{dataset}: Cali-TS > Beta-TS", ">", "Cali-TS", cali, "Beta-TS", beta))
         return checks, "\n".join(lines), []
 
     if best:
@@ -167,17 +187,40 @@ def thompson_eesd(runs: Runs, best: bool) -> Finding:
             "thompson_eesd_best", "Beta-TS > the best fixed K (EESD)", "seed 001 Fig. 3 and §5.2",
             "Beta-TS 'consistently slightly exceeds' the best fixed K (LLaMA-2-13B and -70B, greedy)",
             "Fig. 3: speedup against fixed K with Beta-TS above the best of them (a figure).",
-            f"wall-clock speedup of `eesd` at T=0: Beta-TS against the fixed K of the highest mean (heads of "
-            f"seeds {list(TRAIN_SEEDS)})", heads, runs, build,
+            f"wall-clock speedup of `eesd` per prompt at T=0: Beta-TS against the fixed K of the highest mean "
+            f"(heads of seeds {list(TRAIN_SEEDS)})", heads, runs, build,
         )  # fmt: skip
     return finish(
-        "thompson_eesd_preset", "Beta-TS > the preset K=10, and Cali-TS > Beta-TS (EESD)", "seed 001 Table 4",
-        "EESD with Beta-TS 1.91× and Cali-TS 2.04× against a fixed K=10 1.66× (LLaMA-2-13B, Gsm8k, greedy)",
-        "Table 4 (LLaMA-2-13B, speedup): fixed K=10 1.66× Gsm8k / 1.58× XSum, Beta-TS 1.91× / 1.84×, "
-        "Cali-TS 2.04× / 1.92×.",
-        f"wall-clock speedup of `eesd` at T=0: Beta-TS against fixed K={PRESET_K}, Cali-TS against Beta-TS "
-        f"(heads of seeds {list(TRAIN_SEEDS)})", heads, runs, build,
+        "thompson_eesd_preset", "Beta-TS > the preset K=10 (EESD)", "seed 001 Table 4",
+        "EESD with Beta-TS 1.91× against a fixed K=10 1.66× (LLaMA-2-13B, Gsm8k, greedy)",
+        "Table 4 (LLaMA-2-13B, speedup): fixed K=10 1.66× Gsm8k / 1.58× XSum, Beta-TS 1.91× / 1.84×.",
+        f"wall-clock speedup of `eesd` per prompt at T=0: Beta-TS against fixed K={PRESET_K} (heads of seeds "
+        f"{list(TRAIN_SEEDS)})", heads, runs, build,
     )  # fmt: skip
+
+
+def cali_over_beta(runs: Runs) -> Finding:
+    heads = [eesd_variant(s) for s in TRAIN_SEEDS]
+
+    def build() -> tuple[list[Check], str, list[Panel]]:
+        checks = []
+        for dataset in _datasets(rows_of(runs, heads[0])):
+            beta = _eesd(runs, heads, dataset, "beta_ts", "speedup")
+            cali = _eesd(runs, heads, dataset, "cali_ts", "speedup")
+            checks.append(compare(f"{dataset}: Cali-TS > Beta-TS", ">", "Cali-TS", cali, "Beta-TS", beta, SEED_CALI_OVER_BETA))  # fmt: skip
+        return checks, "", []
+
+    return finish(
+        "thompson_eesd_cali", "Cali-TS > Beta-TS (EESD)", "seed 001 Table 4",
+        "EESD with Cali-TS 2.04× against Beta-TS 1.91× (LLaMA-2-13B, Gsm8k, greedy)",
+        "Table 4 (LLaMA-2-13B, speedup): Beta-TS 1.91× Gsm8k / 1.84× XSum, Cali-TS 2.04× / 1.92×.",
+        f"wall-clock speedup of `eesd` per prompt at T=0: Cali-TS against Beta-TS (heads of seeds "
+        f"{list(TRAIN_SEEDS)})", heads, runs, build,
+    )  # fmt: skip
+
+
+SEED_SD_BETA_OVER_K10 = 2.02 - 1.88
+"""Seed 001 Table 5 (LLaMA-2-70B, Gsm8k): vanilla SD with Beta-TS against a fixed K=10."""
 
 
 def thompson_standalone(runs: Runs, pairs: list[str], best: bool) -> Finding:
@@ -192,7 +235,8 @@ def thompson_standalone(runs: Runs, pairs: list[str], best: bool) -> Finding:
             k = _best_k(sweep) if best else PRESET_K
             beta = pooled(rows, names, "speedup", control="beta_ts", **fields)
             if k is not None:
-                checks.append(compare(f"sd[{pair}] on {pair}, T=0: Beta-TS > fixed K={k}", ">", "Beta-TS", beta, f"K={k}", sweep.get(k, [])))  # fmt: skip
+                effect = None if best else SEED_SD_BETA_OVER_K10
+                checks.append(compare(f"sd[{pair}] on {pair}, T=0: Beta-TS > fixed K={k}", ">", "Beta-TS", beta, f"K={k}", sweep.get(k, {}), effect))  # fmt: skip
             if best:
                 lines.append(f"- {pair}: fixed K mean speedups {_fixed(sweep, k)}, chosen after measuring")
         return checks, "\n".join(lines), []

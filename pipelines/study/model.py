@@ -10,12 +10,20 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from polydraft.decoding.measurement.results import ResultRow
-from polydraft.pipelines.study.verdicts import Check, SanityVerdict, Verdict, sanity_verdict, verdict_of
+from polydraft.pipelines.study.prompts import PromptMetric, prompt_values
+from polydraft.pipelines.study.verdicts import (
+    ArmValues,
+    Check,
+    SanityVerdict,
+    Verdict,
+    sanity_verdict,
+    verdict_of,
+)
 
 # variant names and settings (the variants themselves are built in `pipelines.study.variants`)
 TRAIN_SEEDS = (0, 1)
 """Training seeds of every compared trained drafter, added to the recipe's `loop.seed` of each stage that
-trains it: a finding's n counts training seed x prompt subset, so training variance enters the noise."""
+trains it: each check pairs its arms by training seed and prompt, so training variance enters its interval."""
 PF_BUDGETS = (0.015625, 0.0625, 0.25, 1.0)
 """P-F finetune lengths as fractions of the recipe's, a factor 4 apart (seed 003 Fig. 4: a token axis
 over decades; evenly spaced in log tokens, where a log curve is a line)."""
@@ -151,7 +159,10 @@ class Finding(BaseModel):
     claim: str
     """The seed's claim in its own words and setting (or, for a study item, what is tested and why)."""
     seed_claim: bool = True
-    """False for a study item that is no seed claim (labelled so in the report, counted apart)."""
+    """False for a study item that is no seed claim, and for a seed's side remark (labelled so in the
+    report, counted apart from the seeds' findings)."""
+    side_remark: bool = False
+    """A seed's hedged side remark, not one of its headline claims (`seed_claim` is False)."""
     seed_numbers: str
     """The seed's numbers, as its table gives them (markdown)."""
     metric: str
@@ -194,12 +205,6 @@ def ok(runs: Runs, name: str) -> bool:
     return name in runs and runs[name].status == "ok"
 
 
-def pairs(rows: list[ResultRow]) -> list[str]:
-    return sorted(
-        {r.drafter_pair for r in rows if r.drafter_pair is not None and r.drafter_kind == "finetune"}
-    )
-
-
 def temperatures(rows: list[ResultRow]) -> list[float]:
     return sorted({r.temperature for r in rows})
 
@@ -217,6 +222,7 @@ def finish(
     quantity: str = "speedup",
     sanity: bool = False,
     seed_claim: bool = True,
+    side_remark: bool = False,
 ) -> Finding:
     """The finding with its checks and verdict, or `not run` with the reason when a variant is missing;
     `sanity` judges it as a sanity check (passed/failed) instead of a seed's finding."""
@@ -228,24 +234,14 @@ def finish(
     judge = sanity_verdict if sanity else verdict_of
     verdict, why = ("not run", reason) if reason is not None else judge(checks)
     return Finding(
-        key=key, title=title, source=source, claim=claim, seed_claim=seed_claim, seed_numbers=seed_numbers, metric=metric, quantity=quantity,
+        key=key, title=title, source=source, claim=claim, seed_claim=seed_claim and not side_remark, side_remark=side_remark, seed_numbers=seed_numbers, metric=metric, quantity=quantity,
         variants=variants, checks=checks, details=details, panels=panels, sanity=sanity, verdict=verdict,
         reason=why,
     )  # fmt: skip
 
 
-def chain(rows: list[ResultRow], k: int, drafter: str, dataset: str, t: float, metric: str) -> list:
-    return where(
-        rows, metric, decoder="sd", control="fixed", draft_length=k, drafter=drafter, dataset=dataset,
-        temperature=t,
-    )  # fmt: skip
-
-
-def pooled(rows: list[ResultRow], names: list[str], metric: str, **fields: object) -> list[float | None]:
-    """`metric` of the rows of every drafter in `names` (one per training seed): n = seeds x prompt subsets."""
-    return [v for name in names for v in where(rows, metric, drafter=name, **fields)]
-
-
-def pair_of(rows: list[ResultRow], dataset_pair: str) -> list[str]:
-    """The eval set names of a language pair in these rows."""
-    return sorted({r.dataset for r in rows if r.dataset_pair == dataset_pair})
+def pooled(rows: list[ResultRow], names: list[str], metric: PromptMetric, **fields: object) -> ArmValues:
+    """`metric` per prompt of each drafter in `names` (one per training seed of `TRAIN_SEEDS`, in order)."""
+    return {
+        seed: prompt_values(rows, metric, drafter=name, **fields) for seed, name in zip(TRAIN_SEEDS, names)
+    }

@@ -1,6 +1,8 @@
-"""The study's report: `report.md` (a summary table of the seeds' findings, the sanity checks apart, then
-per finding the seed's numbers, the measured mean ± std with n, each check against the noise, a plot and
-the verdict), `plots/<finding>.png`, and `study.json` (the same, machine-readable). Figures are drawn on matplotlib `Figure` objects with the Agg
+"""The study's report: `report.md` (titled with how many of the seeds' findings are reproduced,
+contradicted and open; a summary table of the findings with each one's checks that hold, are contradicted
+and are open, the sanity checks apart; then per finding the seed's numbers, each check's arms per prompt
+(mean ± std, n), the interval of the paired difference, the smallest effect it could have detected beside
+the seed's own, a plot and the verdict), `plots/<finding>.png`, and `study.json` (the same, machine-readable). Figures are drawn on matplotlib `Figure` objects with the Agg
 canvas, so nothing touches pyplot's global state."""
 
 from __future__ import annotations
@@ -41,10 +43,6 @@ class VariantRecord:
     """Stage -> the variant whose folder this variant holds a copy of."""
 
 
-def _number(value: float | None) -> str:
-    return "-" if value is None else f"{value:+.3f}"
-
-
 def _side(name: str, stat: verdicts.Stat | None) -> str:
     return f"{name} -" if stat is None else f"{name} {stat.mean:.3f} ± {stat.std:.3f} (n={stat.n})"
 
@@ -58,16 +56,23 @@ def measured_cell(checks: list[Check], shown: int = 2) -> str:
     return "; ".join(parts) + more
 
 
+def _detectable(check: Check) -> str:
+    """What the check could have found at 80% power, beside the seed's own effect."""
+    found = "-" if check.interval is None else f"{check.interval.detectable:.3f}"
+    return found if check.seed_effect is None else f"{found} (seed: {check.seed_effect:+.3f})"
+
+
 def checks_table(checks: list[Check]) -> str:
     lines = [
-        "| check | first | second | difference | noise (2 × pooled std) | outcome |",
+        "| check | first (per prompt) | second (per prompt) | paired difference [interval] | "
+        "detectable (the seed's effect) | outcome |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for c in checks:
-        noise = "-" if c.noise is None else f"{c.noise:.3f}"
+        interval = "-" if c.interval is None else f"{c.interval.text()}, {c.interval.prompts} prompts"
         lines.append(
-            f"| {cell(c.label)} | {_side(c.first, c.a)} | {_side(c.second, c.b)} | {_number(c.difference)} "
-            f"| {noise} | {c.outcome} |"
+            f"| {cell(c.label)} | {_side(c.first, c.a)} | {_side(c.second, c.b)} | {interval} "
+            f"| {_detectable(c)} | {c.outcome} |"
         )
     return "\n".join(lines)
 
@@ -134,7 +139,7 @@ def section(number: int, finding: Finding, plot: str | None) -> str:
         "",
         f"- Seed claim: {finding.claim}"
         if finding.seed_claim
-        else f"- **Not a seed claim**: {finding.claim}",
+        else f"- {label(finding).strip(' ()')}: {finding.claim}",
         f"- Seed: {finding.source}. {finding.seed_numbers}",
         f"- Measured: {finding.metric}; variants {', '.join(f'`{v}`' for v in finding.variants) or '-'}.",
         "",
@@ -160,27 +165,51 @@ def variants_table(records: list[VariantRecord]) -> str:
     return "\n".join(lines)
 
 
+def label(finding: Finding) -> str:
+    """What a finding is when it is no headline seed claim, for titles and tables."""
+    if finding.side_remark:
+        return " (**a seed's side remark**, counted apart)"
+    return "" if finding.seed_claim else " (**not a seed claim**)"
+
+
 def _summary(findings: list[Finding], first: int) -> list[str]:
     lines = [
-        "| # | finding | seed | measured (mean ± std, n) | verdict | reason |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| # | finding | seed | measured (mean ± std over prompts, n) | checks: holds / contradicted / open "
+        "| verdict | reason |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for number, f in enumerate(findings, first):
+        held, against, unsettled = verdicts.counts(f.checks)
         lines.append(
-            f"| {number} | `{f.key}`: {cell(f.title)}{'' if f.seed_claim else ' (**not a seed claim**)'} | {cell(f.source)} | {cell(measured_cell(f.checks))} "
-            f"| **{f.verdict}** | {cell(f.reason)} |"
+            f"| {number} | `{f.key}`: {cell(f.title)}{label(f)} | {cell(f.source)} | "
+            f"{cell(measured_cell(f.checks))} | {held} / {against} / {unsettled} | **{f.verdict}** | {cell(f.reason)} |"
         )
     return lines
 
 
+def headline(findings: list[dict]) -> str:
+    """How many of the seeds' findings (as in `study.json`) are reproduced, contradicted and open, e.g. `1 of
+    the seeds' 12 findings reproduced, 3 contradicted, 8 open`: the report's title and the heading of
+    docs/study.md (tests/pipelines/test_study.py holds that heading to bench/results/study.json)."""
+    claims = [f["verdict"] for f in findings if f.get("seed_claim", True)]
+    reproduced, contradicted = claims.count("reproduced"), claims.count("not reproduced")
+    return (
+        f"{reproduced} of the seeds' {len(claims)} findings reproduced, {contradicted} contradicted, "
+        f"{len(claims) - reproduced - contradicted} open"
+    )
+
+
 def tally(findings: list[Finding]) -> str:
-    """How many of the seeds' claims got each verdict, e.g. `2 reproduced, 0 consistent, ...` (the study
-    items that are no seed claim are counted apart)."""
+    """How many of the seeds' claims got each verdict, e.g. `2 reproduced, 0 consistent, ...` (a seed's side
+    remark and the study items that are no seed claim are counted apart)."""
     claims = [f for f in findings if f.seed_claim]
     counts = ", ".join(f"{sum(f.verdict == v for f in claims)} {v}" for v in verdicts.VERDICTS)
-    others = len(findings) - len(claims)
+    apart = [f"`{f.key}` {f.verdict}" for f in findings if not f.seed_claim]
     return f"Of the seeds' {len(claims)} findings: {counts}" + (
-        f"; and {others} study item(s) that are no seed claim (labelled so)." if others else "."
+        f"; counted apart ({len(apart)}: a seed's side remark and study items that are no seed claim, labelled "
+        f"so): {', '.join(apart)}."
+        if apart
+        else "."
     )
 
 
@@ -191,7 +220,7 @@ def claims_table(findings: list[Finding]) -> str:
         "| --- | --- | --- | --- |",
     ]
     for f in findings:
-        claim = f.claim if f.seed_claim else f"**not a seed claim**: {f.claim}"
+        claim = f.claim if f.seed_claim else f"{label(f).strip(' ()')}: {f.claim}"
         lines.append(f"| `{f.key}` | {cell(f.source)} | {cell(claim)} | {cell(f.metric)} |")
     return "\n".join(lines)
 
@@ -214,7 +243,7 @@ def write_report(
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     git = git_state(PROJECT_ROOT)
     head = [
-        "# polydraft study: the seeds' findings reproduced by the pipeline",
+        f"# polydraft study: {headline([f.model_dump() for f in findings])}",
         "",
         f"- Command: `{command}`" + (" (`--quick`: tiny models; the numbers mean nothing)" if quick else ""),
         f"- Date: {date}; machine: {_machine()}, Python {platform.python_version()}; git {git.get('commit')}"

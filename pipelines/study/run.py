@@ -52,6 +52,12 @@ def run_study(options: StudyOptions) -> Path:
             f"measure.seeds {recipe.measure.seeds}: the study needs at least {MIN_SEEDS} seeds (repetitions) "
             "for its error bars"
         )
+    if not recipe.measure.disjoint_prompts:
+        raise InputError(
+            "measure.disjoint_prompts is false: the study pairs the arms of each check by repetition and "
+            "prompt position (pipelines.study.prompts), which name one prompt only when every repetition "
+            "decodes its own prompts"
+        )
     plan = variants(recipe, options.study_dir)
     unknown = sorted(set(options.only) - {v.name for v in plan})
     if unknown:

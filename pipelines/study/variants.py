@@ -8,7 +8,7 @@ the distillation runs once and the pretrained drafter once per training seed.
 Trained drafters that a finding compares are trained with every seed of `TRAIN_SEEDS` (their stage's
 `loop.seed`), with their measure stage off; one measure-only variant then loads them all as
 `measure.extra_drafters`, so that the compared drafters are measured interleaved in one run (the same
-prompts, group by group) and a finding's n counts training seed x prompt subset. The early-exit heads
+prompts, group by group) and each check pairs its arms by training seed and prompt. The early-exit heads
 cannot be loaded that way (the measure stage reads one head, its upstream's), so each EESD variant
 measures its own.
 

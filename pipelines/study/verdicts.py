@@ -1,32 +1,40 @@
-"""The study's verdicts, from one rule written once.
+"""The study's verdicts, from one rule written once (`decoding.measurement.claims`).
 
-A *check* compares two measured quantities, each a mean ± sample std over n repetitions (seeds over
-disjoint prompts), or tests a fitted slope. Its outcome follows `decoding.measurement.claims`: the noise
-is twice the pooled std of the two groups (for a slope: twice its standard error); a strict claim `A > B`
-*holds* only beyond the noise, `A >= B` is at best *consistent*, `A == B` (a sanity check, such as
-outputs identical to `ar`) holds within the noise. A sanity check *passed* when every one of its checks
-holds and *failed* otherwise. A finding is *reproduced* only when every one of its checks is a strict
-claim that holds; *consistent* when none is contradicted or open and at least one is merely consistent;
-*not reproduced* when one is contradicted; *inconclusive* otherwise (the reason names the checks within
-noise or with fewer than 2 repetitions); *not run* when the pipeline produced no rows for it. The seeds'
-findings are strict claims; sanity checks (every decoder lossless) are judged by the same rule and
-reported apart, never counted among the findings. Nothing in the rule is chosen per finding.
+A *check* compares two arms on the same prompts: each arm's value on each prompt (per training seed and
+repetition; `pipelines.study.prompts`), paired by training seed and prompt, and decided by the interval of
+the mean paired difference (`claims.paired_interval`: a hierarchical bootstrap over training seeds, then
+prompts, with Student's t) at its stated level. A strict claim `A > B` *holds* when the interval lies above
+zero, is *contradicted* when it lies below, and is *within noise* otherwise, with the smallest difference
+the check could have found at 80% power (*detectable*), printed beside the seed's own effect where the
+finding quotes one; `A >= B` is at best *consistent*. A finding is *reproduced* only when every one of its
+checks is a strict claim that holds; *consistent* when none is contradicted or open and at least one is
+merely consistent; *not reproduced* when one is contradicted; *inconclusive* otherwise (the reason names
+the open checks and what each could have detected); *not run* when the pipeline produced no rows for it.
+A sanity check (every decoder lossless) is exact, not statistical: it *passed* only when every row
+matches, and is reported apart, never counted among the findings. Nothing in the rule is chosen per finding.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Mapping
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from polydraft.decoding.measurement.claims import Claim, Outcome, noise_of, outcome_of
+from polydraft.decoding.measurement.claims import Claim, Outcome, PairedInterval, paired_interval
 from polydraft.decoding.measurement.metrics import mean_std
 
 Verdict = Literal["reproduced", "consistent", "not reproduced", "inconclusive", "not run"]
 VERDICTS: tuple[Verdict, ...] = ("reproduced", "consistent", "not reproduced", "inconclusive", "not run")
 SanityVerdict = Literal["passed", "failed", "not run"]
-MIN_REPETITIONS = 2
+OPEN: tuple[Outcome, ...] = ("within noise", "too few prompts")
+"""Outcomes that settle nothing."""
+
+Prompt = tuple[int, int]
+"""(repetition, position): the study decodes disjoint prompts per repetition, so this names one prompt
+of an eval set."""
+ArmValues = Mapping[int, Mapping[Prompt, float]]
+"""Training seed -> prompt -> one arm's value on that prompt."""
 
 
 class Stat(BaseModel):
@@ -43,6 +51,7 @@ class Stat(BaseModel):
 
 
 def stat(values: list[float | None]) -> Stat | None:
+    """Mean ± std of the values that are not None (None without any)."""
     present = [v for v in values if v is not None]
     mean, std = mean_std(present)
     if mean is None or std is None:
@@ -50,8 +59,53 @@ def stat(values: list[float | None]) -> Stat | None:
     return Stat(mean=mean, std=std, n=len(present))
 
 
+def arm_stat(values: ArmValues) -> Stat | None:
+    """Mean ± std over every prompt of every training seed of an arm."""
+    return stat([v for by_prompt in values.values() for v in by_prompt.values()])
+
+
+class PromptValue(BaseModel):
+    """One arm's value on one prompt."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    seed: int
+    """The training seed of the arm's drafter (0 where a check compares decoders on one drafter)."""
+    repetition: int
+    """The measure seed (repetition) that decoded the prompt."""
+    prompt: int
+    """The prompt's position among the repetition's prompts."""
+    value: float
+
+
+class Interval(BaseModel):
+    """The mean paired difference A - B and its interval (`claims.PairedInterval`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mean: float
+    low: float
+    high: float
+    level: float
+    detectable: float
+    """The smallest |A - B| the check finds at 80% power."""
+    seeds: int
+    prompts: int
+    """Paired prompts over every training seed."""
+
+    def text(self) -> str:
+        return f"{self.mean:+.3f} [{self.low:+.3f}, {self.high:+.3f}] at {self.level:.0%}"
+
+
+def interval_of(paired: PairedInterval) -> Interval:
+    return Interval(
+        mean=paired.mean, low=paired.low, high=paired.high, level=paired.level, detectable=paired.detectable,
+        seeds=paired.seeds, prompts=paired.prompts,
+    )  # fmt: skip
+
+
 class Check(BaseModel):
-    """One comparison (or slope test) of a finding, with the numbers its outcome rests on."""
+    """One comparison of a finding, with the per-prompt values and the interval its outcome rests on."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -61,82 +115,55 @@ class Check(BaseModel):
     first: str
     second: str
     a: Stat | None
+    """The first arm over its prompts."""
     b: Stat | None
-    difference: float | None
-    """a.mean - b.mean."""
-    noise: float | None
-    """Twice the pooled std of the two groups (for a slope: twice its standard error)."""
+    first_values: list[PromptValue]
+    second_values: list[PromptValue]
+    interval: Interval | None
+    """Of the paired difference first - second (None with fewer than 2 paired prompts, or for an exact
+    sanity check)."""
+    seed_effect: float | None = None
+    """The seed's own first - second in this metric, where the finding quotes one."""
     outcome: Outcome
 
 
-def compare(label: str, claim: Claim, first: str, a: list[float], second: str, b: list[float]) -> Check:
-    """Check `first claim second` from the per-repetition values of each."""
-    sa, sb = stat(a), stat(b)
-    few = sa is None or sb is None or min(sa.n, sb.n) < MIN_REPETITIONS
-    if few or sa is None or sb is None:
-        return Check(
-            label=label, claim=claim, first=first, second=second, a=sa, b=sb, difference=None,
-            noise=None, outcome="too few repetitions",
-        )  # fmt: skip
-    noise = noise_of([v for v in a if v is not None], [v for v in b if v is not None]) or 0.0
-    difference = sa.mean - sb.mean
+def _values(values: ArmValues) -> list[PromptValue]:
+    return [
+        PromptValue(seed=seed, repetition=prompt[0], prompt=prompt[1], value=value)
+        for seed, by_prompt in sorted(values.items())
+        for prompt, value in sorted(by_prompt.items())
+    ]
+
+
+def compare(
+    label: str,
+    claim: Claim,
+    first: str,
+    a: ArmValues,
+    second: str,
+    b: ArmValues,
+    seed_effect: float | None = None,
+) -> Check:
+    """Check `first claim second` from each arm's per-prompt values, paired by training seed and prompt
+    (the prompts only one arm decoded are kept in its values but not paired)."""
+    differences = {
+        seed: {p: [a[seed][p] - b[seed][p]] for p in a[seed] if p in b[seed]} for seed in a if seed in b
+    }
+    paired = paired_interval(differences)
     return Check(
-        label=label, claim=claim, first=first, second=second, a=sa, b=sb, difference=difference,
-        noise=noise, outcome=outcome_of(claim, difference, noise),
+        label=label, claim=claim, first=first, second=second, a=arm_stat(a), b=arm_stat(b),
+        first_values=_values(a), second_values=_values(b),
+        interval=None if paired is None else interval_of(paired), seed_effect=seed_effect,
+        outcome="too few prompts" if paired is None else paired.outcome(claim),
     )  # fmt: skip
 
 
-class Fit(BaseModel):
-    """Least squares y = intercept + slope * log10(x), with the slope's standard error."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    intercept: float
-    slope: float
-    slope_se: float
-    n: int
-    r2_log: float
-    """R^2 of the fit in log10(x)."""
-    r2_linear: float
-    """R^2 of the same data fitted in x itself, for comparison with the logarithmic shape."""
-
-
-def _least_squares(xs: list[float], ys: list[float]) -> tuple[float, float, float, float]:
-    """(intercept, slope, slope standard error, R^2) of y on x."""
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
-    slope = sxy / sxx
-    intercept = my - slope * mx
-    residual = sum((y - intercept - slope * x) ** 2 for x, y in zip(xs, ys))
-    total = sum((y - my) ** 2 for y in ys)
-    se = math.sqrt(residual / (n - 2) / sxx) if n > 2 else float("inf")
-    return intercept, slope, se, (1 - residual / total) if total > 0 else 1.0
-
-
-def log_fit(xs: list[float], ys: list[float]) -> Fit | None:
-    """The logarithmic fit of points (x > 0), or None with fewer than 3 points or 2 distinct x."""
-    if len(xs) < 3 or len(set(xs)) < 2:
-        return None
-    intercept, slope, se, r2_log = _least_squares([math.log10(x) for x in xs], ys)
-    r2_linear = _least_squares(xs, ys)[3]
-    return Fit(intercept=intercept, slope=slope, slope_se=se, n=len(xs), r2_log=r2_log, r2_linear=r2_linear)
-
-
-def slope_check(label: str, fit: Fit | None) -> Check:
-    """Check that the slope of `fit` is > 0: its difference from 0 against twice its standard error."""
-    if fit is None:
-        return Check(
-            label=label, claim=">", first="slope", second="0", a=None, b=None, difference=None,
-            noise=None, outcome="too few repetitions",
-        )  # fmt: skip
-    noise = 2 * fit.slope_se
-    return Check(
-        label=label, claim=">", first="slope", second="0",
-        a=Stat(mean=fit.slope, std=fit.slope_se, n=fit.n), b=Stat(mean=0.0, std=0.0, n=fit.n),
-        difference=fit.slope, noise=noise, outcome=outcome_of(">", fit.slope, noise),
-    )  # fmt: skip
+def open_text(check: Check) -> str:
+    """An open check's label with what it could have detected and the seed's effect."""
+    if check.interval is None:
+        return f"{check.label} (too few paired prompts)"
+    seed = "" if check.seed_effect is None else f"; the seed's effect {check.seed_effect:+.3f}"
+    return f"{check.label} ({check.interval.text()}, detectable {check.interval.detectable:.3f}{seed})"
 
 
 def verdict_of(checks: list[Check]) -> tuple[Verdict, str]:
@@ -145,26 +172,29 @@ def verdict_of(checks: list[Check]) -> tuple[Verdict, str]:
         return "not run", "the study produced no rows for it"
     contradicted = [c.label for c in checks if c.outcome == "contradicted"]
     if contradicted:
-        return "not reproduced", "contradicted beyond noise: " + "; ".join(contradicted)
-    few = [c.label for c in checks if c.outcome == "too few repetitions"]
-    within = [c.label for c in checks if c.outcome == "within noise"]
-    if few or within:
-        parts = []
-        if within:
-            parts.append(
-                f"{len(within)} of {len(checks)} checks within noise (difference within ± 2 x pooled std): "
-                + "; ".join(within)
-            )
-        if few:
-            parts.append(f"fewer than {MIN_REPETITIONS} repetitions for: " + "; ".join(few))
-        return "inconclusive", ". ".join(parts)
+        return "not reproduced", "contradicted (the interval excludes 0 the other way): " + "; ".join(
+            contradicted
+        )
+    unsettled = [c for c in checks if c.outcome in OPEN]
+    if unsettled:
+        return "inconclusive", (
+            f"{len(unsettled)} of {len(checks)} checks open (the interval of the paired difference holds 0): "
+            + "; ".join(open_text(c) for c in unsettled)
+        )
     consistent = [c.label for c in checks if c.outcome == "consistent"]
     if consistent:
         return "consistent", (
             f"nothing contradicted, but {len(consistent)} of {len(checks)} checks are non-strict claims that "
             "can only be consistent: " + "; ".join(consistent)
         )
-    return "reproduced", f"all {len(checks)} checks hold beyond noise"
+    return "reproduced", f"all {len(checks)} checks hold (each interval excludes 0 on the claimed side)"
+
+
+def counts(checks: list[Check]) -> tuple[int, int, int]:
+    """(holds or consistent, contradicted, open) among the checks."""
+    contradicted = sum(c.outcome == "contradicted" for c in checks)
+    unsettled = sum(c.outcome in OPEN for c in checks)
+    return len(checks) - contradicted - unsettled, contradicted, unsettled
 
 
 def sanity_verdict(checks: list[Check]) -> tuple[SanityVerdict, str]:

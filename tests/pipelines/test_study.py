@@ -4,30 +4,34 @@ which tiny models cannot support), the sharing of stages between variants, and t
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from polydraft.decoding.measurement.claims import outcome_of
+from polydraft.decoding.measurement.results import PromptResult, ResultRow
 from polydraft.pipelines.cli import main
 from polydraft.pipelines.schema.inputs import stage_manifests
 from polydraft.pipelines.study.findings import all_findings, sanity_checks
-from polydraft.pipelines.study.fits import shape_fits
+from polydraft.pipelines.study.fits import held_out_errors, shape_fits
 from polydraft.pipelines.study.model import HEADS, PF_BUDGETS, VariantData, pf_variant, tree_budget
+from polydraft.pipelines.study.prompts import prompt_values
+from polydraft.pipelines.study.report import checks_table, headline
 from polydraft.pipelines.study.verdicts import (
     VERDICTS,
+    Check,
     compare,
-    log_fit,
+    counts,
     sanity_verdict,
-    slope_check,
     verdict_of,
 )
 from tests.export_setup import result_row
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "recipes" / "demo" / "study.yaml"  # the demo recipe with the study's measure settings
-FINDINGS = [  # the seeds' findings by seed, then the study items; written here so that dropping one fails
+FINDINGS = [  # the seeds' findings by seed, then those counted apart; written here so that dropping one fails
     "pf_over_p",
     "pf_over_f",
     "in_domain",
@@ -35,15 +39,20 @@ FINDINGS = [  # the seeds' findings by seed, then the study items; written here 
     "exit_layer",
     "shared_layers",
     "thompson_eesd_preset",
+    "thompson_eesd_cali",
     "thompson_eesd_best",
     "thompson_standalone_preset",
     "trees",
     "rsd_budget",
-    "rescoring",
+    "rescoring_efficiency",
+    "rescoring_speedup",
+    "rsd_budget_low",
+    "pf_over_p_budgets",
     "thompson_standalone_best",
     "distill_temperatures",
 ]
-NOT_SEED_CLAIMS = {"thompson_standalone_best", "distill_temperatures"}
+SIDE_REMARKS = {"rsd_budget_low"}
+NOT_SEED_CLAIMS = {"pf_over_p_budgets", "thompson_standalone_best", "distill_temperatures"}
 SANITY = ["lossless"]  # reported apart: it cannot come out otherwise, so it is no finding
 NUMBER = r"-?\d+\.\d+ ± \d+\.\d+ \(n=(\d+)\)"
 
@@ -67,16 +76,23 @@ def test_the_report_has_every_finding_with_a_verdict_and_numbers_with_std_and_n(
     rows = summary_rows(report)
     keys = [re.match(r"`(\w+)`", row[1]).group(1) for row in rows]
     assert keys == FINDINGS + SANITY
-    assert re.search(r"Of the seeds' 12 findings: \d+ reproduced, \d+ consistent,.*and 2 study item", report)
-    for number, key, (_, title, seed, measured, verdict, reason) in zip(range(1, 16), keys, rows):
+    assert re.search(
+        r"Of the seeds' 14 findings: \d+ reproduced, \d+ consistent,.*counted apart \(4:", report
+    )
+    assert report.startswith(
+        f"# polydraft study: {headline(json.loads((quick / 'study.json').read_text())['findings'])}"
+    )
+    for number, key, (_, title, seed, measured, tally, verdict, reason) in zip(range(1, 20), keys, rows):
         assert ("not a seed claim" in title) == (key in NOT_SEED_CLAIMS), key
+        assert ("side remark" in title) == (key in SIDE_REMARKS), key
+        assert re.fullmatch(r"\d+ / \d+ / \d+", tally), (key, tally)
         allowed = ("passed",) if key in SANITY else [v for v in VERDICTS if v != "not run"]
         assert verdict.strip("*") in allowed, (key, verdict)
         assert reason and "seed" in seed, key
-        counts = [int(n) for n in re.findall(NUMBER, measured)]
-        assert counts and min(counts) >= 3, (key, measured)  # >= 3 repetitions behind every number
-        trained = key not in {"trees", "rsd_budget", "rescoring", "lossless"}  # these compare decoders
-        assert not trained or key == "finetune_tokens" or counts[0] >= 6, (key, measured)  # 2 seeds x 3
+        ns = [int(n) for n in re.findall(NUMBER, measured)]
+        assert ns and min(ns) >= 3, (key, measured)  # >= 3 prompts behind every number
+        trained = key not in {"trees", "rsd_budget", "rsd_budget_low", "rescoring_efficiency", "rescoring_speedup", "lossless"}  # fmt: skip
+        assert not trained or ns[0] >= 12, (key, measured)  # 2 training seeds x 3 repetitions x 2 prompts
         section = report.split(f"### {number}. ")[1].split("\n### ")[0]
         assert f"(`{key}`)" in section and "**Verdict:" in section and "| check |" in section
         plot = re.search(r"!\[\w+\]\((plots/\w+\.png)\)", section)
@@ -85,7 +101,10 @@ def test_the_report_has_every_finding_with_a_verdict_and_numbers_with_std_and_n(
     assert [f["key"] for f in study["findings"]] == FINDINGS
     assert [f["key"] for f in study["sanity_checks"]] == SANITY
     assert all(f["checks"] for f in study["findings"] + study["sanity_checks"])
-    assert report.index("## Sanity checks") > report.index("### 14. ")  # after the findings, apart
+    assert report.index("## Sanity checks") > report.index("### 18. ")  # after the findings, apart
+    checks = [c for f in study["findings"] for c in f["checks"]]
+    assert any(c["interval"] and c["first_values"] and c["second_values"] for c in checks)
+    assert {"seed", "repetition", "prompt", "value"} == set(checks[0]["first_values"][0])
     claims = report.split("## Finding → seed claim")[1].split("## The rule")[0]
     assert all(f"| `{key}` |" in claims for key in FINDINGS)
     assert {v["status"] for v in study["variants"]} == {"ok"}
@@ -115,92 +134,143 @@ def test_only_runs_one_variant_and_reads_the_others_where_up_to_date(quick):
     assert status["trees"] == "ok" and status["pf_s0_x1"] == "ok"
     assert status["heads"].startswith("not run: not in --only, and measure not up to date")
     findings = {f["key"]: f for f in study["findings"]}
-    assert (
-        findings["rescoring"]["verdict"] == "not run" and "`heads` not run" in findings["rescoring"]["reason"]
-    )
+    for key in ("rescoring_efficiency", "rescoring_speedup"):
+        assert findings[key]["verdict"] == "not run" and "`heads` not run" in findings[key]["reason"]
     assert findings["trees"]["verdict"] != "not run"
     assert main(["study", str(DEMO), "--quick", "--study-dir", str(quick), "--only", "nope", "--quiet"]) == 2
 
 
-# ----------------------------------------------------------------------------- the rule, on plain numbers
+# ----------------------------------------------------------------------------- the rule, on result rows
 
 
-def test_a_strict_claim_holds_only_beyond_twice_the_pooled_std():
-    assert compare("x", ">", "a", [2.0, 2.1, 1.9], "b", [1.0, 1.1, 0.9]).outcome == "holds"
-    assert compare("x", ">", "a", [1.05, 1.15, 0.95], "b", [1.0, 1.1, 0.9]).outcome == "within noise"
-    assert compare("x", ">", "a", [1.0, 1.1, 0.9], "b", [2.0, 2.1, 1.9]).outcome == "contradicted"
-    check = compare("x", ">", "a", [2.0, 2.1, 1.9], "b", [1.0, 1.1, 0.9])
-    assert check.noise == pytest.approx(0.2) and check.difference == pytest.approx(1.0)
-    assert compare("x", ">", "a", [2.0], "b", [1.0, 1.1]).outcome == "too few repetitions"
+def rows_of_arm(decoder: str, values: list[list[float]], **fields: object) -> list[ResultRow]:
+    """One row per repetition whose prompts have these block efficiencies (new tokens / target calls)."""
+    return [
+        result_row(
+            decoder=decoder, method=decoder, seed=repetition, temperature=0.0,
+            per_prompt=[PromptResult(new_tokens=round(1000 * v), target_calls=1000, wall_seconds=1.0) for v in prompts],
+            **fields,
+        )
+        for repetition, prompts in enumerate(values)
+    ]  # fmt: skip
 
 
-def spread(mean: float, std: float) -> list[float]:
-    """Three values with this mean and sample std."""
-    return [mean - std, mean, mean + std]
+def study_prompts(effect: float, seed: int = 0) -> tuple[list[list[float]], list[list[float]]]:
+    """Arm A and arm B per repetition and prompt at the study's n (3 x 6): prompts spread 0.3 between
+    them, A = B + `effect` + decoding noise (0.02)."""
+    rng = np.random.default_rng(seed)
+    b = 2.0 + rng.normal(0.0, 0.3, size=(3, 6))
+    a = b + effect + rng.normal(0.0, 0.02, size=(3, 6))
+    return a.round(3).tolist(), b.round(3).tolist()
 
 
-def test_a_non_strict_claim_is_at_best_consistent_never_holds():
-    assert compare("x", ">=", "a", [2.0, 2.1, 1.9], "b", [1.0, 1.1, 0.9]).outcome == "consistent"  # far above
-    assert compare("x", ">=", "a", [1.0, 1.1, 0.9], "b", [1.05, 1.15, 0.95]).outcome == "consistent"
-    assert compare("x", ">=", "a", [1.0, 1.1, 0.9], "b", [2.0, 2.1, 1.9]).outcome == "contradicted"
-    assert compare("x", ">=", "a", [2.0], "b", [1.0, 1.1]).outcome == "too few repetitions"
+def check_of(a: list[list[float]], b: list[list[float]], claim=">") -> Check:
+    rows = rows_of_arm("rsd_s", a, tree="3x3") + rows_of_arm("sd", b, draft_length=3)
+    first = {0: prompt_values(rows, "block_efficiency", decoder="rsd_s")}
+    second = {0: prompt_values(rows, "block_efficiency", decoder="sd", draft_length=3)}
+    return compare("x", claim, "A", first, "B", second, seed_effect=0.29)
 
 
-def test_an_equality_holds_within_the_noise_only():
-    assert outcome_of("==", 0.0, 0.0) == "holds" and outcome_of("==", -0.05, 0.1) == "holds"
-    assert outcome_of("==", -0.01, 0.0) == "contradicted" and outcome_of("==", 0.2, 0.1) == "contradicted"
+def test_a_known_paired_effect_holds_its_reverse_is_contradicted_and_none_is_open_with_its_detectable():
+    a, b = study_prompts(0.1)
+    holds = check_of(a, b)
+    assert holds.outcome == "holds" and holds.interval is not None and holds.interval.low > 0
+    assert holds.interval.mean == pytest.approx(0.1, abs=0.01) and holds.interval.prompts == 18
+    assert [(v.seed, v.repetition, v.prompt) for v in holds.first_values][:7] == [
+        (0, 0, p) for p in range(6)
+    ] + [(0, 1, 0)]
+    assert [v.value for v in holds.first_values] == pytest.approx([v for r in a for v in r])
+    assert [v.value for v in holds.second_values] == pytest.approx([v for r in b for v in r])
+    assert check_of(b, a).outcome == "contradicted"
+    a, b = study_prompts(0.0)
+    none = check_of(a, b)
+    assert none.outcome == "within noise" and none.interval is not None
+    assert 0 < none.interval.detectable < 0.05  # paired: the prompts' spread (0.3) cancels
+    verdict, reason = verdict_of([holds, none])
+    assert verdict == "inconclusive"
+    assert f"detectable {none.interval.detectable:.3f}; the seed's effect +0.290" in reason
+    assert (
+        check_of(a, b, ">=").outcome == "consistent" and verdict_of([check_of(a, b, ">=")])[0] == "consistent"
+    )
+    assert check_of(a[:1], [b[0][:1]]).outcome == "too few prompts"  # 1 paired prompt: no interval
 
 
-def test_the_issues_flattering_cases_no_longer_hold():
-    # bench/results/study.md (old rule): RSD-S 3.038 ± 0.073 vs RSD-C 2.969 ± 0.172 "held" as `>=`
-    trees = compare("RSD-S > RSD-C", ">", "RSD-S", spread(3.038, 0.073), "RSD-C", spread(2.969, 0.172))
-    assert trees.noise == pytest.approx(0.264, abs=1e-3) and trees.outcome == "within noise"
-    # Cali-TS 0.928 ± 0.025 below Beta-TS 0.945 ± 0.031 "held" as `>=`
-    cali = compare("Cali-TS > Beta-TS", ">", "Cali-TS", spread(0.928, 0.025), "Beta-TS", spread(0.945, 0.031))
-    assert cali.outcome == "within noise"
-    assert verdict_of([trees, cali])[0] == "inconclusive"
+def test_the_paired_rule_finds_an_effect_the_old_cutoff_called_noise():
+    # arms whose repetition means differ by 0.1 against a spread of 0.3 between prompts: twice the pooled std
+    # of the means (the old rule) is about 0.25, while the paired differences spread only 0.02
+    a, b = study_prompts(0.1, seed=3)
+    means_a, means_b = np.mean(a, axis=1), np.mean(b, axis=1)
+    pooled = np.sqrt((np.var(means_a, ddof=1) + np.var(means_b, ddof=1)) / 2)
+    assert np.mean(means_a) - np.mean(means_b) < 2 * pooled
+    assert check_of(a, b).outcome == "holds"
+
+
+def test_per_prompt_speedup_is_ars_wall_time_over_the_methods_on_the_same_prompt():
+    def row(decoder: str, walls: list[float]) -> ResultRow:
+        per_prompt = [PromptResult(new_tokens=10, target_calls=5, wall_seconds=w) for w in walls]
+        return result_row(decoder=decoder, method=decoder, seed=0, per_prompt=per_prompt)
+
+    rows = [row("ar", [2.0, 3.0]), row("sd", [1.0, 2.0])]
+    assert prompt_values(rows, "speedup", decoder="sd") == {(0, 0): 2.0, (0, 1): 1.5}
+    assert prompt_values(rows, "block_efficiency", decoder="sd") == {(0, 0): 2.0, (0, 1): 2.0}
+    with pytest.raises(ValueError, match="not one arm"):
+        prompt_values(rows + [row("sd", [1.0, 1.0])], "speedup", decoder="sd")
 
 
 def test_a_finding_is_reproduced_only_when_every_check_is_strict_and_holds():
-    holds = compare("h", ">", "a", [2.0, 2.1, 1.9], "b", [1.0, 1.1, 0.9])
-    within = compare("w", ">", "a", [1.05, 1.15, 0.95], "b", [1.0, 1.1, 0.9])
-    against = compare("c", ">", "a", [1.0, 1.1, 0.9], "b", [2.0, 2.1, 1.9])
-    merely = compare("m", ">=", "a", [2.0, 2.1, 1.9], "b", [1.0, 1.1, 0.9])
-    assert verdict_of([holds, holds]) == ("reproduced", "all 2 checks hold beyond noise")
+    a, b = study_prompts(0.1)
+    holds, against, within = check_of(a, b), check_of(b, a), check_of(*study_prompts(0.0))
+    merely = check_of(a, b, ">=")
+    assert verdict_of([holds, holds])[0] == "reproduced"
     assert verdict_of([holds, merely])[0] == "consistent" and verdict_of([merely])[0] == "consistent"
     assert "1 of 2 checks are non-strict" in verdict_of([holds, merely])[1]
-    assert verdict_of([holds, within]) == ("inconclusive", verdict_of([within, holds])[1])
     assert verdict_of([merely, within])[0] == "inconclusive"  # an open check outranks a consistent one
-    assert "1 of 2 checks within noise" in verdict_of([holds, within])[1]
-    assert verdict_of([holds, within, against]) == ("not reproduced", "contradicted beyond noise: c")
-    assert verdict_of([merely, against])[0] == "not reproduced"
+    assert "1 of 2 checks open" in verdict_of([holds, within])[1]
+    assert verdict_of([holds, within, against])[0] == "not reproduced"
+    assert counts([holds, within, against, merely]) == (2, 1, 1)
     assert verdict_of([])[0] == "not run"
 
 
-def test_every_check_of_the_seeds_findings_is_a_strict_claim():
+def eesd_rows(speedups: dict[str, float]) -> list[ResultRow]:
+    """`ar` and `eesd` rows of 3 repetitions x 6 prompts; each control's prompts decoded `speedups[control]`
+    times faster than `ar`'s, give or take 1% per prompt."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for repetition in range(3):
+        walls = 1.0 + rng.uniform(0.0, 1.0, size=6)
+        ar = [PromptResult(new_tokens=10, target_calls=10, wall_seconds=w) for w in walls]
+        rows.append(result_row(decoder="ar", method="ar", seed=repetition, per_prompt=ar))
+        for control, speedup in speedups.items():
+            k = 2 if control == "fixed" else None
+            noisy = walls / speedup * (1 + rng.normal(0.0, 0.01, size=6))
+            per_prompt = [PromptResult(new_tokens=10, target_calls=5, wall_seconds=w) for w in noisy]
+            rows.append(result_row(decoder="eesd", method=control, control=control, draft_length=k,
+                                   seed=repetition, per_prompt=per_prompt))  # fmt: skip
+    return rows
+
+
+def test_every_check_of_the_seeds_findings_is_a_strict_claim_on_per_prompt_values():
     def rows(decoder: str, start: float, **fields: object) -> list:
-        return [
-            result_row(decoder=decoder, method="m", temperature=0.3, seed=s, block_efficiency=start + 0.1 * s,
-                       mbsu=start, token_rate=start, **fields)
-            for s in range(3)
-        ]  # fmt: skip
+        return rows_of_arm(decoder, [[start + 0.1 * s] * 6 for s in range(3)], **fields)
 
     measured = rows("rsd_s", 2.0, control=None, draft_length=None, tree="3x3")
     measured += rows("rsd_c", 1.5, control=None, draft_length=None, tree="2-2-2")
     measured += rows("sd", 1.0, control="fixed", draft_length=3)
-    eesd = [
-        result_row(decoder="eesd", method="m", control=control, draft_length=k, seed=s, speedup=1.0 + 0.1 * s)
-        for control, k in (("fixed", 2), ("beta_ts", None), ("cali_ts", None))
-        for s in range(3)
-    ]  # fmt: skip
-    runs = {"trees": VariantData(status="ok", rows=measured)}
+    runs = {
+        "trees": VariantData(status="ok", rows=[r.model_copy(update={"temperature": 0.3}) for r in measured])
+    }
+    eesd = eesd_rows({"fixed": 1.2, "beta_ts": 1.2, "cali_ts": 1.5})
     runs |= {f"eesd_s{s}": VariantData(status="ok", rows=eesd) for s in (0, 1)}  # two training seeds
     findings = {f.key: f for f in all_findings(runs, 2, ["de-en"], 1)}
-    for key in ("trees", "thompson_eesd_best"):
+    for key in ("trees", "thompson_eesd_best", "thompson_eesd_cali"):
         assert findings[key].checks and {c.claim for c in findings[key].checks} == {">"}, key
     best = findings["thompson_eesd_best"].checks
-    assert [c.outcome for c in best] == ["within noise"] and best[0].a.n == 6  # equal: not a win; n = 2 x 3
+    assert [c.outcome for c in best] == ["within noise"] and best[0].a.n == 36  # 2 seeds x 3 x 6 prompts
     assert findings["thompson_eesd_best"].verdict == "inconclusive"
+    (cali,) = findings["thompson_eesd_cali"].checks
+    assert cali.outcome == "holds" and cali.interval.mean == pytest.approx(0.3, abs=0.02)
+    assert cali.seed_effect == pytest.approx(0.13) and findings["thompson_eesd_cali"].verdict == "reproduced"
+    assert findings["trees"].verdict == "reproduced"
 
 
 def test_lossless_is_a_sanity_check_apart_from_the_findings():
@@ -219,15 +289,29 @@ def test_lossless_is_a_sanity_check_apart_from_the_findings():
     assert sanity_verdict([])[0] == "not run"
 
 
-def test_the_logarithmic_fit_recovers_a_known_slope():
-    xs = [1e3, 1e3, 1e4, 1e4, 1e5, 1e5, 1e6, 1e6]
-    ys = [1.0 + 0.2 * (i // 2) + (0.01 if i % 2 else -0.01) for i in range(8)]
-    fit = log_fit(xs, ys)
-    assert fit is not None and fit.slope == pytest.approx(0.2) and fit.r2_log > fit.r2_linear
-    assert slope_check("s", fit).outcome == "holds"
-    flat = log_fit(xs, [1.0 + (0.01 if i % 2 else -0.01) for i in range(8)])
-    assert slope_check("s", flat).outcome == "within noise"
-    assert log_fit([1e3, 1e3], [1.0, 1.1]) is None and slope_check("s", None).outcome == "too few repetitions"
+def token_points(curve) -> dict:
+    """Two training seeds x 6 prompts, each measured at 4 budgets a factor 4 apart: `curve(tokens)` plus
+    the prompt's own offset (spread 0.2) and decoding noise (0.01)."""
+    rng = np.random.default_rng(0)
+    budgets = [1e4 * 4**i for i in range(4)]
+    return {
+        seed: {
+            (0, p): [(x, curve(x) + offset + rng.normal(0.0, 0.01)) for x in budgets]
+            for p, offset in enumerate(rng.normal(0.0, 0.2, size=6))
+        }
+        for seed in (0, 1)
+    }
+
+
+def test_the_token_curves_shape_is_judged_on_held_out_prompts_log_against_line():
+    def shape(curve) -> Check:
+        linear, log = held_out_errors(token_points(curve))
+        return compare("shape", ">", "line", linear, "log curve", log)
+
+    assert shape(lambda x: 1.0 + 0.2 * math.log10(x)).outcome == "holds"
+    assert shape(lambda x: 1.0 + 2e-6 * x).outcome == "contradicted"  # growth that speeds up: a line
+    check = shape(lambda x: 1.0 + 0.2 * math.log10(x))
+    assert check.a is not None and check.a.n == 12 and len(check.first_values) == 12  # one error per prompt
 
 
 def test_a_finding_whose_variant_failed_is_not_run_with_the_reason():
@@ -235,7 +319,7 @@ def test_a_finding_whose_variant_failed_is_not_run_with_the_reason():
     runs[HEADS] = VariantData(status="failed: heads: training exited with status 1")
     findings = {f.key: f for f in all_findings(runs, 2, ["de-en"], 1)}
     assert sorted(findings) == sorted(FINDINGS)
-    rescoring = findings["rescoring"]
+    rescoring = findings["rescoring_efficiency"]
     assert rescoring.verdict == "not run" and "training exited with status 1" in rescoring.reason
     assert findings["exit_layer"].verdict == "not run" and "not planned" in findings["exit_layer"].reason
     assert findings["pf_over_f"].verdict == "not run"  # compare_budgets_de-en is missing
@@ -244,11 +328,8 @@ def test_a_finding_whose_variant_failed_is_not_run_with_the_reason():
 
 def test_rows_are_matched_on_their_fields_not_their_labels():
     def rows(decoder: str, start: float, **fields: object) -> list:
-        return [
-            result_row(decoder=decoder, method="one label", temperature=0.3, seed=s,
-                       block_efficiency=start + 0.1 * s, mbsu=start + 0.1 * s, token_rate=start + 0.1 * s, **fields)
-            for s in range(3)
-        ]  # fmt: skip
+        values = [[start + 0.1 * s] * 6 for s in range(3)]
+        return [r.model_copy(update={"method": "one label", "temperature": 0.3}) for r in rows_of_arm(decoder, values, **fields)]  # fmt: skip
 
     measured = rows("rsd_s", 2.0, control=None, draft_length=None, tree="3x3")
     measured += rows("rsd_c", 1.5, control=None, draft_length=None, tree="2-2-2")
@@ -266,10 +347,11 @@ def test_both_fits_of_the_token_curve_are_reported_and_tell_a_log_curve_from_a_l
     log_ys = [1.0 + 0.2 * (i // 2) + (0.01 if i % 2 else -0.01) for i in range(8)]
     fits = shape_fits(xs, log_ys)
     assert fits is not None and fits.log.slope == pytest.approx(0.2) and fits.log.r2 > fits.linear.r2
+    assert fits.log.aic < fits.linear.aic and fits.log.predict(1e4) == pytest.approx(1.2, abs=0.02)
     assert fits.linear.slope > 0 and len(fits.linear.squared_residuals) == 8
     assert "log10(tokens)" in fits.log.text() and "R²" in fits.linear.text()
     line = shape_fits(xs, [1.0 + 1e-6 * x + (0.01 if i % 2 else -0.01) for i, x in enumerate(xs)])
-    assert line is not None and line.linear.r2 > line.log.r2  # a straight line: the linear fit wins
+    assert line is not None and line.linear.r2 > line.log.r2 and line.linear.aic < line.log.aic
     assert shape_fits([1e3, 1e3], [1.0, 1.1]) is None
     with pytest.raises(ValueError, match="positive"):
         shape_fits([0.0, 1.0, 2.0], [1.0, 1.1, 1.2])
@@ -289,3 +371,22 @@ def test_a_retrained_extra_drafter_changes_the_measure_key(tmp_path):
     assert list(first) == ["x"]  # a hub id has no stage folder
     (tmp_path / "finetune" / "manifest.json").write_text('{"key": "b"}')
     assert stage_manifests({"x": str(drafter)}) != first
+
+
+def test_the_checks_table_shows_the_interval_and_the_detectable_effect_beside_the_seeds():
+    a, b = study_prompts(0.0)
+    table = checks_table([check_of(a, b), check_of(a[:1], [b[0][:1]])])
+    row = table.splitlines()[2]
+    assert re.search(r"\| [+-]\d\.\d{3} \[[+-]\d\.\d{3}, [+-]\d\.\d{3}\] at 95%, 18 prompts \| 0\.\d{3} \(seed: \+0\.290\) \| within noise \|$", row), row  # fmt: skip
+    assert table.splitlines()[3].endswith("| - | - (seed: +0.290) | too few prompts |")
+
+
+def test_the_docs_heading_is_the_recorded_studys_counts():
+    study = json.loads((ROOT / "bench" / "results" / "study.json").read_text())
+    heading = (ROOT / "docs" / "study.md").read_text().splitlines()[0]
+    assert heading == f"# Study: {headline(study['findings'])}", (
+        "docs/study.md's first line must be that heading"
+    )
+    findings = [{"verdict": v, "seed_claim": True} for v in ("reproduced", "not reproduced", "inconclusive")]
+    findings.append({"verdict": "reproduced", "seed_claim": False})
+    assert headline(findings) == "1 of the seeds' 3 findings reproduced, 1 contradicted, 1 open"
