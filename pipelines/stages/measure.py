@@ -85,6 +85,7 @@ from polydraft.pipelines.stage import (
 )
 from polydraft.pipelines.stages.measure_methods import build_methods, measure_latencies, measured_on
 from polydraft.pipelines.stages.measure_mixed import measure_mixed, mixed_summary
+from polydraft.pipelines.target import gpus_per_copy
 
 log = logging.getLogger("polydraft.pipelines.stages.measure")  # not `__main__` in a measure process
 
@@ -276,24 +277,6 @@ def measure_processes(cfg: MeasureConfig, target: ResolvedTarget) -> int:
     return max(1, torch.cuda.device_count() // gpus_per_copy(target))
 
 
-def gpus_per_copy(target: ResolvedTarget) -> int:
-    """GPUs one copy of the target takes for decoding: its 16-bit weights and 10% more, against GPU 0's
-    memory (or `target.max_memory_per_gpu_gib`); every GPU when its size is unknown."""
-    import math
-
-    from polydraft.pipelines.plan_model import GIB, MEMORY_HEADROOM, PlanError, target_shape
-    from polydraft.pipelines.schema import TargetConfig
-
-    try:
-        shape = target_shape(TargetConfig(path=target.path, revision=target.revision))
-    except PlanError:
-        return torch.cuda.device_count()
-    usable = torch.cuda.get_device_properties(0).total_memory * MEMORY_HEADROOM
-    if target.max_memory_per_gpu_gib is not None:
-        usable = min(usable, target.max_memory_per_gpu_gib * GIB)
-    return max(1, math.ceil(shape.params() * 2 * 1.1 / usable))
-
-
 def _name(rank: int) -> str:
     """Measure process `rank`'s name: its log is `<name>.log`, its exit status on another node
     `<name>.exit` (`distill/node_share.py`)."""
@@ -368,6 +351,13 @@ def spread_groups(
     if failed:
         raise StageFailed(
             "measure: " + "\n".join(failed) + "\nEvery finished group is kept: a rerun measures only the rest"
+        )
+    measured = {row.group for row in rows}
+    missing = [g for g in all_groups(cfg, load_eval_sets(inputs)) if ("polydraft", *g) not in measured]
+    if missing:  # every process ended well, yet some group has no rows: never count it as measured
+        raise StageFailed(
+            f"measure: {len(missing)} group(s) have no rows after every process ended well, e.g. (eval set, "
+            f"temperature, seed) {missing[0]} (see {ctx.work_dir}/measure.part*.log); a rerun measures them"
         )
     first = ctx.work_dir / "latency.part0.json"
     if first.is_file():

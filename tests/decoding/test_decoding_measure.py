@@ -278,3 +278,21 @@ def test_two_measure_processes_decode_what_one_does_and_a_rerun_keeps_their_grou
     assert len(again) == len(one)  # every group once
     kept_dates = {r.group: r.date for r in again if r.group in kept + part}
     assert kept_dates == {g: before[g] for g in kept + part}  # finished groups were not decoded again
+
+
+def test_processes_that_end_well_without_rows_fail_the_stage(tmp_path, tiny_target_dir, monkeypatch):
+    """Measure processes that exit 0 but write no rows (a process that skipped its groups): the stage fails
+    naming a group without rows, instead of completing with groups missing."""
+    import subprocess
+    import sys
+
+    from polydraft.pipelines.stage import StageFailed
+    from polydraft.pipelines.stages import measure as stage
+
+    def idle(spec_path, rank, processes, local_rank, per_node, per_copy):
+        return subprocess.Popen([sys.executable, "-c", "pass"])
+
+    monkeypatch.setattr(stage, "_start", idle)
+    recipe = measure_recipe(tiny_target_dir, decoders=["ar"], controls=["fixed"], k_sweep=[], processes=2)
+    with pytest.raises(StageFailed, match=r"8 group\(s\) have no rows after every process ended well"):
+        run_measure(recipe, measure_context(tmp_path, {}), tiny_target_dir)
