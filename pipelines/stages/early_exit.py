@@ -15,27 +15,24 @@ from typing import Any
 import torch
 
 from polydraft.models.early_exit import EarlyExitDrafter, build_early_exit, from_target, save_exit_head
-from polydraft.models.loading import load_causal_lm, load_tokenizer, resolve_dtype
+from polydraft.models.loading import load_causal_lm, resolve_dtype
 from polydraft.pipelines.schema.inputs import EarlyExitInputs
 from polydraft.pipelines.stage import (
     StageContext,
-    StageFailed,
     StageResult,
     StageSpec,
-    launch_training,
     loop_settings,
     optim_settings,
-    training_main,
 )
 from polydraft.pipelines.stages.mix_training import (
-    mix_data,
+    main_on_mix,
     peak_memory_gib,
+    run_on_mix,
+    start_on_mix,
     write_output,
 )
 from polydraft.pipelines.tracking import Tracker
-from polydraft.train.data import pad_id_of
 from polydraft.train.early_exit import HEAD_DIR, LOG_FILE, ExitLoss, eval_reference, fit
-from polydraft.train.evaluation import eval_set
 from polydraft.train.loop import TrainJob
 from polydraft.train.runtime import prepare_for_training, resolve_attn_implementation
 from polydraft.train.stage_metrics import EarlyExitMetrics
@@ -43,36 +40,22 @@ from polydraft.train.stage_metrics import EarlyExitMetrics
 
 def run(inputs: EarlyExitInputs, ctx: StageContext) -> StageResult:
     """Launch the training subprocess, return its metrics."""
-    if "distill" not in ctx.upstream:
-        raise StageFailed("early_exit trains on the distill stage's mix: enable the distill stage")
-    metrics = launch_training(inputs, inputs.launch, ctx, "polydraft.pipelines.stages.early_exit")
-    return StageResult(metrics=EarlyExitMetrics.model_validate(metrics).model_dump())
+    return run_on_mix("early_exit", inputs, ctx, EarlyExitMetrics)
 
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m pipelines.stages.early_exit SPEC.json`, started by `accelerate launch` on every process."""
-
-    def job(spec: StageSpec, inputs: EarlyExitInputs, accelerator: Any, tracker: Tracker) -> dict[str, Any]:
-        return train_early_exit(spec, inputs, accelerator, tracker)[1].model_dump()
-
-    training_main(argv, EarlyExitInputs, lambda inputs: inputs.early_exit.loop, job)
+    main_on_mix(argv, EarlyExitInputs, lambda inputs: inputs.early_exit, train_early_exit)
 
 
 def train_early_exit(
     spec: StageSpec, inputs: EarlyExitInputs, accelerator: Any, tracker: Tracker
 ) -> tuple[EarlyExitDrafter, EarlyExitMetrics]:
     """Build the drafter, train its head, write `head/`; returns the drafter and its metrics."""
-    from accelerate.utils import set_seed
-
     target, work_dir, block = inputs.target, Path(spec.work_dir), inputs.early_exit
     loop, optim = block.loop, optim_settings(block.optim)
     device = accelerator.device
-    set_seed(loop.seed)
-    tokenizer = load_tokenizer(target.path, target.revision, target.trust_remote_code)
-    batches, eval_examples, total_steps = mix_data(
-        "early_exit", Path(spec.upstream["distill"]), work_dir, tokenizer, loop, accelerator,
-        temperatures=block.temperatures, loss_on=block.loss_on, max_length=loop.max_length,
-    )  # fmt: skip
+    start = start_on_mix("early_exit", spec, inputs, block, accelerator, block.loss_on)
     attn = resolve_attn_implementation(loop.attn_implementation, device.type == "cuda")
     frozen_dtype = resolve_dtype(target.dtype, device)
     teacher = None
@@ -89,9 +72,7 @@ def train_early_exit(
             dtype=frozen_dtype, exit_dtype=torch.float32, device=device, attn_implementation=attn,
             trust_remote_code=target.trust_remote_code,
         )  # fmt: skip
-    evals = eval_set(
-        eval_examples, loop.per_device_batch_size, loop.eval_batches, accelerator, pad_id_of(tokenizer)
-    )
+    evals = start.evals
     references = eval_reference(
         work_dir,
         (target.path, target.revision, target.trust_remote_code),
@@ -104,12 +85,12 @@ def train_early_exit(
     if loop.gradient_checkpointing:
         drafter.exit.gradient_checkpointing_enable()
     prepared, optimizer, scheduler = prepare_for_training(
-        drafter.exit, optim, total_steps, loop.per_device_batch_size, accelerator, loop.compile
+        drafter.exit, optim, start.total_steps, loop.per_device_batch_size, accelerator, loop.compile
     )
     job = TrainJob("early_exit", work_dir / "checkpoints", work_dir / LOG_FILE, tracker, spec.quiet)
     result, initial, final = fit(
-        accelerator, drafter, prepared, (optimizer, scheduler, optim.max_grad_norm), batches, (evals, references),
-        loop_settings(loop, total_steps), ExitLoss(teacher, block.kl_weight, block.kl_top_k), job,
+        accelerator, drafter, prepared, (optimizer, scheduler, optim.max_grad_norm), start.batches,
+        (evals, references), loop_settings(loop, start.total_steps), ExitLoss(teacher, block.kl_weight, block.kl_top_k), job,
     )  # fmt: skip
     metrics = EarlyExitMetrics(
         steps=result.steps,

@@ -14,27 +14,23 @@ from pathlib import Path
 from typing import Any
 
 from polydraft.models.heads import Heads, add_vllm_medusa, heads_for_target, save_heads
-from polydraft.models.loading import load_tokenizer
 from polydraft.models.placement import load_target, process_device
 from polydraft.pipelines.schema.inputs import HeadsInputs
 from polydraft.pipelines.stage import (
     StageContext,
-    StageFailed,
     StageResult,
     StageSpec,
-    launch_training,
     loop_settings,
     optim_settings,
-    training_main,
 )
 from polydraft.pipelines.stages.mix_training import (
-    mix_data,
+    main_on_mix,
     peak_memory_gib,
+    run_on_mix,
+    start_on_mix,
     write_output,
 )
 from polydraft.pipelines.tracking import Tracker
-from polydraft.train.data import pad_id_of
-from polydraft.train.evaluation import eval_set
 from polydraft.train.heads import HEADS_DIR, LOG_FILE, HeadsSettings, fit
 from polydraft.train.loop import TrainJob
 from polydraft.train.runtime import prepare_for_training
@@ -43,36 +39,22 @@ from polydraft.train.stage_metrics import HeadsMetrics
 
 def run(inputs: HeadsInputs, ctx: StageContext) -> StageResult:
     """Launch the training subprocess, return its metrics."""
-    if "distill" not in ctx.upstream:
-        raise StageFailed("heads trains on the distill stage's mix: enable the distill stage")
-    metrics = launch_training(inputs, inputs.launch, ctx, "polydraft.pipelines.stages.heads")
-    return StageResult(metrics=HeadsMetrics.model_validate(metrics).model_dump())
+    return run_on_mix("heads", inputs, ctx, HeadsMetrics)
 
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m pipelines.stages.heads SPEC.json`, started by `accelerate launch` on every process."""
-
-    def job(spec: StageSpec, inputs: HeadsInputs, accelerator: Any, tracker: Tracker) -> dict[str, Any]:
-        return train_heads(spec, inputs, accelerator, tracker)[1].model_dump()
-
-    training_main(argv, HeadsInputs, lambda inputs: inputs.heads.loop, job)
+    main_on_mix(argv, HeadsInputs, lambda inputs: inputs.heads, train_heads)
 
 
 def train_heads(
     spec: StageSpec, inputs: HeadsInputs, accelerator: Any, tracker: Tracker
 ) -> tuple[Heads, HeadsMetrics]:
     """Load the frozen target, train the heads, write `heads/`; returns the heads and their metrics."""
-    from accelerate.utils import set_seed
-
     target_spec, work_dir, block = inputs.target, Path(spec.work_dir), inputs.heads
     loop, optim = block.loop, optim_settings(block.optim)
     device = accelerator.device
-    set_seed(loop.seed)
-    tokenizer = load_tokenizer(target_spec.path, target_spec.revision, target_spec.trust_remote_code)
-    batches, eval_examples, total_steps = mix_data(
-        "heads", Path(spec.upstream["distill"]), work_dir, tokenizer, loop, accelerator,
-        temperatures=block.temperatures, loss_on="response", max_length=loop.max_length,
-    )  # fmt: skip
+    start = start_on_mix("heads", spec, inputs, block, accelerator, "response")
 
     target = load_target(
         target_spec.path, target_spec.revision, target_spec.dtype, target_spec.trust_remote_code,
@@ -81,16 +63,13 @@ def train_heads(
     target.requires_grad_(False)
     heads = heads_for_target(target, block.kind, block.num_heads, block.num_layers)
     shared_head = target.get_output_embeddings() if block.kind == "bpd" else None
-    evals = eval_set(
-        eval_examples, loop.per_device_batch_size, loop.eval_batches, accelerator, pad_id_of(tokenizer)
-    )
     prepared, optimizer, scheduler = prepare_for_training(
-        heads, optim, total_steps, loop.per_device_batch_size, accelerator, loop.compile
+        heads, optim, start.total_steps, loop.per_device_batch_size, accelerator, loop.compile
     )
     job = TrainJob("heads", work_dir / "checkpoints", work_dir / LOG_FILE, tracker, spec.quiet)
     result, initial, final = fit(
-        accelerator, target, prepared, (optimizer, scheduler, optim.max_grad_norm), batches, evals,
-        loop_settings(loop, total_steps), HeadsSettings(block.num_heads, block.loss_decay, shared_head), job,
+        accelerator, target, prepared, (optimizer, scheduler, optim.max_grad_norm), start.batches, start.evals,
+        loop_settings(loop, start.total_steps), HeadsSettings(block.num_heads, block.loss_decay, shared_head), job,
     )  # fmt: skip
     metrics = HeadsMetrics(
         steps=result.steps,

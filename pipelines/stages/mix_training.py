@@ -1,9 +1,10 @@
 """What the stages that train on the distill stage's mix share. `sized_batches` cuts encoded mix rows into
 this process's batches and sizes the run (finetune, early_exit, heads). The `early_exit` and `heads`
 stages both train a small part (an exit head, proposal heads) on a frozen target over the mix of every
-pair: `mix_data` reads it, `train.runtime.prepare_for_training` builds the optimizer and schedule and hands the trainable
-part to accelerate, `write_output` writes the output folder atomically and drops the checkpoints it makes
-useless.
+pair, with the same skeleton: `run_on_mix` launches the training subprocess and reads its metrics,
+`start_on_mix` seeds it and reads its share of the mix (`mix_data`) and its held-out batches,
+`train.runtime.prepare_for_training` builds the optimizer and schedule and hands the trainable part to
+accelerate, `write_output` writes the output folder atomically and drops the checkpoints it makes useless.
 """
 
 from __future__ import annotations
@@ -11,19 +12,87 @@ from __future__ import annotations
 import logging
 import shutil
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import BaseModel
 
-from polydraft.pipelines.stage import StageFailed
+from polydraft.pipelines.stage import (
+    StageContext,
+    StageFailed,
+    StageResult,
+    StageSpec,
+    launch_training,
+    training_main,
+)
 from polydraft.train.data import MixBatches, pad_id_of
+from polydraft.train.evaluation import eval_set
 from polydraft.train.mix_cache import load_examples
 
 log = logging.getLogger(__name__)
 
 MIX_CACHE = "mix_cache"
 """The folder, in a stage's work dir, of its tokenized mix (`train.mix_cache`)."""
+
+
+def run_on_mix(stage: str, inputs: Any, ctx: StageContext, metrics: type[BaseModel]) -> StageResult:
+    """Runner side of a stage that trains one model on the distill stage's mix: launch its training
+    subprocess (`python -m polydraft.pipelines.stages.<stage>`) and return its metrics, as `metrics`
+    reads them."""
+    if "distill" not in ctx.upstream:
+        raise StageFailed(f"{stage} trains on the distill stage's mix: enable the distill stage")
+    found = launch_training(inputs, inputs.launch, ctx, f"polydraft.pipelines.stages.{stage}")
+    return StageResult(metrics=metrics.model_validate(found).model_dump())
+
+
+def main_on_mix(
+    argv: list[str] | None,
+    inputs_type: type[BaseModel],
+    block_of: Callable[[Any], Any],
+    train: Callable[..., Any],
+) -> None:
+    """Subprocess side of such a stage, on every process `accelerate launch` starts: `train(spec, inputs,
+    accelerator, tracker)` returns (the trained model, its metrics); the metrics go back to the runner."""
+
+    def job(spec: StageSpec, inputs: Any, accelerator: Any, tracker: Any) -> dict[str, Any]:
+        return train(spec, inputs, accelerator, tracker)[1].model_dump()
+
+    training_main(argv, inputs_type, lambda inputs: block_of(inputs).loop, job)
+
+
+@dataclass
+class MixStart:
+    """What a process of such a stage starts from."""
+
+    tokenizer: Any
+    batches: MixBatches
+    """This process's training batches."""
+    evals: list[dict[str, torch.Tensor]]
+    """This process's held-out batches (`train.evaluation.eval_set`)."""
+    total_steps: int
+
+
+def start_on_mix(
+    stage: str, spec: StageSpec, inputs: Any, block: Any, accelerator: Any, loss_on: str
+) -> MixStart:
+    """Seed the process (`block.loop.seed`), load the target's tokenizer, read this process's share of the
+    mix at `block.temperatures` and its held-out batches."""
+    from accelerate.utils import set_seed
+
+    from polydraft.models.loading import load_tokenizer
+
+    target, loop = inputs.target, block.loop
+    set_seed(loop.seed)
+    tokenizer = load_tokenizer(target.path, target.revision, target.trust_remote_code)
+    batches, eval_examples, total_steps = mix_data(
+        stage, Path(spec.upstream["distill"]), Path(spec.work_dir), tokenizer, loop, accelerator,
+        temperatures=block.temperatures, loss_on=loss_on, max_length=loop.max_length,
+    )  # fmt: skip
+    pad_id = pad_id_of(tokenizer)
+    evals = eval_set(eval_examples, loop.per_device_batch_size, loop.eval_batches, accelerator, pad_id)
+    return MixStart(tokenizer, batches, evals, total_steps)
 
 
 def mix_data(
