@@ -4,10 +4,12 @@ For offline demos and tests only. The model answers `Translate X to English: ...
 Vicuna v1.1 format (seed 003 F.2), like the real targets of the recipes, so every stage downstream runs
 exactly as it would on a real target. Builds are cached by the hash of their settings.
 
-A build saves its state (tokenizer, model, optimizer, schedule, data order, losses) every
-`checkpoint_every` steps into `.<key>.partial/` beside the cache folder; a build that was stopped
-(killed, or run under `timeout` in slices on a shared machine) continues from there with the same data
-order, so slices add up to the same model as one uninterrupted build.
+It trains through the trainers' one loop (`train.loop.TrainingLoop`, `train.step.train_step`): every
+`checkpoint_every` steps a checkpoint (model, optimizer, schedule, RNG states, the data order and its
+random state) lands in `.<key>.partial/checkpoints/` beside the cache folder, with the tokenizer and the
+step log; a build that was stopped (killed, or run under `timeout` in slices on a shared machine)
+continues from there with the same data order, so slices add up to the same model as one uninterrupted
+build.
 """
 
 from __future__ import annotations
@@ -27,12 +29,23 @@ from transformers import GenerationConfig
 from polydraft.data.offline import offline_pairs, offline_texts
 from polydraft.data.prompts import VICUNA_CHAT_TEMPLATE, task_prefix, vicuna_prompt
 from polydraft.models.tiny import build_llama, train_tokenizer
-from polydraft.train.progress import ProgressLine
+from polydraft.train.loop import LoopPlan, TrainingLoop
+from polydraft.train.losses import ce_sum
+from polydraft.train.runtime import make_accelerator
+from polydraft.train.step import StepLog, StepStats, train_step
 
 log = logging.getLogger(__name__)
 
 DONE = "bootstrap.json"
-STATE = "state.pt"
+CHECKPOINTS = "checkpoints"
+LOG_FILE = "train_log.jsonl"
+
+
+class _Untracked:
+    """The bootstrap's tracker: no wandb run (its step log and console line are all it reports)."""
+
+    def log(self, metrics: dict[str, Any], step: int | None = None, echo: bool = True) -> None:
+        return None
 
 
 def conversations(
@@ -114,7 +127,7 @@ def build_bootstrap_target(
     partial = out_dir.with_name(f".{out_dir.name}.partial")
     langs = [pair.split("-")[0] for pair in pairs]
     examples = conversations(pairs, samples_per_pair, entries_per_sample, test_fraction, seed, kind_weights)
-    if (partial / STATE).is_file():
+    if (partial / "tokenizer.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(partial)
     else:
         texts = [row["text"] for row in offline_texts(langs, 2000, seed)] + [p + a for p, a in examples]
@@ -143,47 +156,45 @@ def build_bootstrap_target(
         return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup))) * 0.9 + 0.1
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
+    accelerator = make_accelerator(1, "no")
+    model, optimizer = accelerator.prepare(model, optimizer)
+    plan = LoopPlan(steps, log_every=10, eval_every=0, checkpoint_every=checkpoint_every, keep_checkpoints=1)
+    training = TrainingLoop(
+        accelerator, plan, label="bootstrap target", checkpoints=partial / CHECKPOINTS,
+        log_path=partial / LOG_FILE, scheduler=scheduler, quiet=not show_progress,
+    )  # fmt: skip
     order: list[int] = []
-    losses: list[float] = []
-    first, spent, slices = 0, 0.0, 0
-    if (partial / STATE).is_file():
-        state = torch.load(partial / STATE, weights_only=False)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        rng.setstate(state["rng"])
-        order, losses, first = state["order"], state["losses"], state["step"]
-        spent, slices = state["seconds"], state["slices"]
-        log.info("bootstrap target: resuming at step %d of %d from %s", first, steps, partial)
-    progress = ProgressLine("bootstrap target", steps, "step", initial=first, every=10, enabled=show_progress)
-    for step in range(first, steps):
+    spent, slices = 0.0, 0
+    saved = training.resume()
+    if saved is not None:  # the data order and its random state, as the stopped build left them
+        version, internal, gauss = saved["rng"]
+        rng.setstate((version, tuple(internal), gauss))
+        order, spent, slices = saved["order"], saved["seconds"], saved["slices"]
+
+    def one_step(step: int) -> StepStats:
+        nonlocal order
         if len(order) < batch_size:
             order += rng.sample(range(len(encoded)), len(encoded))
         chunk, order = order[:batch_size], order[batch_size:]
         input_ids, labels, attention = _batch([encoded[i] for i in chunk], tokenizer.pad_token_id)
-        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        progress.update(1, loss=sum(losses[-10:]) / len(losses[-10:]))
-        if (step + 1) % checkpoint_every == 0 and step + 1 < steps:
-            state = {
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "rng": rng.getstate(),
-                "order": order,
-                "losses": losses,
-                "step": step + 1,
-                "seconds": spent + time.perf_counter() - started,
-                "slices": slices + 1,
-            }
-            torch.save(state, partial / f"{STATE}.tmp")
-            (partial / f"{STATE}.tmp").replace(partial / STATE)
+        batch = {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
 
+        def loss_sum(b: dict[str, torch.Tensor]) -> torch.Tensor:
+            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+            return ce_sum(logits, b["labels"])[0]
+
+        return train_step(accelerator, model, optimizer, scheduler, [batch], loss_sum, 1.0)
+
+    def state() -> dict[str, Any]:
+        seconds = spent + time.perf_counter() - started
+        return {"rng": rng.getstate(), "order": order, "seconds": seconds, "slices": slices + 1}
+
+    steplog = StepLog(
+        _Untracked(), partial / LOG_FILE, prefix="", log_every=10, flops_per_token=0.0, peak_flops=None,
+        world=1, main_process=True,
+    )  # fmt: skip
+    result = training.run(one_step, steplog, state=state)
+    model = accelerator.unwrap_model(model)
     model.eval()
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
@@ -201,7 +212,7 @@ def build_bootstrap_target(
         "parameters": sum(p.numel() for p in model.parameters()),
         "examples": len(encoded),
         "steps": steps,
-        "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
+        "final_loss": result.train_loss,
         "seconds": round(spent + time.perf_counter() - started, 1),
         "slices": slices + 1,
     }

@@ -34,7 +34,8 @@ def test_a_stopped_build_resumes_to_the_same_model(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", stopping)
     with pytest.raises(KeyboardInterrupt):
         bootstrap.build_bootstrap_target(tmp_path / "sliced", **SETTINGS)
-    assert not (tmp_path / "sliced").exists() and (tmp_path / ".sliced.partial" / bootstrap.STATE).is_file()
+    checkpoints = tmp_path / ".sliced.partial" / bootstrap.CHECKPOINTS
+    assert not (tmp_path / "sliced").exists() and [p.name for p in checkpoints.iterdir()] == ["step-00000004"]
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
     sliced = bootstrap.build_bootstrap_target(tmp_path / "sliced", **SETTINGS)
     assert not (tmp_path / ".sliced.partial").exists()
