@@ -202,7 +202,9 @@ def accelerate_command(
     machines: Machines | None = None,
 ) -> list[str]:
     """`accelerate launch` of `module`: `num_processes` over all nodes (None: the config's); on several
-    nodes, this node's rank among them and node 0's address (else the config's)."""
+    nodes, this node's rank among them and node 0's address (else the config's). Each process gets its
+    share of this node's cores (`--num_cpu_threads_per_process`; accelerate would set OMP_NUM_THREADS=1,
+    which on a CPU machine left every training step on one core), unless OMP_NUM_THREADS is set."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file)]
     if num_processes is not None:
         command += ["--num_processes", str(num_processes)]
@@ -212,6 +214,13 @@ def accelerate_command(
             command += ["--main_process_ip", machines.main_ip]
         if machines.main_port is not None:
             command += ["--main_process_port", str(machines.main_port)]
+    if "OMP_NUM_THREADS" not in os.environ:
+        nodes = machines.nodes if machines is not None else 1
+        per_node = (
+            num_processes // nodes if num_processes is not None else processes_per_node(config_file, None)
+        )
+        threads = max(1, (os.cpu_count() or 1) // max(1, per_node))
+        command += ["--num_cpu_threads_per_process", str(threads)]
     return [*command, "-m", module, *args]
 
 

@@ -42,6 +42,34 @@ def test_each_node_starts_its_share_and_accelerate_gets_the_total(tmp_path):
     assert "--main_process_ip" not in " ".join(accelerate_command(config, 16, "m", [], Machines(2, 0)))
 
 
+def test_each_training_process_gets_its_share_of_the_cores(tmp_path, monkeypatch):
+    """accelerate launch would set OMP_NUM_THREADS=1: a process gets the node's cores over its processes
+    (at least 1), and a launched process indeed runs that many threads; an OMP_NUM_THREADS the user set
+    is left alone."""
+    import os
+    import subprocess
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    config = tmp_path / "two.yaml"
+    config.write_text("num_machines: 2\nnum_processes: 16\n")
+    text = " ".join(accelerate_command(config, 16, "m", [], Machines(2, 1)))
+    assert "--num_cpu_threads_per_process 2" in text  # 16 cores, 8 processes on this node
+    single = Path(__file__).resolve().parents[2] / "recipes" / "accelerate" / "single.yaml"
+    assert "--num_cpu_threads_per_process 16" in " ".join(accelerate_command(single, None, "m", []))
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert "--num_cpu_threads_per_process" not in " ".join(accelerate_command(single, None, "m", []))
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.undo()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    script = tmp_path / "threads.py"
+    script.write_text("import torch\nprint('threads', torch.get_num_threads())\n")
+    command = accelerate_command(single, None, "m", [])
+    command = [*command[: command.index("-m", 3)], str(script)]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    assert f"threads {os.cpu_count()}" in done.stdout, done.stdout
+
+
 def test_nodes_come_from_slurm_or_from_the_accelerate_config(tmp_path, monkeypatch):
     from polydraft.pipelines.nodes import this_node
     from polydraft.pipelines.schema import Recipe
