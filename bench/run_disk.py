@@ -1,5 +1,6 @@
 """What a finished run wrote to disk, for the plan's disk constants (`pipelines/plan_model.py`): the bytes of
-the distilled records per prompt and answer token, and of one finetune checkpoint per trained parameter;
+the distilled records per prompt and answer token (and how fast they are read back), and of one finetune
+checkpoint per trained parameter;
 beside them the plan's estimate of the whole run (`pipelines.plan.disk_estimate`) against the run
 directory's size. Counts files, so it is exact for the run given (no repetition needed).
 
@@ -25,6 +26,8 @@ def main() -> None:
     parser.add_argument("--record", type=Path, default=None)
     args = parser.parse_args()
 
+    import time
+
     from safetensors import safe_open
 
     from polydraft.pipelines.plan import disk_estimate
@@ -32,12 +35,14 @@ def main() -> None:
 
     records = sorted((args.run / "distill" / "records").glob("*.jsonl"))
     size = tokens = lines = 0
+    start = time.perf_counter()
     for path in records:
         size += path.stat().st_size
         for line in path.read_text(encoding="utf-8").splitlines():
             row = json.loads(line)
             tokens += row["prompt_tokens"] + row["response_tokens"]
             lines += 1
+    parsing = time.perf_counter() - start
     checkpoint = next(iter(sorted((args.run / "finetune").glob("*.checkpoints/step-*"))), None)
     table = [
         "| quantity | value |",
@@ -46,6 +51,7 @@ def main() -> None:
         f"| their bytes | {size:,} |",
         f"| their prompt + answer tokens | {tokens:,} |",
         f"| bytes per token | {size / max(tokens, 1):.2f} |",
+        f"| record bytes read and parsed per second (JSON) | {size / parsing:,.0f} |",
     ]
     if checkpoint is not None:
         folder = checkpoint.parent.name.removesuffix(".checkpoints")
@@ -67,7 +73,6 @@ def main() -> None:
     if mix:  # what rank 0 does alone before the other ranks read the cache (`train.mix_cache`)
         import contextlib
         import tempfile
-        import time
 
         from polydraft.models.loading import load_tokenizer
         from polydraft.train.mix_cache import mix_examples

@@ -13,22 +13,17 @@ from polydraft.pipelines.nodes import processes_per_node
 from polydraft.pipelines.plan_model import (
     ANSWER_TOKENS,
     CHECKPOINT_BYTES_PER_PARAM,
+    CROSS_PAIR_SPEEDUP,
     EXPORT_BYTES_PER_PARAM,
     GIB,
-    HF_GENERATE_MFU,
-    LOAD_BYTES_PER_S,
     MEMORY_HEADROOM,
     MIX_CACHE_BYTES_PER_TOKEN,
     RECORD_BYTES_PER_TOKEN,
     SOURCE_TOKENS,
     SPEC_SPEEDUP,
-    STEP_OVERHEAD_S,
     TEMPLATE_TOKENS,
     TOKENIZE_BYTES_PER_S,
-    TRAIN_MFU,
-    VLLM_MFU,
     VLLM_PREFIX_CACHED,
-    VLLM_STARTUP_S,
     Cluster,
     PlanError,
     Shape,
@@ -63,6 +58,9 @@ class StagePlan:
     peak_gib: float
     """Estimated peak memory on one of them."""
     note: str = ""
+    most_gpus: int | None = None
+    """GPUs the stage's work could keep busy at most (export: a copy of the target per folder); None: any
+    number. Idle GPUs are reported only up to it."""
 
     @property
     def gpu_hours(self) -> float:
@@ -177,8 +175,10 @@ def estimate(recipe: Recipe, cluster: Cluster, distill_engines: int | None = Non
         plan.stages.append(_measure(recipe, plan, target, drafter))
     if recipe.export.enabled:
         plan.stages.append(_export(recipe, cluster, target))
+    _launches(plan, target, recipe.finetune.loss == "kd")
     for stage in plan.stages:
-        if stage.gpus < cluster.total and stage.hours >= IDLE_WARNING_HOURS:
+        usable = min(cluster.total, stage.most_gpus or cluster.total)
+        if stage.gpus < usable and stage.hours >= IDLE_WARNING_HOURS:
             plan.warnings.append(
                 f"{stage.name}: {cluster.total - stage.gpus} of {cluster.total} GPUs idle for {stage.hours:.2f} h"
             )
@@ -207,6 +207,28 @@ def _tokenizing(plan: Plan, mix_tokens: float) -> None:
             first.note += f" + {hours * 60:.1f} min tokenizing the mix ({processes} process(es) of rank 0)"
 
 
+LAUNCHED = ("pretrain", "finetune", "early_exit", "heads", "eagle3", "calibrate")
+"""Stages that train in an `accelerate launch` of their own."""
+WITH_TARGET = ("early_exit", "heads", "eagle3", "calibrate")
+"""Launches that load the frozen target (finetune too with the kd loss)."""
+
+
+def _launches(plan: Plan, target: Shape, kd: bool) -> None:
+    """A launch's fixed cost (`Rates.launch_s`) and, where it runs the frozen target, reading the target's
+    weights, added to the stage's first row."""
+    rates = plan.cluster.rates
+    load = target.params() * rates.bytes_per_param / rates.load_bytes_per_s
+    for name in LAUNCHED:
+        first = next((s for s in plan.stages if s.name.split(" ")[0] == name), None)
+        if first is not None:
+            loads = name in WITH_TARGET or (name == "finetune" and kd)
+            first.hours += (rates.launch_s + load * loads) / 3600
+
+
+def device(cluster: Cluster) -> str:
+    return "CPU" if cluster.gpu == "CPU" else "GPU"
+
+
 def _engines(recipe: Recipe, cluster: Cluster, given: int | None) -> int:
     tp = recipe.distill.vllm.tensor_parallel_size
     if given is not None:
@@ -230,8 +252,9 @@ def _distill(
         cached = TEMPLATE_TOKENS[d.prompt_format] if VLLM_PREFIX_CACHED and d.backend == "vllm" else 0
         generated += requests * answer
         prefill += requests * (prompt - cached)
-        mix_rows += requests * (1 - d.eval_fraction)
-        mix_tokens += requests * (1 - d.eval_fraction) * (prompt + answer)
+        # the mix: each answer and `open_fraction` as many open rows (a source's reference answers)
+        mix_rows += requests * (1 + d.open_fraction) * (1 - d.eval_fraction)
+        mix_tokens += requests * (1 + d.open_fraction) * (1 - d.eval_fraction) * (prompt + answer)
     flops = 2.0 * target.params() * (generated + prefill)
     weights_gib = target.params() * 2 / GIB
     if d.backend == "openai":
@@ -241,9 +264,26 @@ def _distill(
             mix_tokens,
         )
     if d.backend == "hf":
-        hours = flops / (cluster.peak_flops * HF_GENERATE_MFU) / 3600
+        # padded batches: every row of a batch decodes as long as its longest answer, max_new_tokens at worst
+        padded = (
+            2.0
+            * target.params()
+            * sum(
+                source_rows(source, recipe, "distill") / d.num_shards * per_prompt * d.max_new_tokens
+                for source in recipe.data.distill
+            )
+        )
+        seconds = (flops - 2.0 * target.params() * generated + padded) / cluster.rates.generate_flops
+        seconds += target.params() * cluster.rates.bytes_per_param / cluster.rates.load_bytes_per_s
         return (
-            StagePlan("distill", generated, hours, 1, weights_gib * 1.2, "hf generate, 1 GPU"),
+            StagePlan(
+                "distill",
+                generated,
+                seconds / 3600,
+                1,
+                weights_gib * 1.2,
+                f"hf generate, 1 {device(cluster)}",
+            ),
             mix_rows,
             mix_tokens,
         )
@@ -255,7 +295,10 @@ def _distill(
             f"distill: {count} engines x tensor_parallel_size {tp} exceed the {cluster.per_node} GPUs of a node"
         )
     # as many engines on every node as on node 0 (distill/engines.py)
-    seconds = flops / (count * tp * cluster.nodes * cluster.peak_flops * VLLM_MFU) + VLLM_STARTUP_S
+    rates = cluster.rates
+    seconds = (
+        flops / (count * tp * cluster.nodes * rates.vllm_flops) + rates.vllm_import_s + rates.vllm_startup_s
+    )
     gpus *= cluster.nodes
     # vLLM claims gpu_memory_utilization of each GPU; the weights must leave room for a KV cache in it
     peak = cluster.memory_gib * d.vllm.gpu_memory_utilization
@@ -280,13 +323,18 @@ def _train(
     )
     flops_token += 2.0 * frozen
     micro_tokens = loop.per_device_batch_size * length
-    compute = micro_tokens * flops_token / (plan.cluster.peak_flops * TRAIN_MFU)
-    steps = tokens / (micro_tokens * gpus)
-    busy = compute / (compute + STEP_OVERHEAD_S)
+    rates = plan.cluster.rates
+    compute = micro_tokens * flops_token / rates.train_flops
+    steps = tokens / (micro_tokens * gpus)  # micro-batches on each process
+    if loop.max_steps is not None:  # it wins over epochs
+        steps = min(steps, loop.max_steps * loop.grad_accum_steps)
+        tokens = steps * micro_tokens * gpus
+    busy = compute / (compute + rates.step_overhead_s)
     if busy < 0.5:
         plan.warnings.append(
-            f"{name}: a micro-batch of {loop.per_device_batch_size} x ~{length:.0f} tokens keeps the GPU busy "
-            f"{busy:.0%} of a step (fixed step cost {STEP_OVERHEAD_S * 1000:.0f} ms): raise per_device_batch_size"
+            f"{name}: a micro-batch of {loop.per_device_batch_size} x ~{length:.0f} tokens keeps the "
+            f"{device(plan.cluster)} busy {busy:.0%} of a step (fixed step cost "
+            f"{rates.step_overhead_s * 1000:.0f} ms): raise per_device_batch_size"
         )
     layers_hidden = trainable.layers * trainable.hidden + (
         frozen_layers * frozen_shape.hidden if frozen_shape else 0
@@ -297,7 +345,7 @@ def _train(
         logit_tokens=int(min(micro_tokens, loop.loss_chunk_tokens or micro_tokens)),
         checkpointed_hidden=trainable.hidden if checkpointed else None,
     )  # fmt: skip
-    hours = steps * (compute + STEP_OVERHEAD_S) / 3600
+    hours = steps * (compute + rates.step_overhead_s) / 3600
     return StagePlan(
         name, tokens, hours, gpus, memory / GIB, f"{steps:.0f} steps of {gpus} x {micro_tokens:.0f} tokens"
     )
@@ -337,7 +385,7 @@ def _calibrate(recipe: Recipe, cluster: Cluster, target: Shape, row_tokens: floa
     c = recipe.calibrate
     positions = c.num_positions * (1 + c.heldout_fraction)
     tokens = positions * (row_tokens + c.draft_length)
-    seconds = 2.0 * target.params() * tokens / (cluster.peak_flops * TRAIN_MFU)
+    seconds = 2.0 * target.params() * tokens / cluster.rates.train_flops
     seconds += positions * c.draft_length * decode_latency(target, cluster) / target.layers
     weights = target.params() * 2 / GIB
     return StagePlan("calibrate", tokens, seconds / 3600, cluster.per_node, weights / cluster.per_node)
@@ -354,10 +402,12 @@ def _measure(recipe: Recipe, plan: Plan, target: Shape, drafter: Shape) -> Stage
     generic = int(m.include_pretrained and recipe.pretrain.enabled) + paired.count(None) + multilingual
     drafters = languages + generic + len(paired) - paired.count(None)
     per_set = m.num_prompts * (len(m.seeds) if m.disjoint_prompts else 1)
+    # decodings per drafter (each chain/tree decoder, sd's other controls and K sweep) and of the target's
+    # own early exit (once per set and control)
     spec = sum(d in SPEC_DECODERS for d in m.decoders) + ("sd" in m.decoders) * (
         len(m.controls) - 1 + len(m.k_sweep)
     )
-    spec += ("eesd" in m.decoders and recipe.early_exit.enabled) * len(m.controls)
+    eesd = ("eesd" in m.decoders and recipe.early_exit.enabled) * len(m.controls)
     # EAGLE-3 heads (a pair's each, and the multilingual one): fixed K, the K sweep, Beta-TS (no Cali-TS)
     head_languages = len(recipe.data.pairs) if recipe.eagle3.enabled and "eagle3" in m.decoders else 0
     head_multilingual = int(head_languages > 0 and recipe.eagle3.multilingual)
@@ -371,41 +421,72 @@ def _measure(recipe: Recipe, plan: Plan, target: Shape, drafter: Shape) -> Stage
                 f"measure: eval source {source.path or source.kind} has {prompts} prompts, fewer than the "
                 f"{per_set} that num_prompts x seeds asks for (disjoint_prompts: the stage will stop)"
             )
-        # without cross_pairs a language drafter is measured on its own pair's eval set only
-        own, heads = drafters, head_languages + head_multilingual
-        if not m.cross_pairs and source.pair is not None:
-            own = generic + min(languages, 1) + paired.count(source.pair)
-            heads = head_multilingual + min(head_languages, 1)
-        methods = 1 + spec * own + head_methods * heads
+        # a language drafter or head on its own pair's set (or a set of no pair), a generic or multilingual
+        # one anywhere, drafts well; one on another pair's set (cross_pairs) drafts little
+        own_pair = source.pair is None or source.pair in recipe.data.pairs
+        own_languages = (languages if source.pair is None else min(languages, 1)) if own_pair else 0
+        own_heads = (head_languages if source.pair is None else min(head_languages, 1)) if own_pair else 0
+        own_paired = len(paired) - paired.count(None) if source.pair is None else paired.count(source.pair)
+        well = (
+            spec * (generic + own_languages + own_paired)
+            + head_methods * (own_heads + head_multilingual)
+            + eesd
+        )
+        cross = 0
+        if m.cross_pairs:
+            cross = spec * (drafters - generic - own_languages - own_paired)
+            cross += head_methods * (head_languages - own_heads)
         per_seed = prompts / (len(m.seeds) if m.disjoint_prompts else 1)
         tokens = per_seed * len(m.seeds) * len(m.temperatures) * answer_tokens(source, m.max_new_tokens)
-        generated += tokens * methods
-        seconds += tokens * (ar_seconds + (methods - 1) * ar_seconds / SPEC_SPEEDUP)
+        generated += tokens * (1 + well + cross)
+        seconds += tokens * ar_seconds * (1 + well / SPEC_SPEEDUP + cross / CROSS_PAIR_SPEEDUP)
         # the mixed traffic decodes nothing more: it is composed from these groups' per-prompt results
-    weights = (target.params() + drafters * drafter.params()) * 2
-    seconds += weights / LOAD_BYTES_PER_S
+    # the latency probes: each repeat a target step and, per drafter, head and early exit, a chain round
+    # of every draft length up to max_draft_length (a verification each, `decoding.measurement.latency`)
+    # each process loads the target and its drafters and probes the latencies before its first group
+    rounds = drafters * (spec > 0) + (head_languages + head_multilingual) * (head_methods > 0) + (eesd > 0)
+    fixed = m.latency_repeats * (1 + rounds * (m.max_draft_length + 1)) * ar_seconds
+    weights = (target.params() + drafters * drafter.params()) * cluster.rates.bytes_per_param
+    fixed += weights / cluster.rates.load_bytes_per_s
     gpus, peak = spread(weights * 1.1, cluster)
     per_node = m.processes or max(1, cluster.per_node // gpus)  # one process per copy of the target
-    copies = per_node * cluster.nodes  # the groups dealt over every node's processes
+    # the (eval set, temperature, seed) groups dealt over every node's processes, a group to one process:
+    # the busiest decodes ceil(groups / processes) of them, and processes beyond the groups have none
+    groups = len(recipe.data.eval) * len(m.temperatures) * len(m.seeds)
+    busy = max(1, min(per_node * cluster.nodes, groups))
+    hours = (fixed + seconds / max(groups, 1) * math.ceil(groups / busy)) / 3600
     on_nodes = f" on each of {cluster.nodes} nodes" if cluster.nodes > 1 else ""
     note = (
-        f"{per_node} process(es){on_nodes} with a copy of the target on {gpus} GPU(s) each, batch 1, "
-        f"{ar_seconds * 1000:.0f} ms a target step"
+        f"{per_node} process(es){on_nodes} with a copy of the target on {gpus} {device(cluster)}(s) each, "
+        f"{groups} group(s), batch 1, {ar_seconds * 1000:.0f} ms a target step"
     )
-    return StagePlan("measure", generated, seconds / 3600 / copies, gpus * copies, peak, note)
+    return StagePlan("measure", generated, hours, gpus * busy, peak, note, most_gpus=gpus * groups)
 
 
 def _export(recipe: Recipe, cluster: Cluster, target: Shape) -> StagePlan:
-    """The smoke checks: target alone and with each drafter, greedy, on a few prompts, after a load."""
+    """The smoke checks (target alone and with each drafter, greedy, on a few prompts, after a load) on
+    one copy of the target; the vLLM check's folders dealt over the copies node 0's GPUs hold
+    (`pipelines/export/vllm_check.py`), each copy's subprocess importing vLLM and starting an engine for
+    the target alone and one per folder, one after the other."""
     e = recipe.export
     folders = len(recipe.data.pairs) + int(e.include_pretrained and recipe.pretrain.enabled)
     folders += int(recipe.finetune.enabled and recipe.finetune.multilingual)
     if recipe.eagle3.enabled:  # each head's greedy check
         folders += len(recipe.data.pairs) + int(recipe.eagle3.multilingual)
+    folders += int(recipe.heads.enabled)
     tokens = folders * e.smoke_prompts * e.smoke_max_new_tokens * 2
-    seconds = tokens * decode_latency(target, cluster) + target.params() * 2 / LOAD_BYTES_PER_S
+    r = cluster.rates
+    seconds = tokens * decode_latency(target, cluster)
+    seconds += target.params() * r.bytes_per_param / r.load_bytes_per_s
     gpus, peak = spread(target.params() * 2.2, cluster)
-    return StagePlan("export", tokens, seconds / 3600, gpus, peak, f"smoke checks, {gpus} GPU(s)")
+    copies = 1
+    if e.vllm_check != "off" and folders:
+        copies = min(folders, max(1, cluster.per_node // gpus))
+        seconds += r.vllm_import_s + (1 + math.ceil(folders / copies)) * r.vllm_startup_s
+    note = f"smoke checks, vLLM's on {copies} cop(ies) of the target on {gpus} {device(cluster)}(s) each"
+    return StagePlan(
+        "export", tokens, seconds / 3600, gpus * copies, peak, note, most_gpus=gpus * max(1, folders)
+    )
 
 
 def spread(needed: float, cluster: Cluster) -> tuple[int, float]:
@@ -441,10 +522,10 @@ def plan_table(plan: Plan) -> str:
         f"| **total** | | **{plan.hours:.2f}** | | {gpu_hours:.1f} of {plan.hours * plan.cluster.total:.1f} | | |"
     )
     lines += ["", *(f"warning: {w}" for w in plan.warnings)] if plan.warnings else []
-    assumed = ", ".join(f"{name} {value:g}" for name, value in assumptions().items())
+    assumed = ", ".join(f"{name} {value:g}" for name, value in assumptions(plan.cluster).items())
     lines += [
         "",
-        f"assumed, not measured (pipelines/plan_model.py; replace with your GPUs' figures): {assumed}",
+        f"assumed, not measured (pipelines/plan_model.py; replace with your hardware's figures): {assumed}",
     ]
     return "\n".join(lines)
 

@@ -38,16 +38,43 @@ class PlanError(ValueError):
 
 
 @dataclass(frozen=True)
+class Rates:
+    """What one device achieves: the figures every estimate divides by. A GPU's come from its data sheet
+    and the shares below (`gpu_rates`); a CPU's were measured on one (`CPU_RATES`)."""
+
+    train_flops: float
+    """Model FLOPs/s of a trainer's step once a batch fills the device."""
+    step_overhead_s: float
+    """Fixed seconds of an optimizer step on top of its FLOPs."""
+    generate_flops: float
+    """Model FLOPs/s of the `hf` distill backend's padded `generate`."""
+    vllm_flops: float
+    """Model FLOPs/s of one vLLM engine on a large offline batch."""
+    vllm_startup_s: float
+    """Seconds from a vLLM engine's start to its first request (load, profiling, graph capture)."""
+    vllm_import_s: float
+    """Seconds a fresh Python takes to import vLLM, before its first engine."""
+    decode_bandwidth: float
+    """Bytes/s a batch-1 eager forward reads the weights at."""
+    layer_s: float
+    """Seconds per layer of a batch-1 eager forward on top of reading its weights."""
+    load_bytes_per_s: float
+    """Reading safetensors from a local disk into the device's memory."""
+    launch_s: float
+    """Fixed seconds of a training launch: its processes started, their libraries imported."""
+    bytes_per_param: int
+    """Bytes of a frozen weight: bf16 on a GPU, fp32 on a CPU (what the stages load there)."""
+
+
+@dataclass(frozen=True)
 class Cluster:
-    """`per_node` GPUs of one kind on each of `nodes` nodes."""
+    """`per_node` devices of one kind (GPUs, or one CPU) on each of `nodes` nodes."""
 
     gpu: str
     memory_gib: int
     per_node: int
     nodes: int
-    peak_flops: float
-    bandwidth: float
-    """bytes/s"""
+    rates: Rates
 
     @property
     def total(self) -> int:
@@ -58,13 +85,19 @@ class Cluster:
 
 
 def parse_gpus(spec: str, nodes: int = 1) -> Cluster:
-    """`8xA100-80GB` -> a Cluster of `nodes` such nodes; PlanError for anything else."""
+    """`8xA100-80GB` -> a Cluster of `nodes` such nodes, `cpu` -> this machine's memory at CPU_RATES;
+    PlanError for anything else."""
     known = ", ".join(f"{g}-{m}GB" for g, m in GPU_BANDWIDTH_GBPS)
     match = GPU_SPEC.match(spec.strip())
     if nodes < 1:
         raise PlanError(f"--nodes {nodes}: at least 1")
+    if spec.strip().lower() == "cpu":
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // GIB
+        return Cluster("CPU", memory, 1, nodes, CPU_RATES)
     if match is None:
-        raise PlanError(f"--gpus {spec!r}: expected COUNTxGPU-MEMORYGB, e.g. 8xA100-80GB (known: {known})")
+        raise PlanError(
+            f"--gpus {spec!r}: expected COUNTxGPU-MEMORYGB, e.g. 8xA100-80GB (known: {known}), or cpu"
+        )
     count, gpu, memory = int(match[1]), match[2], int(match[3])
     if (gpu, memory) not in GPU_BANDWIDTH_GBPS:
         raise PlanError(f"--gpus {spec!r}: unknown GPU {gpu}-{memory}GB (known: {known})")
@@ -73,7 +106,7 @@ def parse_gpus(spec: str, nodes: int = 1) -> Cluster:
     peak = peak_flops(gpu)
     if peak is None:
         raise PlanError(f"--gpus {spec!r}: no bf16 peak known for {gpu} (train.throughput.PEAK_BF16_FLOPS)")
-    return Cluster(gpu, memory, count, nodes, peak, GPU_BANDWIDTH_GBPS[(gpu, memory)] * 1e9)
+    return Cluster(gpu, memory, count, nodes, gpu_rates(peak, GPU_BANDWIDTH_GBPS[(gpu, memory)] * 1e9))
 
 
 # ----------------------------------------------------------------------------- throughput constants
@@ -108,6 +141,10 @@ Llama layer at ~14 us each)."""
 SPEC_SPEEDUP = 2.0
 """ASSUMPTION: wall-time speedup of a speculative decoder over `ar` while measuring (seed 003 Table 1
 reports 2.42x for Vicuna-7B de-en at T=0; less at T=1)."""
+CROSS_PAIR_SPEEDUP = 0.8
+"""ASSUMPTION: wall-time speedup over `ar` of a language drafter or head measured on another pair's eval
+set (`measure.cross_pairs`): it drafts little, and a round costs more than what it commits (the demo's
+cross-pair rows: 0.57-1.17, bench/results/demo_runs.md)."""
 LOAD_BYTES_PER_S = 2e9
 """ASSUMPTION: reading safetensors from a local disk into GPU memory."""
 ACTIVATION_BYTES_PER_TOKEN_LAYER_HIDDEN = 34
@@ -142,6 +179,63 @@ for rank 0's work on a big mix can outlast."""
 EXPORT_BYTES_PER_PARAM = 4.0
 """An exported folder per parameter: fp32 safetensors (bf16 weights would take half)."""
 
+LAUNCH_S = 60.0
+"""ASSUMPTION: a training launch on a GPU node before its first step: `accelerate launch` starting a
+process per GPU, each importing torch, transformers and accelerate and joining the process group."""
+
+
+def gpu_rates(peak: float, bandwidth: float) -> Rates:
+    """A GPU's rates: its data sheet's bf16 peak and HBM bandwidth at the shares above."""
+    return Rates(
+        train_flops=peak * TRAIN_MFU,
+        step_overhead_s=STEP_OVERHEAD_S,
+        generate_flops=peak * HF_GENERATE_MFU,
+        vllm_flops=peak * VLLM_MFU,
+        vllm_startup_s=VLLM_STARTUP_S,
+        vllm_import_s=0.0,  # counted in VLLM_STARTUP_S
+        decode_bandwidth=bandwidth * HF_DECODE_BANDWIDTH_SHARE,
+        layer_s=HF_LAYER_OVERHEAD_S,
+        load_bytes_per_s=LOAD_BYTES_PER_S,
+        launch_s=LAUNCH_S,
+        bytes_per_param=FROZEN_BYTES_PER_PARAM,
+    )
+
+
+# ----------------------------------------------------------------------------- a CPU (`--gpus cpu`)
+
+# Measured on this project's machine (2 cores of an AMD EPYC with AVX-512, torch 2.13 CPU, fp32) by
+# `python -m bench.cpu_rates --repeats 3 --record bench/results/cpu_rates.md` (its second section of
+# 2026-11-29, the one with the launch): the means of its 3 repetitions (std 2-18%). On another CPU, run it
+# and put its figures here.
+CPU_TRAIN_FLOPS = 100e9
+"""Model FLOPs/s of the trainers' step on a 1-layer Llama of hidden 128 (16 x 128 tokens vs 1 x 16)."""
+CPU_STEP_OVERHEAD_S = 0.00497
+"""What the 1 x 16-token step takes beyond its FLOPs at CPU_TRAIN_FLOPS."""
+CPU_GENERATE_FLOPS = 45.4e9
+"""Model FLOPs/s of `generate` on a 12-layer Llama of hidden 128, 64 rows."""
+CPU_BANDWIDTH = 37e9
+"""Bytes/s of a 256 MiB copy (read and written)."""
+CPU_LAYER_S = 0.000333
+"""A layer of a batch-1 cached forward beyond reading its weights (hidden 128; 4 vs 16 layers)."""
+CPU_LAUNCH_S = 6.17
+"""`accelerate launch` of a script importing a training stage and building its Accelerator."""
+CPU_VLLM_IMPORT_S = 3.0
+CPU_VLLM_STARTUP_S = 6.8
+"""One engine of vLLM's CPU build started, enforce_eager, on the demo's target."""
+CPU_RATES = Rates(
+    train_flops=CPU_TRAIN_FLOPS,
+    step_overhead_s=CPU_STEP_OVERHEAD_S,
+    generate_flops=CPU_GENERATE_FLOPS,
+    vllm_flops=CPU_GENERATE_FLOPS,
+    vllm_startup_s=CPU_VLLM_STARTUP_S,
+    vllm_import_s=CPU_VLLM_IMPORT_S,
+    decode_bandwidth=CPU_BANDWIDTH,
+    layer_s=CPU_LAYER_S,
+    load_bytes_per_s=CPU_BANDWIDTH,
+    launch_s=CPU_LAUNCH_S,
+    bytes_per_param=4,
+)
+
 TEMPLATE_TOKENS = {"vicuna": 42, "chat_template": 20, "raw": 0}
 """ASSUMPTION: tokens of the prompt wrapper (Vicuna v1.1's system prompt and `USER: ... ASSISTANT:`
 is ~42 Llama tokens; a chat template's turn markers ~20)."""
@@ -153,19 +247,27 @@ ANSWER_TOKENS = {"translation": 45, "chat": 300, "prompts": 200, "text": 256}
 capped by max_new_tokens."""
 
 
-def assumptions() -> dict[str, float]:
-    """The constants above marked ASSUMPTION (not measured, no public figure pins them), by name: the
-    plan prints them with its table."""
+def assumptions(cluster: Cluster) -> dict[str, float]:
+    """The constants behind this cluster's plan marked ASSUMPTION (not measured, no public figure pins
+    them), by name: the plan prints them with its table."""
+    if cluster.rates is CPU_RATES:
+        device = {"CPU vLLM FLOPs/s (the hf figure, CPU_GENERATE_FLOPS)": CPU_GENERATE_FLOPS}
+    else:
+        device = {
+            "VLLM_MFU": VLLM_MFU,
+            "VLLM_STARTUP_S": VLLM_STARTUP_S,
+            "HF_GENERATE_MFU": HF_GENERATE_MFU,
+            "TRAIN_MFU": TRAIN_MFU,
+            "STEP_OVERHEAD_S": STEP_OVERHEAD_S,
+            "HF_DECODE_BANDWIDTH_SHARE": HF_DECODE_BANDWIDTH_SHARE,
+            "HF_LAYER_OVERHEAD_S": HF_LAYER_OVERHEAD_S,
+            "LOAD_BYTES_PER_S": LOAD_BYTES_PER_S,
+            "LAUNCH_S": LAUNCH_S,
+        }
     return {
-        "VLLM_MFU": VLLM_MFU,
-        "VLLM_STARTUP_S": VLLM_STARTUP_S,
-        "HF_GENERATE_MFU": HF_GENERATE_MFU,
-        "TRAIN_MFU": TRAIN_MFU,
-        "STEP_OVERHEAD_S": STEP_OVERHEAD_S,
-        "HF_DECODE_BANDWIDTH_SHARE": HF_DECODE_BANDWIDTH_SHARE,
-        "HF_LAYER_OVERHEAD_S": HF_LAYER_OVERHEAD_S,
+        **device,
         "SPEC_SPEEDUP": SPEC_SPEEDUP,
-        "LOAD_BYTES_PER_S": LOAD_BYTES_PER_S,
+        "CROSS_PAIR_SPEEDUP": CROSS_PAIR_SPEEDUP,
         **{f"TEMPLATE_TOKENS[{k}]": v for k, v in TEMPLATE_TOKENS.items()},
         **{f"SOURCE_TOKENS[{k}]": v for k, v in SOURCE_TOKENS.items()},
         **{f"ANSWER_TOKENS[{k}]": v for k, v in ANSWER_TOKENS.items()},
@@ -273,9 +375,10 @@ def drafter_size(drafter: DrafterConfig, vocab: int) -> Shape:
 
 
 def decode_latency(shape: Shape, cluster: Cluster) -> float:
-    """Seconds of one batch-1 eager forward: weights read at a share of HBM bandwidth + launch overhead."""
-    weights = shape.params() * FROZEN_BYTES_PER_PARAM
-    return weights / (cluster.bandwidth * HF_DECODE_BANDWIDTH_SHARE) + shape.layers * HF_LAYER_OVERHEAD_S
+    """Seconds of one batch-1 eager forward: the weights read at the device's decode bandwidth, and each
+    layer's fixed cost (kernel launches, Python)."""
+    r = cluster.rates
+    return shape.params() * r.bytes_per_param / r.decode_bandwidth + shape.layers * r.layer_s
 
 
 def train_memory(

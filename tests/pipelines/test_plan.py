@@ -11,6 +11,8 @@ import pytest
 from polydraft.pipelines.cli import EXIT_BAD_INPUT, main
 from polydraft.pipelines.plan import estimate, plan_table
 from polydraft.pipelines.plan_model import (
+    CPU_RATES,
+    LAUNCH_S,
     RECORD_BYTES_PER_TOKEN,
     STEP_OVERHEAD_S,
     TOKENIZE_BYTES_PER_S,
@@ -35,13 +37,17 @@ from polydraft.pipelines.schema import Recipe
 )
 def test_gpu_specs(spec, gpu, memory, peak, bandwidth):
     cluster = parse_gpus(spec, nodes=2)
-    assert (cluster.gpu, cluster.memory_gib, cluster.peak_flops, cluster.bandwidth) == (
-        gpu,
-        memory,
-        peak,
-        bandwidth,
-    )
+    assert (cluster.gpu, cluster.memory_gib) == (gpu, memory)
+    assert cluster.rates.train_flops == pytest.approx(peak * TRAIN_MFU)
+    assert cluster.rates.vllm_flops == pytest.approx(peak * VLLM_MFU)
+    assert cluster.rates.decode_bandwidth == pytest.approx(bandwidth * 0.6)
     assert cluster.total == 2 * int(spec.split("x")[0])
+
+
+def test_a_cpu_profile_plans_with_the_measured_cpu_rates():
+    cluster = parse_gpus("cpu", nodes=1)
+    assert (cluster.gpu, cluster.per_node, cluster.rates) == ("CPU", 1, CPU_RATES)
+    assert cluster.memory_gib >= 1
 
 
 @pytest.mark.parametrize(
@@ -63,7 +69,7 @@ def test_bad_gpu_specs(spec, nodes, message):
 def small_recipe(tmp_path, **blocks) -> Recipe:
     """A target of 2 layers, hidden 64, vocab 1000 (config.json in a folder); 100 de-en prompts."""
     folder = tmp_path / "target"
-    folder.mkdir()
+    folder.mkdir(parents=True)
     config = {"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 1000, "intermediate_size": 128,
               "num_attention_heads": 4}  # fmt: skip
     (folder / "config.json").write_text(json.dumps(config))
@@ -120,10 +126,32 @@ def test_arithmetic_of_a_small_recipe(tmp_path):
     assert steps == 25
     # + rank 0 tokenizing the mix first (one process: a small mix), the other ranks waiting
     tokenizing = 200 * 132 * RECORD_BYTES_PER_TOKEN / TOKENIZE_BYTES_PER_S
-    assert finetune.hours == pytest.approx((steps * (compute + STEP_OVERHEAD_S) + tokenizing) / 3600)
+    # + the launch's fixed start
+    assert finetune.hours == pytest.approx(
+        (steps * (compute + STEP_OVERHEAD_S) + tokenizing + LAUNCH_S) / 3600
+    )
     assert "tokenizing the mix (1 process(es)" in finetune.note
     assert finetune.gpus == 2 and finetune.gpu_hours == pytest.approx(2 * finetune.hours)
     assert plan.hours == pytest.approx(distill.hours + finetune.hours)
+
+
+def test_open_rows_count_in_the_mix_and_max_steps_caps_a_trainer(tmp_path):
+    plain = estimate(small_recipe(tmp_path / "a"), parse_gpus("2xA100-80GB"), distill_engines=1)
+    source = {"kind": "local", "path": "rows.jsonl", "pair": "de-en"}
+    opened = estimate(
+        small_recipe(tmp_path / "b", distill={"open_fraction": 1.5}, data={"open": [source]}),
+        parse_gpus("2xA100-80GB"), distill_engines=1,
+    )  # fmt: skip
+    # 200 answers and 1.5 open rows each (reference answers) in the mix, no more generated
+    assert opened.stages[0].tokens == plain.stages[0].tokens
+    assert opened.stages[1].tokens == pytest.approx(2.5 * plain.stages[1].tokens)
+    capped = estimate(
+        small_recipe(tmp_path / "c", finetune={"loop": {"epochs": 1.0, "per_device_batch_size": 4, "max_steps": 5}}),
+        parse_gpus("2xA100-80GB"), distill_engines=1,
+    )  # fmt: skip
+    # 25 steps an epoch (see above), 5 with max_steps: 5 x 4 rows x 132 tokens on each of 2 processes
+    assert capped.stages[1].tokens == pytest.approx(5 * 4 * 132 * 2)
+    assert capped.stages[1].note.startswith("5 steps")
 
 
 def test_the_plan_names_every_assumed_constant(tmp_path):
@@ -150,16 +178,41 @@ def test_idle_gpus_are_reported(tmp_path):
 
 
 def test_measure_deals_its_groups_over_every_node():
-    """On two 8-GPU nodes measure runs as many processes on node 1 as on node 0 (one per copy of the
-    target): 16 GPUs, half the hours of one node, no GPU idle; one node's plan is as it was."""
+    """A group (eval set, temperature, seed) goes to one process, on any node: vicuna-7b/de's 6 groups keep
+    6 of a node's 8 processes busy, as long on two nodes as on one, and the 2 others are not reported idle
+    (nothing to give them); with 32 groups, two nodes' 16 processes halve one node's 4 groups each."""
     recipe = load_recipe("recipes/vicuna-7b/de.yaml")
     one, two = (estimate(recipe, parse_gpus("8xA100-80GB", nodes=n)) for n in (1, 2))
     alone, both = (next(s for s in plan.stages if s.name == "measure") for plan in (one, two))
-    assert (alone.gpus, both.gpus) == (8, 16)
-    assert alone.note.startswith("8 process(es) with a copy of the target on 1 GPU(s) each")
+    assert (alone.gpus, both.gpus) == (6, 6) and both.hours == pytest.approx(alone.hours)
+    assert alone.note.startswith("8 process(es) with a copy of the target on 1 GPU(s) each, 6 group(s)")
     assert both.note.startswith("8 process(es) on each of 2 nodes with a copy of the target on 1 GPU(s) each")
-    assert both.hours == pytest.approx(alone.hours / 2) and both.gpu_hours == pytest.approx(alone.gpu_hours)
     assert not any(w.startswith("measure:") for w in one.warnings + two.warnings), two.warnings
+    more = load_recipe(
+        "recipes/vicuna-7b/de.yaml",
+        ["measure.seeds=[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]", "measure.num_prompts=30"],
+    )
+    one, two = (
+        next(s for s in estimate(more, parse_gpus("8xA100-80GB", nodes=n)).stages if s.name == "measure")
+        for n in (1, 2)
+    )
+    assert (one.gpus, two.gpus) == (8, 16)
+    assert two.hours < one.hours  # 2 groups a process instead of 4 (each process still loads and probes once)
+
+
+def test_export_deals_its_vllm_checks_over_a_copy_of_the_target_per_folder():
+    """vicuna-7b/de exports 2 folders (the de-en drafter, the pretrained one): their vLLM checks run on 2
+    copies at once, an engine for the target alone and one for the folder each; the 6 other GPUs have
+    nothing to do and are not reported idle. With the check off, only the smoke checks on one copy."""
+    recipe = load_recipe("recipes/vicuna-7b/de.yaml")
+    plan = estimate(recipe, parse_gpus("8xA100-80GB"))
+    export = next(s for s in plan.stages if s.name == "export")
+    assert export.gpus == 2 and "vLLM's on 2 cop(ies)" in export.note
+    assert export.hours * 3600 > 2 * VLLM_STARTUP_S
+    assert not any(w.startswith("export:") for w in plan.warnings), plan.warnings
+    off = load_recipe("recipes/vicuna-7b/de.yaml", ["export.vllm_check=off"])
+    quiet = next(s for s in estimate(off, parse_gpus("8xA100-80GB")).stages if s.name == "export")
+    assert quiet.gpus == 1 and quiet.hours * 3600 < VLLM_STARTUP_S
 
 
 def test_small_batches_are_reported(tmp_path):
@@ -190,14 +243,16 @@ def test_a_70b_target_is_spread_over_the_gpus_it_needs_and_does_not_fit_one():
     plan = estimate(recipe, parse_gpus("8xA100-80GB"), distill_engines=1)
     measure = next(s for s in plan.stages if s.name == "measure")
     assert measure.peak_gib < 80 * 0.9  # 69B bf16 weights (+10%): 2 x 71 GiB a copy
-    # one measure process per copy: 4 copies of 2 GPUs each, the groups dealt between them
+    # one measure process per copy: 4 copies of 2 GPUs each, the 6 groups dealt between them
     assert measure.gpus == 8 and measure.note.startswith(
-        "4 process(es) with a copy of the target on 2 GPU(s)"
+        "4 process(es) with a copy of the target on 2 GPU(s) each, 6 group(s)"
     )
     one = estimate(recipe.model_copy(update={"measure": recipe.measure.model_copy(update={"processes": 1})}),
                    parse_gpus("8xA100-80GB"), distill_engines=1)  # fmt: skip
     alone_measure = next(s for s in one.stages if s.name == "measure")
-    assert alone_measure.gpus == 2 and alone_measure.hours == pytest.approx(4 * measure.hours)
+    # one process decodes all 6 groups, the busiest of 4 decodes 2: 3x the decoding, the same loading
+    # and latency probes once per process
+    assert alone_measure.gpus == 2 and 2 < alone_measure.hours / measure.hours < 3
     text = plan_table(plan)
     assert "measure: ~" not in text
     assert "distill: ~" in text and "will not fit" in text  # tensor_parallel_size 1
@@ -337,6 +392,13 @@ def test_eagle3_keeps_the_distilled_rows_of_its_temperatures_at_their_length(tmp
 GPU_RECIPES = sorted(
     str(p) for p in Path("recipes").glob("*/*.yaml") if p.parent.name not in ("demo", "accelerate")
 )
+
+
+def test_the_readme_two_node_example_is_planned_without_a_warning():
+    """vicuna-7b/de on two 8xA100 nodes (the README's example): distillation, training and measure on
+    every node's GPUs, export on a copy per folder: no GPU reported idle."""
+    plan = estimate(load_recipe("recipes/vicuna-7b/de.yaml"), parse_gpus("8xA100-80GB", nodes=2))
+    assert plan.warnings == [], plan.warnings
 
 
 @pytest.mark.parametrize("path", GPU_RECIPES)
