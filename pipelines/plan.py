@@ -380,13 +380,21 @@ def _eagle3(
 
 
 def _calibrate(recipe: Recipe, cluster: Cluster, target: Shape, row_tokens: float) -> StagePlan:
-    """One process: one target forward over prefix + drafts per sampled position; the target spread over
-    every GPU of a node."""
-    c = recipe.calibrate
+    """One process, per sampled position: the early exit reads the prefix, drafts `draft_length` tokens one
+    step at a time (each step its shared and exit layers and its head, a batch-1 forward), then one target
+    forward over prefix + drafts (its FLOPs and each layer's fixed cost); the target spread over every GPU
+    of a node."""
+    c, e = recipe.calibrate, recipe.early_exit
     positions = c.num_positions * (1 + c.heldout_fraction)
     tokens = positions * (row_tokens + c.draft_length)
     seconds = 2.0 * target.params() * tokens / cluster.rates.train_flops
-    seconds += positions * c.draft_length * decode_latency(target, cluster) / target.layers
+    seconds += positions * target.layers * cluster.rates.layer_s
+    exit_drafter = Shape(target.hidden, e.num_shared_layers + e.num_exit_layers, target.vocab, target.intermediate,
+                         target.heads, target.kv_heads, target.head_dim, target.tied)  # fmt: skip
+    seconds += positions * c.draft_length * decode_latency(exit_drafter, cluster)
+    # the early exit's own forward over each prefix, before its first draft
+    seconds += positions * row_tokens * 2.0 * exit_drafter.matmul_params() / cluster.rates.train_flops
+    seconds += positions * exit_drafter.layers * cluster.rates.layer_s
     weights = target.params() * 2 / GIB
     return StagePlan("calibrate", tokens, seconds / 3600, cluster.per_node, weights / cluster.per_node)
 
