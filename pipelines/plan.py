@@ -14,11 +14,13 @@ from polydraft.pipelines.plan_model import (
     ANSWER_TOKENS,
     CHECKPOINT_BYTES_PER_PARAM,
     CROSS_PAIR_SPEEDUP,
+    DISTILL_PASSES,
     EXPORT_BYTES_PER_PARAM,
     GIB,
     MEMORY_HEADROOM,
     MIX_CACHE_BYTES_PER_TOKEN,
     RECORD_BYTES_PER_TOKEN,
+    RECORDS_BYTES_PER_S,
     SOURCE_TOKENS,
     SPEC_SPEEDUP,
     TEMPLATE_TOKENS,
@@ -257,9 +259,13 @@ def _distill(
         mix_tokens += requests * (1 + d.open_fraction) * (1 - d.eval_fraction) * (prompt + answer)
     flops = 2.0 * target.params() * (generated + prefill)
     weights_gib = target.params() * 2 / GIB
+    # besides generating: the prompt and request files, the statistics and the mix over the records
+    bookkeeping = (generated + prefill) * RECORD_BYTES_PER_TOKEN * DISTILL_PASSES / RECORDS_BYTES_PER_S
     if d.backend == "openai":
         return (
-            StagePlan("distill", generated, 0.0, 0, 0.0, "external servers: not estimated"),
+            StagePlan(
+                "distill", generated, bookkeeping / 3600, 0, 0.0, "external servers: generation not estimated"
+            ),
             mix_rows,
             mix_tokens,
         )
@@ -274,6 +280,7 @@ def _distill(
             )
         )
         seconds = (flops - 2.0 * target.params() * generated + padded) / cluster.rates.generate_flops
+        seconds += bookkeeping
         seconds += target.params() * cluster.rates.bytes_per_param / cluster.rates.load_bytes_per_s
         return (
             StagePlan(
@@ -299,6 +306,7 @@ def _distill(
     seconds = (
         flops / (count * tp * cluster.nodes * rates.vllm_flops) + rates.vllm_import_s + rates.vllm_startup_s
     )
+    seconds += bookkeeping
     gpus *= cluster.nodes
     # vLLM claims gpu_memory_utilization of each GPU; the weights must leave room for a KV cache in it
     peak = cluster.memory_gib * d.vllm.gpu_memory_utilization

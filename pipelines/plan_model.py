@@ -165,6 +165,13 @@ RECORD_BYTES_PER_TOKEN = 14.4
 """Bytes a distilled record (a JSONL line: texts, the answer's token ids, metadata) takes per prompt and
 answer token: 2,955,582 bytes for 204,778 tokens of a demo run's 1,600 records (bench/results/run_disk.md,
 `python -m bench.run_disk runs/demo/demo`)."""
+RECORDS_BYTES_PER_S = 1.08e8
+"""Distilled records (JSONL) read and parsed per second, one process: 4,288,589 bytes of a demo run's 2,400
+records (`python -m bench.run_disk <run> --record bench/results/run_disk.md`, 2026-11-29). The distill
+stage passes over them about `DISTILL_PASSES` times besides generating."""
+DISTILL_PASSES = 3
+"""The prompt and request files written, the records read back for the statistics and the mix, the mix
+written (each about the records' bytes)."""
 MIX_CACHE_BYTES_PER_TOKEN = 8.0
 """The tokenized mix each trainer caches (`train.mix_cache`): int32 input ids and labels."""
 CHECKPOINT_BYTES_PER_PARAM = 12.0
