@@ -334,8 +334,9 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from polydraft.pipelines.plan import estimate, plan_table
+    from polydraft.pipelines.plan import estimate
     from polydraft.pipelines.plan_model import PlanError, parse_gpus
+    from polydraft.pipelines.plan_output import plan_table
 
     recipe = load_recipe(args.recipe, args.overrides)
     try:

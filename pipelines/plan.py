@@ -12,13 +12,10 @@ from polydraft.decoding.measurement.eval_inputs import extra_pair
 from polydraft.pipelines.nodes import processes_per_node
 from polydraft.pipelines.plan_model import (
     ANSWER_TOKENS,
-    CHECKPOINT_BYTES_PER_PARAM,
     CROSS_PAIR_SPEEDUP,
     DISTILL_PASSES,
-    EXPORT_BYTES_PER_PARAM,
     GIB,
     MEMORY_HEADROOM,
-    MIX_CACHE_BYTES_PER_TOKEN,
     RECORD_BYTES_PER_TOKEN,
     RECORDS_BYTES_PER_S,
     SOURCE_TOKENS,
@@ -29,9 +26,10 @@ from polydraft.pipelines.plan_model import (
     Cluster,
     PlanError,
     Shape,
-    assumptions,
     decode_latency,
+    device,
     drafter_size,
+    spread,
     target_shape,
     train_memory,
 )
@@ -225,10 +223,6 @@ def _launches(plan: Plan, target: Shape, kd: bool) -> None:
         if first is not None:
             loads = name in WITH_TARGET or (name == "finetune" and kd)
             first.hours += (rates.launch_s + load * loads) / 3600
-
-
-def device(cluster: Cluster) -> str:
-    return "CPU" if cluster.gpu == "CPU" else "GPU"
 
 
 def _engines(recipe: Recipe, cluster: Cluster, given: int | None) -> int:
@@ -503,87 +497,3 @@ def _export(recipe: Recipe, cluster: Cluster, target: Shape) -> StagePlan:
     return StagePlan(
         "export", tokens, seconds / 3600, gpus * copies, peak, note, most_gpus=gpus * max(1, folders)
     )
-
-
-def spread(needed: float, cluster: Cluster) -> tuple[int, float]:
-    """A target loaded for decoding (`models/placement.py`): on one GPU when it fits, else over as many of
-    a node's GPUs as it takes, whole layers each (returns the GPUs and the GiB on each). Decoding a spread
-    target reads the same weights one GPU after the other: its step costs what one GPU's would."""
-    usable = cluster.memory_gib * MEMORY_HEADROOM * GIB
-    gpus = min(cluster.per_node, max(1, math.ceil(needed / usable)))
-    return gpus, needed / gpus / GIB
-
-
-def _si(value: float) -> str:
-    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if value >= scale:
-            return f"{value / scale:.2f}{unit}"
-    return f"{value:.0f}"
-
-
-def plan_table(plan: Plan) -> str:
-    """The plan as a Markdown table, its total and its warnings."""
-    lines = [
-        f"plan on {plan.cluster} (constants: pipelines/plan_model.py)",
-        "",
-        "| stage | tokens | hours | GPUs | GPU-hours | peak GiB/GPU | how |",
-        "|---|---:|---:|---:|---:|---:|---|",
-    ]
-    for s in plan.stages:
-        lines.append(
-            f"| {s.name} | {_si(s.tokens)} | {s.hours:.2f} | {s.gpus} | {s.gpu_hours:.1f} | {s.peak_gib:.1f} | {s.note} |"
-        )
-    gpu_hours = sum(s.gpu_hours for s in plan.stages)
-    lines.append(
-        f"| **total** | | **{plan.hours:.2f}** | | {gpu_hours:.1f} of {plan.hours * plan.cluster.total:.1f} | | |"
-    )
-    lines += ["", *(f"warning: {w}" for w in plan.warnings)] if plan.warnings else []
-    assumed = ", ".join(f"{name} {value:g}" for name, value in assumptions(plan.cluster).items())
-    lines += [
-        "",
-        f"assumed, not measured (pipelines/plan_model.py; replace with your hardware's figures): {assumed}",
-    ]
-    return "\n".join(lines)
-
-
-def disk_estimate(recipe: Recipe) -> dict[str, float]:
-    """Bytes the run will write, by what writes them: the distilled records and the mix, each trainer's
-    tokenized mix, its checkpoints (`keep_checkpoints` of them, each drafter's or head's), the exports.
-    PlanError when a source or the target cannot be sized."""
-    target = target_shape(recipe.target)
-    drafter = drafter_size(recipe.pretrain.drafter if recipe.pretrain.enabled else recipe.finetune.drafter,
-                           target.vocab)  # fmt: skip
-    d, out = recipe.distill, {}
-    per_prompt = (0.0 in d.temperatures) + d.samples_per_prompt * sum(t > 0 for t in d.temperatures)
-    tokens = 0.0
-    for source in recipe.data.distill if d.enabled else []:
-        requests = source_rows(source, recipe, "distill") / d.num_shards * per_prompt
-        tokens += requests * (prompt_tokens(source, recipe) + answer_tokens(source, d.max_new_tokens))
-    out["distill records and mix"] = tokens * RECORD_BYTES_PER_TOKEN * (2 + d.open_fraction)
-    pairs = len(recipe.data.pairs) or 1
-    trainers = []  # (stage, trained parameters per model, models, its loop)
-    if recipe.pretrain.enabled:
-        trainers.append(("pretrain", drafter.params(), 1, recipe.pretrain.loop))
-    if recipe.finetune.enabled:
-        trainers.append(
-            ("finetune", drafter.params(), pairs + recipe.finetune.multilingual, recipe.finetune.loop)
-        )
-    if recipe.early_exit.enabled:
-        e = recipe.early_exit
-        exit_layers = e.num_exit_layers * target.layer_params() + target.vocab * target.hidden
-        trainers.append(("early_exit", exit_layers, 1, e.loop))
-    if recipe.eagle3.enabled:
-        e = recipe.eagle3
-        head = (
-            4 * target.hidden * target.hidden
-            + target.layer_params()
-            + min(e.draft_vocab_size, target.vocab) * target.hidden
-        )
-        trainers.append(("eagle3", head, pairs + e.multilingual, e.loop))
-    for stage, params, models, loop in trainers:
-        out[f"{stage} checkpoints"] = params * models * CHECKPOINT_BYTES_PER_PARAM * loop.keep_checkpoints
-        if stage != "pretrain":
-            out[f"{stage} tokenized mix"] = tokens * (1 + d.open_fraction) * MIX_CACHE_BYTES_PER_TOKEN
-        if stage != "pretrain" or recipe.export.include_pretrained:
-            out[f"{stage} exports"] = params * models * EXPORT_BYTES_PER_PARAM * recipe.export.enabled
-    return out

@@ -7,6 +7,7 @@ when one exists.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -414,3 +415,17 @@ def train_memory(
         + activations
         + logit_tokens * vocab * LOGITS_BYTES_PER_VALUE
     )
+
+
+def device(cluster: Cluster) -> str:
+    """What the plan's notes call a cluster's device."""
+    return "CPU" if cluster.gpu == "CPU" else "GPU"
+
+
+def spread(needed: float, cluster: Cluster) -> tuple[int, float]:
+    """A target loaded for decoding (`models/placement.py`): on one GPU when it fits, else over as many of
+    a node's GPUs as it takes, whole layers each (returns the GPUs and the GiB on each). Decoding a spread
+    target reads the same weights one GPU after the other: its step costs what one GPU's would."""
+    usable = cluster.memory_gib * MEMORY_HEADROOM * GIB
+    gpus = min(cluster.per_node, max(1, math.ceil(needed / usable)))
+    return gpus, needed / gpus / GIB

@@ -254,7 +254,7 @@ def test_a_run_directory_without_room_for_the_run_is_a_problem(tmp_path, monkeyp
     import shutil
     from collections import namedtuple
 
-    from polydraft.pipelines.plan import disk_estimate
+    from polydraft.pipelines.plan_disk import disk_estimate
     from polydraft.pipelines.preflight import check_disk
     from polydraft.pipelines.recipe import load_recipe
     from polydraft.pipelines.stage import PROJECT_ROOT

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from polydraft.pipelines.cli import EXIT_BAD_INPUT, main
-from polydraft.pipelines.plan import estimate, plan_table
+from polydraft.pipelines.plan import estimate
 from polydraft.pipelines.plan_model import (
     CPU_RATES,
     DISTILL_PASSES,
@@ -24,6 +24,7 @@ from polydraft.pipelines.plan_model import (
     PlanError,
     parse_gpus,
 )
+from polydraft.pipelines.plan_output import plan_table
 from polydraft.pipelines.recipe import load_recipe
 from polydraft.pipelines.schema import Recipe
 
