@@ -59,8 +59,7 @@ def test_each_training_process_gets_its_share_of_the_cores(tmp_path, monkeypatch
     assert "--num_cpu_threads_per_process 16" in " ".join(accelerate_command(single, None, "m", []))
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert "--num_cpu_threads_per_process" not in " ".join(accelerate_command(single, None, "m", []))
-    monkeypatch.delenv("OMP_NUM_THREADS")
-    monkeypatch.undo()
+    monkeypatch.undo()  # this machine's cores again
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     script = tmp_path / "threads.py"
     script.write_text("import torch\nprint('threads', torch.get_num_threads())\n")
