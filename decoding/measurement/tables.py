@@ -6,8 +6,8 @@ measured once says `(n=1)` instead of a spread it does not have; methods measure
 labelled `(vLLM)` and also get a table beside polydraft's own rows, with the differences beyond noise
 said in words. Speedup cells carry the latency model's prediction from the measured forward latencies
 (`decoding.measurement.latency`) and its error, measured / predicted - 1 (a prediction, not a bound). The in-domain vs out-of-domain table
-compares block efficiencies against their pooled spread, and so does the table of local rescoring's gain
-over the same proposal heads alone (also paired by seed). Plots: block
+and the table of local rescoring's gain over the same proposal heads alone decide their differences by
+the one paired rule (`decoding.measurement.claims.paired_interval`) on the rows' per-prompt values. Plots: block
 efficiency and speedup per dataset and temperature (bars with std error bars), and speedup against
 the draft length K for fixed-K chain decoders. Figures are drawn on matplotlib `Figure` objects with
 the Agg canvas, so nothing touches pyplot's global state.
@@ -15,10 +15,10 @@ the Agg canvas, so nothing touches pyplot's global state.
 
 from __future__ import annotations
 
-import math
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from polydraft.decoding.measurement.claims import LEVEL, paired_interval
 from polydraft.decoding.measurement.metrics import format_cell, mean_std
 from polydraft.decoding.measurement.results import ResultRow
 from polydraft.decoding.measurement.vllm_report import vllm_section
@@ -84,54 +84,83 @@ def speedup_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def pooled_std(first: list[float], second: list[float]) -> float | None:
-    """The pooled sample standard deviation of two groups (None without 2 values in each)."""
-    if len(first) < 2 or len(second) < 2:
-        return None
-    squares = sum((v - sum(g) / len(g)) ** 2 for g in (first, second) for v in g)
-    return math.sqrt(squares / (len(first) + len(second) - 2))
+NOT_PAIRED = "no per-prompt values (rows written before them, or vLLM's)"
+"""Why a table row has no interval: the paired rule needs every prompt's value."""
+
+
+def _paired_cells(differences: dict[int, list[float]], how: str) -> list[str]:
+    """The mean difference A - B with its interval, the smallest difference it could have detected, and
+    the outcome of the claim A > B (`how` the arms were paired), by the one rule
+    (`claims.paired_interval`); `differences`: prompt position -> its differences, one per repetition."""
+    interval = paired_interval({0: differences})
+    if interval is None:
+        return ["-", "-", "too few prompts"]
+    return [
+        f"{interval.mean:+.2f} [{interval.low:+.2f}, {interval.high:+.2f}]",
+        f"{interval.detectable:.2f}",
+        f"{interval.outcome('>')} ({how})",
+    ]
+
+
+def _positions(rows: list[Row]) -> dict[tuple[int, int], list[float]] | None:
+    """Block efficiency per (repetition, prompt position) over `rows` (one list per key, a value per eval
+    set); None when a row lacks per-prompt values."""
+    values: dict[tuple[int, int], list[float]] = defaultdict(list)
+    for row in rows:
+        if row.per_prompt is None:
+            return None
+        for position, result in enumerate(row.per_prompt):
+            values[row.seed, position].append(result.block_efficiency)
+    return values
 
 
 def domain_table(rows: list[Row]) -> str:
     """Block efficiency and speedup of each language-specific drafter's methods on its own pair vs the
-    other pairs (seed 003 Fig. 5), with the block-efficiency difference against twice the pooled std."""
+    other pairs (seed 003 Fig. 5), the block-efficiency difference decided by the paired rule
+    (`claims.paired_interval`). The two arms decode different eval sets, so no prompt is in both: the
+    differences are taken prompt position by position (the mean over the other pairs' eval sets at that
+    position), between independent prompts, so each difference carries both arms' spread across prompts
+    and the interval is as wide as an unpaired one (the study's in vs out-of-domain checks do the same,
+    `pipelines.study.arms`). A position's repetitions are one unit: with the default shared prompts they
+    decoded the same prompt, with `measure.disjoint_prompts` different ones, then fewer units than
+    prompts and a wider interval, never a narrower one."""
 
-    def split() -> dict[bool, list[float]]:
+    def split() -> dict[bool, list[Row]]:
         return {True: [], False: []}
 
-    efficiency: dict[tuple[str, float], dict[bool, list[float]]] = defaultdict(split)
-    speedup: dict[tuple[str, float], dict[bool, list[float]]] = defaultdict(split)
+    arms: dict[tuple[str, float], dict[bool, list[Row]]] = defaultdict(split)
     for row in rows:
-        if row.in_domain is not None and row.block_efficiency is not None:
-            efficiency[(row.method, row.temperature)][row.in_domain].append(row.block_efficiency)
-            if row.speedup is not None:
-                speedup[(row.method, row.temperature)][row.in_domain].append(row.speedup)
-    if not efficiency:
+        if row.engine == "polydraft" and row.in_domain is not None and row.block_efficiency is not None:
+            arms[(row.method, row.temperature)][row.in_domain].append(row)
+    if not arms:
         return "No language-specific drafter was measured on pair-specific eval sets."
     lines = [
-        "| method | T | in-domain BE | out-of-domain BE | difference | 2 x pooled std | beyond noise "
-        "| in-domain speedup | out-of-domain speedup |",
+        f"| method | T | in-domain BE | out-of-domain BE | difference [{LEVEL:.0%} interval] | detectable "
+        "| in > out | in-domain speedup | out-of-domain speedup |",
         "|" + " --- |" * 9,
     ]
-    for key, values in sorted(efficiency.items()):
-        inside, outside = values[True], values[False]
-        cells = [format_cell((*mean_std(values[flag]), len(values[flag])), False) for flag in (True, False)]
-        cells += [
-            format_cell((*mean_std(speedup[key][flag]), len(speedup[key][flag])), False)
-            for flag in (True, False)
-        ]
-        noise = pooled_std(inside, outside)
-        difference = (
-            f"{sum(inside) / len(inside) - sum(outside) / len(outside):+.2f}" if inside and outside else "-"
-        )
-        verdict = (
-            "-" if noise is None or difference == "-" else "yes" if float(difference) > 2 * noise else "no"
-        )
-        spread = "-" if noise is None else f"{2 * noise:.2f}"
+    for key, by_flag in sorted(arms.items()):
+        cells = []
+        for metric in ("block_efficiency", "speedup"):
+            for flag in (True, False):
+                values = [getattr(r, metric) for r in by_flag[flag] if getattr(r, metric) is not None]
+                cells.append(format_cell((*mean_std(values), len(values)), False))
+        inside, outside = _positions(by_flag[True]), _positions(by_flag[False])
+        if not by_flag[True] or not by_flag[False]:
+            decided = ["-", "-", "-"]
+        elif inside is None or outside is None:
+            decided = ["-", "-", NOT_PAIRED]
+        else:
+            differences: dict[int, list[float]] = defaultdict(list)
+            for (repetition, position), values in sorted(inside.items()):
+                other = outside.get((repetition, position))
+                if other:
+                    differences[position].append(sum(values) / len(values) - sum(other) / len(other))
+            decided = _paired_cells(dict(differences), "independent prompts, by position")
         lines.append(
-            f"| {key[0]} | {key[1]:g} | {cells[0]} | {cells[1]} | {difference} | {spread} | {verdict} "
-            f"| {cells[2]} | {cells[3]} |"
-        )
+            f"| {key[0]} | {key[1]:g} | {cells[0]} | {cells[1]} | " + " | ".join(decided)
+            + f" | {cells[2]} | {cells[3]} |"
+        )  # fmt: skip
     return "\n".join(lines)
 
 
@@ -140,51 +169,46 @@ BLOCKWISE = ("bpd", "bpd+rescore", "medusa", "medusa+rescore")
 
 def rescoring_table(rows: list[Row]) -> str:
     """Each `+rescore` method against the same heads without rescoring (seed 000's question: does local
-    rescoring raise block efficiency?), per eval set and temperature, seed by seed (with
-    `measure.disjoint_prompts` a seed is a set of prompts): the gain against twice the pooled std of the two
-    methods' repetitions (unpaired) and against twice the std of the per-seed gains (paired)."""
-    alone: dict[tuple, tuple[str, float]] = {}
+    rescoring raise block efficiency?), per eval set and temperature: both decoded the same prompts in the
+    same group, so each prompt's block-efficiency gain is paired (prompt position -> one gain per
+    repetition) and decided by the paired rule (`claims.paired_interval`)."""
+    alone: dict[tuple, Row] = {}
     for row in rows:
         if (
             row.engine == "polydraft"
             and row.decoder in ("bpd", "medusa")
             and row.block_efficiency is not None
         ):
-            alone[(row.decoder, row.drafter, row.dataset, row.temperature, row.seed)] = (
-                row.method,
-                row.block_efficiency,
-            )
-    pairs: dict[tuple[str, str, str, float], list[tuple[float, float]]] = defaultdict(list)
+            alone[(row.decoder, row.drafter, row.dataset, row.temperature, row.seed)] = row
+    pairs: dict[tuple[str, str, str, float], list[tuple[Row, Row]]] = defaultdict(list)
     for row in rows:
         if row.decoder not in ("bpd+rescore", "medusa+rescore") or row.block_efficiency is None:
             continue
         key = (row.decoder.removesuffix("+rescore"), row.drafter, row.dataset, row.temperature, row.seed)
         if key in alone:
-            base, value = alone[key]
-            pairs[(row.method, base, row.dataset, row.temperature)].append((row.block_efficiency, value))
+            pairs[(row.method, alone[key].method, row.dataset, row.temperature)].append((row, alone[key]))
     if not pairs:
         return "No `+rescore` decoder was measured beside the same heads alone."
     lines = [
-        "| method | against | dataset | T | rescored BE | heads alone BE | gain | 2 x pooled std | beyond "
-        "(unpaired) | gain per seed (paired) | beyond (paired) |",
-        "|" + " --- |" * 11,
+        f"| method | against | dataset | T | rescored BE | heads alone BE | gain [{LEVEL:.0%} interval, paired "
+        "by prompt] | detectable | rescored > alone |",
+        "|" + " --- |" * 9,
     ]
-    for (method, base, dataset, temperature), values in pairs.items():
-        rescored, heads = [v[0] for v in values], [v[1] for v in values]
-        gains = [a - b for a, b in values]
-        gain = sum(gains) / len(gains)
-        noise = pooled_std(rescored, heads)
-        gain_std = mean_std(gains)[1] if len(gains) > 1 else None
-        cells = [
-            format_cell((*mean_std(rescored), len(rescored)), False),
-            format_cell((*mean_std(heads), len(heads)), False),
-            f"{gain:+.2f}",
-            "-" if noise is None else f"{2 * noise:.2f}",
-            "-" if noise is None else "yes" if gain > 2 * noise else "no",
-            f"{gain:+.2f} ± {gain_std:.2f}" if gain_std is not None else f"{gain:+.2f} (n=1)",
-            "-" if gain_std is None else "yes" if gain > 2 * gain_std else "no",
-        ]
-        lines.append(f"| {method} | {base} | {dataset} | {temperature:g} | " + " | ".join(cells) + " |")
+    for (method, base, dataset, temperature), matched in pairs.items():
+        rescored = [a.block_efficiency for a, _ in matched if a.block_efficiency is not None]
+        heads = [b.block_efficiency for _, b in matched if b.block_efficiency is not None]
+        cells = [format_cell((*mean_std(v), len(v)), False) for v in (rescored, heads)]
+        if any(a.per_prompt is None or b.per_prompt is None for a, b in matched):
+            decided = ["-", "-", NOT_PAIRED]
+        else:
+            gains: dict[int, list[float]] = defaultdict(list)
+            for a, b in matched:
+                for position, (x, y) in enumerate(zip(a.per_prompt or [], b.per_prompt or [], strict=True)):
+                    gains[position].append(x.block_efficiency - y.block_efficiency)
+            decided = _paired_cells(dict(gains), "same prompts")
+        lines.append(
+            f"| {method} | {base} | {dataset} | {temperature:g} | " + " | ".join(cells + decided) + " |"
+        )
     return "\n".join(lines)
 
 

@@ -1,13 +1,12 @@
-"""The report's cells: repetitions, latency-model predictions and their error, and the in-domain vs out-of-domain verdict."""
+"""The report's cells: repetitions, latency-model predictions and their error, and the in-domain vs
+out-of-domain and rescoring verdicts (the paired rule on per-prompt values)."""
 
 from __future__ import annotations
 
-import math
-
-from polydraft.decoding.measurement.results import ResultRow
+from polydraft.decoding.measurement.results import PromptResult, ResultRow
 from polydraft.decoding.measurement.tables import (
+    NOT_PAIRED,
     domain_table,
-    pooled_std,
     repetitions,
     rescoring_table,
     speedup_table,
@@ -93,44 +92,80 @@ def test_rows_written_with_the_old_field_name_still_load():
     assert "ideal_speedup" not in ResultRow.model_validate(old).model_dump()
 
 
-def test_domain_table_calls_a_difference_beyond_noise_only_past_twice_the_pooled_std():
-    assert pooled_std([1.0], [2.0, 3.0]) is None
-    assert math.isclose(pooled_std([1.0, 3.0], [2.0, 4.0, 6.0]), math.sqrt((2 + 8) / 3))
-    inside = [row("de-en-test", s, be, 1.0) for s, be in enumerate([3.0, 3.1, 2.9])]
-    far = [row("fr-en-test", s, be, 0.8) for s, be in enumerate([2.0, 2.1, 1.9])]
-    near = [row("fr-en-test", s, be, 0.8) for s, be in enumerate([2.85, 2.95, 2.75])]
-    # pooled std 0.1 in both cases: a difference of 1.0 is beyond noise, one of 0.15 (1.5 std) is not
-    assert "| sd[de-en] K=4 | 0 | 3.00 ± 0.10 | 2.00 ± 0.10 | +1.00 | 0.20 | yes |" in domain_table(
-        inside + far
+def prompts(*bes: float) -> list[PromptResult]:
+    """Per-prompt results with these block efficiencies (new tokens over 100 target calls)."""
+    return [PromptResult(new_tokens=round(be * 100), target_calls=100, wall_seconds=1.0) for be in bes]
+
+
+def test_domain_table_decides_by_the_paired_rule_on_per_prompt_values_not_by_the_runs_spread():
+    """The runs' means differ by 1.0 at a pooled std of 0.1 (twice the pooled std said `yes`), but prompt
+    by prompt the difference is -1.5 and +3.5: two positions cannot settle it. The other way round: the
+    runs' means scatter (pooled std 1.0, the old rule said `no`) while every position's difference is
+    +0.2: it holds."""
+    inside = [
+        row("de-en-test", s, be, 1.0).model_copy(update={"per_prompt": prompts(1.0 + d, 5.0 + d)})
+        for s, (be, d) in enumerate([(3.0, 0.0), (3.1, 0.2), (2.9, -0.2)])
+    ]
+    far = [
+        row("fr-en-test", s, be, 0.8).model_copy(update={"per_prompt": prompts(2.5 + d, 1.5 + d)})
+        for s, (be, d) in enumerate([(2.0, 0.0), (2.1, 0.2), (1.9, -0.2)])
+    ]
+    text = domain_table(inside + far)
+    assert "| sd[de-en] K=4 | 0 | 3.00 ± 0.10 | 2.00 ± 0.10 | +1.00 [" in text, text
+    assert "| within noise (independent prompts, by position) |" in text
+    shifted = [
+        row("de-en-test", s, be, 1.0).model_copy(
+            update={"per_prompt": prompts(*(be + d for d in (-1, 0, 1, 0.5)))}
+        )
+        for s, be in enumerate([2.0, 3.0, 4.0])
+    ]
+    below = [
+        row("fr-en-test", s, be - 0.2, 0.8).model_copy(
+            update={"per_prompt": prompts(*(be - 0.2 + d for d in (-1, 0, 1, 0.5)))}
+        )
+        for s, be in enumerate([2.0, 3.0, 4.0])
+    ]
+    text = domain_table(shifted + below)
+    assert (
+        "| 3.00 ± 1.00 | 2.80 ± 1.00 | +0.20 [+0.20, +0.20] | 0.00 | holds (independent prompts, by position) |"
+        in text
+    ), text
+    # rows without per-prompt values (older results) cannot be paired, and the table says why
+    assert f"| - | - | {NOT_PAIRED} |" in domain_table(
+        [row("de-en-test", 0, 3.0, 1.0), row("fr-en-test", 0, 2.0, 1.0)]
     )
-    assert "| +0.15 | 0.20 | no |" in domain_table(inside + near)
-    assert "| - | - |" in domain_table(inside[:1] + far[:1])
+    assert "| - | - | - |" in domain_table(inside[:1])
 
 
-def test_rescoring_gain_against_both_spreads():
-    """A gain smaller than twice the methods' spread over prompts (unpaired: no) but steady seed by seed
-    (paired: yes); the other way round when the gain flips sign between seeds."""
+def test_rescoring_gain_is_decided_per_prompt_not_per_repetition():
+    """A gain of +0.10 in every repetition (steady seed by seed: the old paired column said `yes`) made of
+    +1.0 on one prompt and -0.8 on the other: within noise. A gain of +0.10 on every prompt while the
+    repetitions scatter (twice the pooled std 0.60: the old unpaired column said `no`): it holds."""
 
-    def blockwise(decoder: str, method: str, seed: int, be: float) -> ResultRow:
+    def blockwise(decoder: str, method: str, seed: int, be: float, per_prompt: list[float]) -> ResultRow:
         rescorer = "de-en" if decoder.endswith("+rescore") else None
         return row("de-en-test", seed, be, 1.0).model_copy(
             update={"decoder": decoder, "method": method, "drafter": "heads", "drafter_kind": "heads",
-                    "rescorer": rescorer, "in_domain": None}
+                    "rescorer": rescorer, "in_domain": None, "per_prompt": prompts(*per_prompt)}
         )  # fmt: skip
 
-    alone = [blockwise("bpd", "bpd[heads] K=3", s, be) for s, be in enumerate([1.5, 1.8, 2.1])]
-    steady = [
-        blockwise("bpd+rescore", "bpd+rescore[de-en] K=3", s, be) for s, be in enumerate([1.6, 1.9, 2.2])
-    ]
-    text = rescoring_table(alone + steady)
-    assert (
-        "| bpd+rescore[de-en] K=3 | bpd[heads] K=3 | de-en-test | 0 | 1.90 ± 0.30 | 1.80 ± 0.30 | +0.10 | 0.60 "
-        "| no | +0.10 ± 0.00 | yes |"
-    ) in text, text
+    levels = [1.5, 1.8, 2.1]
+    alone = [blockwise("bpd", "bpd[heads] K=3", s, be, [be - 0.5, be + 0.5]) for s, be in enumerate(levels)]
     flipping = [
-        blockwise("bpd+rescore", "bpd+rescore[de-en] K=3", s, be) for s, be in enumerate([1.9, 1.5, 2.4])
+        blockwise("bpd+rescore", "bpd+rescore[de-en] K=3", s, be + 0.1, [be + 0.5, be - 0.3])
+        for s, be in enumerate(levels)
     ]
-    assert "| 1.93 ± 0.45 | 1.80 ± 0.30 | +0.13 | 0.77 | no | +0.13 ± 0.38 | no |" in rescoring_table(
-        alone + flipping
+    text = rescoring_table(alone + flipping)
+    assert (
+        "| bpd+rescore[de-en] K=3 | bpd[heads] K=3 | de-en-test | 0 | 1.90 ± 0.30 | 1.80 ± 0.30 | +0.10 ["
+        in text
     )
+    assert text.endswith("| within noise (same prompts) |"), text
+    steady = [
+        blockwise("bpd+rescore", "bpd+rescore[de-en] K=3", s, be + 0.1, [be - 0.4, be + 0.6])
+        for s, be in enumerate(levels)
+    ]
+    assert rescoring_table(alone + steady).endswith("| +0.10 [+0.10, +0.10] | 0.00 | holds (same prompts) |")
+    older = [r.model_copy(update={"per_prompt": None}) for r in alone + steady]
+    assert rescoring_table(older).endswith(f"| - | - | {NOT_PAIRED} |")
     assert rescoring_table(steady).startswith("No `+rescore` decoder")
