@@ -20,7 +20,7 @@ sheet, so this bench measures the same quantities with small Llamas of the width
   export's check does) on the demo's committed target (`--vllm-model`; `--no-vllm` skips it).
 
 Every quantity is measured `--repeats` times, interleaved; the table gives mean ± std, and the plan's
-CPU constants (`pipelines/plan_model.py`, CPU_*) are the means of a recorded run.
+CPU constants (`pipelines/runtime/cluster.py`, CPU_*) are the means of a recorded run.
 
     python -m bench.cpu_rates [--repeats 3] [--record bench/results/cpu_rates.md]
 """

@@ -31,7 +31,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from polydraft.decoding.measurement.mixed import RULE, decisions, read_groups
-from polydraft.pipelines.recipe import load_recipe
+from polydraft.pipelines.run.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("pipelines", "data", "distill", "train", "models", "decoding")
@@ -53,7 +53,7 @@ def clone_and_run(index: int, recipe: str, out: Path) -> dict:
     command = [
         sys.executable,
         "-m",
-        "polydraft.pipelines.cli",
+        "polydraft.pipelines.cli.main",
         "run",
         recipe,
         "--run-dir",

@@ -60,8 +60,8 @@ def main() -> None:
 
     from polydraft.decoding.measurement.groups import eos_ids_of
     from polydraft.models.loading import load_tokenizer
-    from polydraft.pipelines.recipe import load_recipe
-    from polydraft.pipelines.target import bootstrap_pairs, resolve_target
+    from polydraft.pipelines.run.recipe import load_recipe
+    from polydraft.pipelines.runtime.target import bootstrap_pairs, resolve_target
 
     recipe = load_recipe(Path(args.recipe), [])
     spec = resolve_target(recipe.target, recipe.data, show_progress=False, build=False)

@@ -35,7 +35,7 @@ def main() -> int:
     command = [
         sys.executable,
         "-m",
-        "polydraft.pipelines.cli",
+        "polydraft.pipelines.cli.main",
         "run",
         args.recipe,
         "--run-dir",

@@ -56,7 +56,7 @@ def train(recipe: str, out_dir: Path, depths: list[int], overrides: list[str]) -
         command = [
             sys.executable,
             "-m",
-            "polydraft.pipelines.cli",
+            "polydraft.pipelines.cli.main",
             "run",
             recipe,
             "--run-dir",

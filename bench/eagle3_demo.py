@@ -67,10 +67,10 @@ def main() -> None:
     from polydraft.decoding.sd import speculative
     from polydraft.models.eagle3 import load_eagle3
     from polydraft.models.loading import load_tokenizer
-    from polydraft.pipelines.recipe import load_recipe
+    from polydraft.pipelines.run.recipe import load_recipe
+    from polydraft.pipelines.runtime.contract import StageSpec
+    from polydraft.pipelines.runtime.tracking import Tracker
     from polydraft.pipelines.schema.inputs import Eagle3Inputs, EvalPrompts
-    from polydraft.pipelines.stage import StageSpec
-    from polydraft.pipelines.tracking import Tracker
     from polydraft.train.runtime import make_accelerator
 
     manifest = json.loads((args.run / "distill" / "manifest.json").read_text(encoding="utf-8"))

@@ -33,9 +33,9 @@ def load_held_out(recipe_path: str | Path, overrides: list[str], count: int) -> 
     from transformers import AutoModelForCausalLM
 
     from polydraft.models.loading import load_tokenizer
-    from polydraft.pipelines.recipe import load_recipe
+    from polydraft.pipelines.run.recipe import load_recipe
+    from polydraft.pipelines.runtime.target import resolve_target
     from polydraft.pipelines.schema.inputs import EvalPrompts
-    from polydraft.pipelines.target import resolve_target
 
     recipe = load_recipe(Path(recipe_path), overrides)
     spec = resolve_target(recipe.target, recipe.data, show_progress=False)

@@ -1,6 +1,6 @@
 """The plan of recipes/vicuna-7b/de.yaml on one 8xA100-80GB node, before and after issue 28: `polydraft plan`
 with the recipe as it was (one vLLM engine; 4 training processes; batch 2 per GPU; 480 prompts decoded by
-every seed) and as it ships now, on one node and on two. An estimate from pipelines/plan_model.py's
+every seed) and as it ships now, on one node and on two. An estimate from pipelines/runtime/cluster.py's
 constants, not a measurement: its range puts every rate the plan assumes for a GPU at half as good (each
 throughput halved, each fixed cost doubled) beside the plan as assumed.
 
@@ -16,10 +16,10 @@ import io
 import shlex
 from pathlib import Path
 
-from polydraft.pipelines.cli import main
-from polydraft.pipelines.plan import estimate
-from polydraft.pipelines.plan_model import Rates, parse_gpus
-from polydraft.pipelines.recipe import load_recipe
+from polydraft.pipelines.cli.main import main
+from polydraft.pipelines.plan.estimate import estimate
+from polydraft.pipelines.run.recipe import load_recipe
+from polydraft.pipelines.runtime.cluster import Rates, parse_gpus
 
 RECIPE = "recipes/vicuna-7b/de.yaml"
 GPUS = ["--gpus", "8xA100-80GB"]

@@ -2,7 +2,7 @@
 
     python -m bench.plan_vs_run [RUN_JSON ...] [--fresh N] [--record bench/results/plan_vs_run.md]
 
-Plans `recipes/demo/demo.yaml` on this machine's CPU (`pipelines/plan_model.py`: CPU_RATES, measured by
+Plans `recipes/demo/demo.yaml` on this machine's CPU (`pipelines/runtime/cluster.py`: CPU_RATES, measured by
 `bench/cpu_rates.py`, not fitted to any run) and compares each stage's planned seconds with the seconds
 each run spent in it: the `run.json` of fresh-clone demo runs written by `bench/demo_runs.py` (default:
 every `bench/results/demo_runs/run-*/run.json` of a commit that has the demo recipe as it is now), and
@@ -22,9 +22,9 @@ from pathlib import Path
 
 from bench.demo_runs import ROOT, clone_and_run
 from bench.held_out import record
-from polydraft.pipelines.plan import estimate
-from polydraft.pipelines.plan_model import parse_gpus
-from polydraft.pipelines.recipe import load_recipe
+from polydraft.pipelines.plan.estimate import estimate
+from polydraft.pipelines.run.recipe import load_recipe
+from polydraft.pipelines.runtime.cluster import parse_gpus
 
 RECIPE = "recipes/demo/demo.yaml"
 GOAL = 0.35

@@ -4,7 +4,7 @@ Prompts are the offline corpus' held-out (`test`) samples as the measure stage b
 user turns: seed 003's task prefix + the source text (4 to 8 entries, one per line). Two sets: the
 demo's (spelled-out numbers, de-en and fr-en, as recipes/demo/demo.yaml's `data.eval`) and every pair
 with every kind of entry (catalog messages, names, dates, numbers). For each prompt the router
-(`decoding.routing`, py3langid restricted to its candidate languages) routes the text; a
+(`pipelines.export.routing`, py3langid restricted to its candidate languages) routes the text; a
 prompt is right when its pair's drafter is chosen. `unrestricted` is py3langid's 97-language model on
 the same texts, for the record of why the router restricts it. Time per request: `router.route` (prefix
 stripped, identified, looked up), the mean over a set's prompts, mean ± std over `--repeats` passes.
@@ -26,7 +26,7 @@ sys.path.insert(0, str(PROJECT_ROOT))
 from polydraft.data.offline import offline_pairs  # noqa: E402
 from polydraft.data.prompts import TO_ENGLISH as PAIRS  # noqa: E402
 from polydraft.data.prompts import task_prefix  # noqa: E402
-from polydraft.decoding import routing  # noqa: E402
+from polydraft.pipelines.export import routing  # noqa: E402
 
 NUMBERS = {"catalog": 0.0, "name": 0.0, "date": 0.0, "number": 1.0}
 

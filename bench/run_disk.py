@@ -1,7 +1,7 @@
-"""What a finished run wrote to disk, for the plan's disk constants (`pipelines/plan_model.py`): the bytes of
+"""What a finished run wrote to disk, for the plan's disk constants (`pipelines/runtime/cluster.py`): the bytes of
 the distilled records per prompt and answer token (and how fast they are read back), and of one finetune
 checkpoint per trained parameter;
-beside them the plan's estimate of the whole run (`pipelines.plan_disk.disk_estimate`) against the run
+beside them the plan's estimate of the whole run (`pipelines.plan.disk.disk_estimate`) against the run
 directory's size. Counts files, so it is exact for the run given (no repetition needed).
 
     python -m bench.run_disk runs/demo/demo --record bench/results/run_disk.md
@@ -30,8 +30,8 @@ def main() -> None:
 
     from safetensors import safe_open
 
-    from polydraft.pipelines.plan_disk import disk_estimate
-    from polydraft.pipelines.recipe import load_recipe
+    from polydraft.pipelines.plan.disk import disk_estimate
+    from polydraft.pipelines.run.recipe import load_recipe
 
     records = sorted((args.run / "distill" / "records").glob("*.jsonl"))
     size = tokens = lines = 0

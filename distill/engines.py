@@ -14,7 +14,7 @@ parent died, even by `kill -9` of polydraft's main process alone, kills its grou
 its parent), so no engine core is left holding GPU memory for the rerun to fail on (vLLM's own
 `PR_SET_PDEATHSIG` covers the process it is set in, not the engine core it spawns).
 
-On several nodes (`pipelines/nodes.py`) node 0 deals the requests over every node's engines, as many on
+On several nodes (`pipelines/runtime/nodes.py`) node 0 deals the requests over every node's engines, as many on
 each node as on node 0: it starts its own, announces the others, and each other node starts its share
 (`run_share`) on its own GPUs, writing into the shared run directory. How the nodes watch each other's
 engines is `distill/node_share.py`'s (shared with the measure stage): while they run, that node rewrites

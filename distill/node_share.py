@@ -1,6 +1,6 @@
 """A stage's processes spread over several nodes, watched through the shared run directory.
 
-Node 0 (`pipelines/nodes.py`) starts its own processes, then announces the others (`remote_processes`
+Node 0 (`pipelines/runtime/nodes.py`) starts its own processes, then announces the others (`remote_processes`
 first removes what an earlier run left of theirs); each other node starts its share on its own GPUs and
 runs `watch_share`: while they run it rewrites `node-R.alive` every second and writes each process's exit
 status to `<name>.exit` as it ends. Node 0 sees each of them as a `RemoteProcess`, ended when its exit

@@ -7,10 +7,10 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from polydraft.pipelines.runtime.contract import StageContext, StageResult
+from polydraft.pipelines.runtime.tracking import Tracker
 from polydraft.pipelines.schema import Recipe, ResolvedTarget, TrackingConfig
 from polydraft.pipelines.schema.inputs import DistillInputs
-from polydraft.pipelines.stage import StageContext, StageResult
-from polydraft.pipelines.tracking import Tracker
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 GERMAN = [

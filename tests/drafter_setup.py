@@ -9,9 +9,9 @@ from typing import Any
 from polydraft.data.mix import MixWriter
 from polydraft.data.offline import offline_pairs
 from polydraft.data.prompts import task_prefix, vicuna_prompt
+from polydraft.pipelines.runtime.contract import StageContext, StageResult
+from polydraft.pipelines.runtime.tracking import Tracker
 from polydraft.pipelines.schema import Recipe, ResolvedTarget, TrackingConfig
-from polydraft.pipelines.stage import StageContext, StageResult
-from polydraft.pipelines.tracking import Tracker
 
 TINY_DRAFTER = {"arch": "custom", "hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
 TINY_LOOP = {

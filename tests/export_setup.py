@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from polydraft.decoding.measurement.results import ResultRow
-from polydraft.pipelines.runner import run_pipeline
+from polydraft.pipelines.run.runner import run_pipeline
+from polydraft.pipelines.runtime.contract import Stage, StageResult
 from polydraft.pipelines.schema import ResolvedTarget
-from polydraft.pipelines.stage import Stage, StageResult
 
 TINY = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
 DATASETS = ("de-en", "fr-en")

@@ -7,10 +7,10 @@ import os
 import time
 from pathlib import Path
 
-from polydraft.pipelines.recipe import load_recipe
-from polydraft.pipelines.runner import StageOutcome, reuse_outputs, run_pipeline
+from polydraft.pipelines.run.recipe import load_recipe
+from polydraft.pipelines.run.runner import StageOutcome, reuse_outputs, run_pipeline
+from polydraft.pipelines.runtime.contract import Stage, StageFailed, StageResult
 from polydraft.pipelines.schema import ResolvedTarget
-from polydraft.pipelines.stage import Stage, StageFailed, StageResult
 from polydraft.pipelines.stages import default_stages
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from polydraft.models.tiny import build_llama
+from polydraft.pipelines.runtime.contract import StageContext, StageResult
 from polydraft.pipelines.schema import DataConfig, MeasureConfig, Recipe, SourceConfig, TargetConfig
-from polydraft.pipelines.stage import StageContext, StageResult
 from tests.drafter_setup import context, run_stage
 
 PAIRS = ["de-en", "fr-en"]

@@ -20,13 +20,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from polydraft.pipelines.stage import (
-    PROJECT_ROOT,
-    StageContext,
-    accelerate_command,
-    resolve_accelerate_config,
-    spec_for,
-)
+from polydraft.pipelines.runtime.contract import PROJECT_ROOT, StageContext, spec_for
+from polydraft.pipelines.runtime.launch import accelerate_command, resolve_accelerate_config
 from polydraft.train.checkpoint import list_checkpoints, read_state
 from polydraft.train.loop import KILL_ENV
 from polydraft.train.steplog import read_log

@@ -47,7 +47,7 @@ KILL_ENV = "POLYDRAFT_TEST_KILL_AFTER_STEP"
 @dataclass(frozen=True)
 class LoopSettings:
     """What the loop does besides stepping, as plain values (a stage builds this from its recipe block,
-    `pipelines.stage.loop_settings`)."""
+    `pipelines.runtime.process.loop_settings`)."""
 
     total_steps: int
     per_device_batch_size: int

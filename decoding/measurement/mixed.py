@@ -6,7 +6,7 @@ The mixed traffic of one repetition is every pair's held-out prompts of that rep
 with every drafter, `ar` beside them (the order rotating per prompt), so the mixed traffic is composed from
 their per-prompt results instead of decoded again (`pipelines.stages.measure_mixed`): `ar`; `sd` with each
 drafter alone (each pair's drafter, and the multilingual one when the run trained it); `routed`, where the
-language router (`decoding.routing`) picks the drafter of each request from its text (the router runs on
+language router (`pipelines.export.routing`) picks the drafter of each request from its text (the router runs on
 every request, and its time is added to the request's wall time); and `oracle`, each prompt with its own
 pair's drafter (what a perfect, free router would give). All at the recipe's fixed draft length. When the
 run trained EAGLE-3 heads the same again with `eagle3` and the heads (`eagle3-de-en`, ...,

@@ -30,7 +30,7 @@ from polydraft.pipelines.export.records import (
     PublicTarget,
     SummaryEntry,
 )
-from polydraft.pipelines.manifest import read_manifest
+from polydraft.pipelines.runtime.manifest import read_manifest
 from polydraft.pipelines.schema import ResolvedTarget, SourceConfig
 from polydraft.pipelines.schema.inputs import FinetuneFacts, PretrainFacts
 from polydraft.train.stage_metrics import (

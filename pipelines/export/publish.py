@@ -29,7 +29,7 @@ from polydraft.pipelines.export.records import (
     ExportRecord,
     ExportResults,
 )
-from polydraft.pipelines.manifest import MANIFEST, read_manifest, write_json_atomic
+from polydraft.pipelines.runtime.manifest import MANIFEST, read_manifest, write_json_atomic
 from polydraft.pipelines.schema.inputs import ExportInputs
 
 LOG_FILE = "publish.json"

@@ -9,8 +9,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from polydraft.decoding.measurement.results import DrafterKind, Engine, ResultRow
-from polydraft.decoding.routing import RoutingTable
-from polydraft.pipelines.manifest import write_json_atomic
+from polydraft.pipelines.export.routing import RoutingTable
+from polydraft.pipelines.runtime.manifest import write_json_atomic
 from polydraft.train.stage_metrics import CalibrationScores, DraftVocab
 
 RESULTS_FORMAT = "polydraft-export-results/1"

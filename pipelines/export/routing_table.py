@@ -1,6 +1,6 @@
 """`routing.json`, the export stage's routing table: which exported drafter serves which language.
 
-A serving process reads it with `decoding.routing.load_router(folder)` and calls
+A serving process reads it with `pipelines.export.routing.load_router(folder)` and calls
 `router.route(text)` per request (docs/serving.md shows a deployment behind an OpenAI-compatible router).
 """
 
@@ -9,17 +9,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from polydraft.data.prompts import MULTILINGUAL
-from polydraft.decoding.routing import (
+from polydraft.pipelines.export.records import ExportIndex
+from polydraft.pipelines.export.routing import (
     ROUTING_FILE,
     RoutingTable,
     routing_table_for,
     write_routing_table,
 )
-from polydraft.pipelines.export.records import ExportIndex
 
 
 def export_routing_table(work_dir: Path, index: ExportIndex, threshold: float) -> RoutingTable | None:
-    """`routing.json` beside the exported folders (`decoding.routing`): each pair drafter
+    """`routing.json` beside the exported folders (`pipelines.export.routing`): each pair drafter
     and each pair's EAGLE-3 head serves its pair's source language; the fallbacks are the multilingual
     drafter (else the generic pretrained one, else none: plain decoding) and the multilingual head. None,
     and no file, when no pair drafter or head was exported."""

@@ -289,7 +289,7 @@ class LaunchConfig(StrictModel):
     collective_timeout_s: int | None = Field(default=None, ge=60)
     """How long a training process waits for the others in a collective (torch.distributed's timeout).
     Unset: 30 minutes, or 3 times the work rank 0 does alone before the others go on (tokenizing the mix
-    into the cache they read: its bytes at `plan_model.TOKENIZE_BYTES_PER_S`), whichever is longer. Each
+    into the cache they read: its bytes at `pipelines.runtime.cluster.TOKENIZE_BYTES_PER_S`), whichever is longer. Each
     launch logs the value and why."""
     cpu: bool = False
     """Train on the CPU even when a GPU exists. Multi-process CPU runs use gloo DDP."""

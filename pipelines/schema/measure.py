@@ -240,7 +240,7 @@ class ExportConfig(StrictModel):
     (same vocabulary, supported architecture, context length) always run."""
     routing_threshold: float = Field(default=0.5, ge=0, le=1)
     """The language router's confidence threshold, written into `routing.json` beside the drafters
-    (`decoding.routing`): a request identified with less confidence goes to the fallback
+    (`pipelines.export.routing`): a request identified with less confidence goes to the fallback
     drafter (the multilingual one, else the generic pretrained one, else none)."""
     strict: bool = False
     """Fail the stage when a smoke check fails. Otherwise the failure is recorded in the manifest and the

@@ -7,6 +7,7 @@ plain arguments. Training stages also hold the `main()` that `accelerate launch`
 
 from __future__ import annotations
 
+from polydraft.pipelines.runtime.contract import Stage
 from polydraft.pipelines.schema.inputs import (
     CalibrateInputs,
     DistillInputs,
@@ -18,7 +19,6 @@ from polydraft.pipelines.schema.inputs import (
     MeasureInputs,
     PretrainInputs,
 )
-from polydraft.pipelines.stage import Stage
 
 
 def default_stages() -> list[Stage]:

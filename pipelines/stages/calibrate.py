@@ -25,18 +25,11 @@ from polydraft.models.calibration import CalibrationModel, calibration_metrics
 from polydraft.models.drafters import DrafterMismatch, load_drafter
 from polydraft.models.loading import load_tokenizer
 from polydraft.models.placement import input_device, load_target, process_device
+from polydraft.pipelines.runtime.contract import StageContext, StageFailed, StageResult, StageSpec
+from polydraft.pipelines.runtime.launch import launch_training
+from polydraft.pipelines.runtime.process import loop_settings, optim_settings, training_main
+from polydraft.pipelines.runtime.tracking import Tracker
 from polydraft.pipelines.schema.inputs import CalibrateInputs
-from polydraft.pipelines.stage import (
-    StageContext,
-    StageFailed,
-    StageResult,
-    StageSpec,
-    launch_training,
-    loop_settings,
-    optim_settings,
-    training_main,
-)
-from polydraft.pipelines.tracking import Tracker
 from polydraft.train.calibrate import (
     REPORT_FILE,
     Forward,

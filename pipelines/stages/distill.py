@@ -54,9 +54,9 @@ from polydraft.distill.requests import (
 from polydraft.distill.store import RecordStore, RecordWriter, StoreError
 from polydraft.distill.vllm_backend import INSTALL_HINT
 from polydraft.models.loading import load_tokenizer
+from polydraft.pipelines.runtime.contract import StageContext, StageFailed, StageResult
 from polydraft.pipelines.schema.common import SourceConfig, reader_args
 from polydraft.pipelines.schema.inputs import DistillInputs
-from polydraft.pipelines.stage import StageContext, StageFailed, StageResult
 
 log = logging.getLogger(__name__)
 

@@ -31,24 +31,17 @@ from polydraft.models.eagle3 import (
 )
 from polydraft.models.loading import load_tokenizer
 from polydraft.models.placement import load_target, process_device
+from polydraft.pipelines.runtime.contract import StageContext, StageFailed, StageResult, StageSpec
+from polydraft.pipelines.runtime.launch import launch_training
+from polydraft.pipelines.runtime.process import loop_settings, optim_settings, training_main
+from polydraft.pipelines.runtime.tracking import Tracker
 from polydraft.pipelines.schema.inputs import Eagle3Inputs
-from polydraft.pipelines.stage import (
-    StageContext,
-    StageFailed,
-    StageResult,
-    StageSpec,
-    launch_training,
-    loop_settings,
-    optim_settings,
-    training_main,
-)
 from polydraft.pipelines.stages.mix_training import (
     MIX_CACHE,
     peak_memory_gib,
     sized_batches,
     write_output,
 )
-from polydraft.pipelines.tracking import Tracker
 from polydraft.train.data import pad_id_of
 from polydraft.train.eagle3 import Eagle3Settings, Unroll, fit
 from polydraft.train.evaluation import eval_set

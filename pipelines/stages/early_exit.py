@@ -16,14 +16,10 @@ import torch
 
 from polydraft.models.early_exit import EarlyExitDrafter, build_early_exit, from_target, save_exit_head
 from polydraft.models.loading import load_causal_lm, resolve_dtype
+from polydraft.pipelines.runtime.contract import StageContext, StageResult, StageSpec
+from polydraft.pipelines.runtime.process import loop_settings, optim_settings
+from polydraft.pipelines.runtime.tracking import Tracker
 from polydraft.pipelines.schema.inputs import EarlyExitInputs
-from polydraft.pipelines.stage import (
-    StageContext,
-    StageResult,
-    StageSpec,
-    loop_settings,
-    optim_settings,
-)
 from polydraft.pipelines.stages.mix_training import (
     main_on_mix,
     peak_memory_gib,
@@ -31,7 +27,6 @@ from polydraft.pipelines.stages.mix_training import (
     start_on_mix,
     write_output,
 )
-from polydraft.pipelines.tracking import Tracker
 from polydraft.train.early_exit import HEAD_DIR, LOG_FILE, ExitLoss, eval_reference, fit
 from polydraft.train.loop import TrainJob
 from polydraft.train.runtime import prepare_for_training, resolve_attn_implementation

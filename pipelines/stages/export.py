@@ -21,7 +21,7 @@ as `pretrain`), for the early-exit head (`early_exit/head/`) and for the blockwi
   `ar` baseline beside it, their summary, training facts, the smoke check), `README.md` (the card,
   `pipelines.export.cards`), and per-drafter `summary.md` and PNG plots from the measure stage's report code.
 `export.json` indexes the folders for `polydraft publish`; `routing.json` routes requests by language to
-the pair drafters and the pair heads (`decoding.routing`: `load_router(folder).route(text)`).
+the pair drafters and the pair heads (`pipelines.export.routing`: `load_router(folder).route(text)`).
 
 Each folder is written as `<name>.tmp/` and renamed when complete, so a rerun after a crash redoes only
 the unfinished ones. Smoke checks (`pipelines.export.smoke`) run on the staged folder, i.e. on exactly what
@@ -74,10 +74,10 @@ from polydraft.pipelines.export.routing_table import export_routing_table
 from polydraft.pipelines.export.smoke import Check, drafter_checks, head_checks, passed
 from polydraft.pipelines.export.smoke_heads import heads_checks
 from polydraft.pipelines.export.vllm_check import VllmDraft, vllm_generation_checks
-from polydraft.pipelines.manifest import git_state, write_json_atomic
+from polydraft.pipelines.runtime.contract import PROJECT_ROOT, StageContext, StageFailed, StageResult
+from polydraft.pipelines.runtime.manifest import git_state, write_json_atomic
+from polydraft.pipelines.runtime.target import copy_devices
 from polydraft.pipelines.schema.inputs import ExportInputs
-from polydraft.pipelines.stage import PROJECT_ROOT, StageContext, StageFailed, StageResult
-from polydraft.pipelines.target import copy_devices
 from polydraft.train.stage_metrics import CalibrationReport
 
 log = logging.getLogger(__name__)

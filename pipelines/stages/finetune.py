@@ -21,19 +21,12 @@ from typing import Any
 from polydraft.data.prompts import MULTILINGUAL
 from polydraft.models.drafters import DrafterMismatch, check_init_for_target, target_vocab_size
 from polydraft.models.loading import load_causal_lm, load_tokenizer
+from polydraft.pipelines.runtime.contract import StageContext, StageFailed, StageResult, StageSpec
+from polydraft.pipelines.runtime.launch import launch_training
+from polydraft.pipelines.runtime.process import loop_settings, optim_settings, training_main
+from polydraft.pipelines.runtime.tracking import Tracker
 from polydraft.pipelines.schema.inputs import FinetuneInputs
-from polydraft.pipelines.stage import (
-    StageContext,
-    StageFailed,
-    StageResult,
-    StageSpec,
-    launch_training,
-    loop_settings,
-    optim_settings,
-    training_main,
-)
 from polydraft.pipelines.stages.mix_training import MIX_CACHE, sized_batches
-from polydraft.pipelines.tracking import Tracker
 from polydraft.train.data import pad_id_of
 from polydraft.train.drafter import export, initial_drafter, train_drafter
 from polydraft.train.evaluation import read_eval_sets

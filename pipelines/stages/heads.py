@@ -15,14 +15,10 @@ from typing import Any
 
 from polydraft.models.heads import Heads, add_vllm_medusa, heads_for_target, save_heads
 from polydraft.models.placement import load_target, process_device
+from polydraft.pipelines.runtime.contract import StageContext, StageResult, StageSpec
+from polydraft.pipelines.runtime.process import loop_settings, optim_settings
+from polydraft.pipelines.runtime.tracking import Tracker
 from polydraft.pipelines.schema.inputs import HeadsInputs
-from polydraft.pipelines.stage import (
-    StageContext,
-    StageResult,
-    StageSpec,
-    loop_settings,
-    optim_settings,
-)
 from polydraft.pipelines.stages.mix_training import (
     main_on_mix,
     peak_memory_gib,
@@ -30,7 +26,6 @@ from polydraft.pipelines.stages.mix_training import (
     start_on_mix,
     write_output,
 )
-from polydraft.pipelines.tracking import Tracker
 from polydraft.train.heads import HEADS_DIR, LOG_FILE, HeadsSettings, fit
 from polydraft.train.loop import TrainJob
 from polydraft.train.runtime import prepare_for_training

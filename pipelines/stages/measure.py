@@ -72,20 +72,14 @@ from polydraft.distill.node_share import (
 )
 from polydraft.models.calibration import check_covers
 from polydraft.models.drafters import DrafterMismatch
+from polydraft.pipelines.runtime.contract import StageContext, StageFailed, StageResult, StageSpec, spec_for
+from polydraft.pipelines.runtime.process import setup_process_logging
+from polydraft.pipelines.runtime.target import gpus_per_copy
 from polydraft.pipelines.schema import MeasureConfig
 from polydraft.pipelines.schema.common import ResolvedTarget
 from polydraft.pipelines.schema.inputs import MeasureInputs
-from polydraft.pipelines.stage import (
-    StageContext,
-    StageFailed,
-    StageResult,
-    StageSpec,
-    setup_process_logging,
-    spec_for,
-)
 from polydraft.pipelines.stages.measure_methods import build_methods, measure_latencies, measured_on
 from polydraft.pipelines.stages.measure_mixed import measure_mixed, mixed_summary
-from polydraft.pipelines.target import gpus_per_copy
 
 log = logging.getLogger("polydraft.pipelines.stages.measure")  # not `__main__` in a measure process
 

@@ -22,8 +22,8 @@ from polydraft.decoding.rsd import recursive_speculative
 from polydraft.decoding.sampling import Sampling
 from polydraft.decoding.sd import speculative
 from polydraft.decoding.tree import TreeShape
+from polydraft.pipelines.runtime.contract import StageFailed
 from polydraft.pipelines.schema import MeasureConfig
-from polydraft.pipelines.stage import StageFailed
 
 
 def measured_on(cfg: MeasureConfig, drafter: Drafter, eval_set: EvalSet) -> bool:

@@ -33,7 +33,7 @@ from polydraft.decoding.measurement.mixed import (
     write_group,
 )
 from polydraft.decoding.measurement.results import PromptResult, ResultRow
-from polydraft.decoding.routing import LanguageRouter, routing_table_for
+from polydraft.pipelines.export.routing import LanguageRouter, routing_table_for
 from polydraft.pipelines.schema import MeasureConfig
 
 FAMILIES = (("sd", "finetune"), ("eagle3", "eagle3"))

@@ -19,14 +19,9 @@ from typing import Any
 import torch
 from pydantic import BaseModel
 
-from polydraft.pipelines.stage import (
-    StageContext,
-    StageFailed,
-    StageResult,
-    StageSpec,
-    launch_training,
-    training_main,
-)
+from polydraft.pipelines.runtime.contract import StageContext, StageFailed, StageResult, StageSpec
+from polydraft.pipelines.runtime.launch import launch_training
+from polydraft.pipelines.runtime.process import training_main
 from polydraft.train.data import MixBatches, pad_id_of
 from polydraft.train.evaluation import eval_set
 from polydraft.train.mix_cache import load_examples

@@ -15,19 +15,12 @@ from typing import Any
 
 from polydraft.models.drafters import DrafterMismatch, check_init_for_target, target_vocab_size
 from polydraft.models.loading import load_tokenizer
+from polydraft.pipelines.runtime.contract import StageContext, StageFailed, StageResult, StageSpec
+from polydraft.pipelines.runtime.launch import launch_training
+from polydraft.pipelines.runtime.process import loop_settings, optim_settings, training_main
+from polydraft.pipelines.runtime.tracking import Tracker
 from polydraft.pipelines.schema.common import reader_args
 from polydraft.pipelines.schema.inputs import PretrainInputs
-from polydraft.pipelines.stage import (
-    StageContext,
-    StageFailed,
-    StageResult,
-    StageSpec,
-    launch_training,
-    loop_settings,
-    optim_settings,
-    training_main,
-)
-from polydraft.pipelines.tracking import Tracker
 from polydraft.train.data import PackedBatches, pad_id_of
 from polydraft.train.drafter import export, initial_drafter, pretrain_steps, train_drafter
 from polydraft.train.loop import TrainJob

@@ -2,7 +2,7 @@
 
 A study runs variants of one recipe (`variants`: the recipe plus overrides, each in its own run
 directory under the study directory), sharing every stage folder whose key is equal between variants
-(`pipelines.runner.reuse_outputs`), computes each finding of the seeds from the variants' measure rows
+(`pipelines.run.runner.reuse_outputs`), computes each finding of the seeds from the variants' measure rows
 (`findings`, on the types and row selection of `model`) under one stated rule (`verdicts`), and writes
 `report.md`, its plots and `study.json` (`report`). `run` ties them together.
 """

@@ -13,8 +13,8 @@ import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from polydraft.pipelines.manifest import git_state, write_json_atomic
-from polydraft.pipelines.stage import PROJECT_ROOT
+from polydraft.pipelines.runtime.contract import PROJECT_ROOT
+from polydraft.pipelines.runtime.manifest import git_state, write_json_atomic
 from polydraft.pipelines.study import verdicts
 from polydraft.pipelines.study.model import Finding, Panel
 from polydraft.pipelines.study.verdicts import Check

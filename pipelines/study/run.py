@@ -10,17 +10,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from polydraft.decoding.measurement.results import RESULTS_FILE, read_rows
-from polydraft.pipelines.manifest import MANIFEST, file_hash, read_manifest
-from polydraft.pipelines.preflight import InputError, check_model_folders, check_run_dir
-from polydraft.pipelines.recipe import load_recipe
-from polydraft.pipelines.runner import reuse_outputs, run_pipeline, stale_stages
-from polydraft.pipelines.stage import StageFailed
+from polydraft.pipelines.run.preflight import InputError, check_model_folders, check_run_dir
+from polydraft.pipelines.run.recipe import load_recipe
+from polydraft.pipelines.run.runner import reuse_outputs, run_pipeline, stale_stages
+from polydraft.pipelines.runtime.contract import StageFailed
+from polydraft.pipelines.runtime.manifest import MANIFEST, file_hash, read_manifest
+from polydraft.pipelines.runtime.target import resolve_target
 from polydraft.pipelines.stages import default_stages
 from polydraft.pipelines.study.findings import all_findings, sanity_checks
 from polydraft.pipelines.study.model import VariantData
 from polydraft.pipelines.study.report import VariantRecord, write_report
 from polydraft.pipelines.study.variants import MIN_SEEDS, Variant, quick_overrides, variants
-from polydraft.pipelines.target import resolve_target
 
 log = logging.getLogger(__name__)
 

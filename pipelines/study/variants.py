@@ -2,7 +2,7 @@
 
 Every variant turns off what it does not measure (export always; the early-exit, heads and calibration
 stages where no finding reads them) so that only the stages its findings need run. Variants whose
-stages have the same inputs share them: the runner's keys decide (`pipelines.runner.reuse_outputs`), so
+stages have the same inputs share them: the runner's keys decide (`pipelines.run.runner.reuse_outputs`), so
 the distillation runs once and the pretrained drafter once per training seed.
 
 Trained drafters that a finding compares are trained with every seed of `TRAIN_SEEDS` (their stage's

@@ -12,8 +12,8 @@ from polydraft.data.prompts import VICUNA_SYSTEM, build_prompt, encode_prompt, t
 from polydraft.data.sources import SourceRows
 from polydraft.distill.requests import open_rows, prompt_items
 from polydraft.distill.store import iter_records
-from polydraft.pipelines.recipe import RecipeError, load_recipe
-from polydraft.pipelines.stage import PROJECT_ROOT
+from polydraft.pipelines.run.recipe import RecipeError, load_recipe
+from polydraft.pipelines.runtime.contract import PROJECT_ROOT
 from polydraft.train.data import encode_rows, encode_texts
 from polydraft.train.losses import IGNORE_INDEX
 from tests.distill_setup import make_recipe, run_distill, write_jsonl

@@ -9,8 +9,8 @@ import torch
 
 from polydraft.decoding.measurement.results import RESULTS_FILE, read_rows
 from polydraft.models.tiny import build_llama
+from polydraft.pipelines.runtime.contract import StageFailed
 from polydraft.pipelines.schema import DataConfig, MeasureConfig, SourceConfig
-from polydraft.pipelines.stage import StageFailed
 from tests.decoding_helpers import single_thread_fixture
 from tests.measure_setup import PAIRS, measure_context, measure_recipe, run_measure, write_drafters
 
@@ -286,7 +286,7 @@ def test_processes_that_end_well_without_rows_fail_the_stage(tmp_path, tiny_targ
     import subprocess
     import sys
 
-    from polydraft.pipelines.stage import StageFailed
+    from polydraft.pipelines.runtime.contract import StageFailed
     from polydraft.pipelines.stages import measure as stage
 
     def idle(spec_path, rank, processes, local_rank, per_node, per_copy):

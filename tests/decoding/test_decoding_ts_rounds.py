@@ -13,7 +13,7 @@ from polydraft.decoding.sampling import Sampling
 from polydraft.decoding.sd import speculative
 from polydraft.models.calibration import CalibrationModel, check_covers
 from polydraft.models.early_exit import from_target
-from polydraft.pipelines.recipe import RecipeError, load_recipe
+from polydraft.pipelines.run.recipe import RecipeError, load_recipe
 from tests.decoding_helpers import single_thread_fixture, tiny_pair
 
 single_thread = single_thread_fixture()

@@ -16,7 +16,7 @@ from polydraft.decoding.measurement.mixed import decisions, read_groups
 from polydraft.decoding.measurement.results import read_rows
 from polydraft.decoding.sampling import Sampling
 from polydraft.models.eagle3 import save_eagle3
-from polydraft.pipelines.stage import StageFailed
+from polydraft.pipelines.runtime.contract import StageFailed
 from tests.decoding.test_decoding_measure import finetune_dir  # noqa: F401 (the module's drafters fixture)
 from tests.decoding_helpers import single_thread_fixture
 from tests.eagle3_setup import fit_eagle3

@@ -10,7 +10,7 @@ import pytest
 from polydraft.decoding.measurement.results import RESULTS_FILE
 from polydraft.models.heads import heads_for_target, save_heads
 from polydraft.models.tiny import build_llama
-from polydraft.pipelines.stage import StageFailed
+from polydraft.pipelines.runtime.contract import StageFailed
 from tests.decoding_helpers import single_thread_fixture
 from tests.measure_setup import measure_context, measure_recipe, run_measure
 

@@ -23,9 +23,9 @@ from polydraft.decoding.measurement.mixed import (
     read_groups,
 )
 from polydraft.decoding.measurement.results import PromptResult, read_rows, write_rows
-from polydraft.decoding.routing import LanguageRouter
+from polydraft.pipelines.export.routing import LanguageRouter
+from polydraft.pipelines.runtime.contract import StageFailed
 from polydraft.pipelines.schema import DataConfig, MeasureConfig, Recipe, SourceConfig, TargetConfig
-from polydraft.pipelines.stage import StageFailed
 from tests.decoding.test_decoding_measure import finetune_dir  # noqa: F401 (the module's drafters fixture)
 from tests.decoding_helpers import single_thread_fixture
 from tests.measure_setup import PAIRS, measure_context, measure_recipe, run_measure
@@ -272,7 +272,7 @@ def test_the_summary_reports_each_pair_and_the_overall_cells():
 
 def test_the_run_summary_prints_the_mixed_traffic_section(tmp_path):
     from polydraft.decoding.measurement.mixed import write_group
-    from polydraft.pipelines.summary import results_summary
+    from polydraft.pipelines.run.summary import results_summary
     from tests.export_setup import measure_rows
 
     (tmp_path / "measure").mkdir()

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from polydraft.decoding.measurement.claims import LEVEL, POWER, paired_interval
-from polydraft.pipelines.recipe import load_recipe
+from polydraft.pipelines.run.recipe import load_recipe
 from polydraft.pipelines.study.findings_drafters import SEED_PF_OVER_P
 from polydraft.pipelines.study.model import TRAIN_SEEDS
 

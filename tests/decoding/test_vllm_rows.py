@@ -15,9 +15,9 @@ from polydraft.decoding.measurement.tables import markdown
 from polydraft.decoding.measurement.vllm_report import engine_differences, issue_55005_applies
 from polydraft.decoding.measurement.vllm_rows import vllm_rows
 from polydraft.pipelines.export.info import best_draft_length, measurements
+from polydraft.pipelines.run.summary import results_summary
+from polydraft.pipelines.runtime.contract import StageFailed
 from polydraft.pipelines.schema import MeasureConfig
-from polydraft.pipelines.stage import StageFailed
-from polydraft.pipelines.summary import results_summary
 from tests.export_setup import result_row
 
 CONTEXT = {

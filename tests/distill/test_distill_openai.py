@@ -29,7 +29,7 @@ from polydraft.distill.openai_backend import (
 )
 from polydraft.distill.requests import PromptItem, Request
 from polydraft.distill.store import iter_records, record_key
-from polydraft.pipelines.stage import StageFailed
+from polydraft.pipelines.runtime.contract import StageFailed
 from tests.distill_setup import free_port, local_source, make_recipe, run_distill, translation_file
 
 SECRET = "sk-polydraft-test-secret-0123456789"

@@ -18,7 +18,7 @@ from polydraft.data.mix import read_mix
 from polydraft.data.prompts import vicuna_prompt
 from polydraft.distill.requests import record_id
 from polydraft.distill.store import iter_records, record_files, record_key
-from polydraft.pipelines.stage import StageFailed
+from polydraft.pipelines.runtime.contract import StageFailed
 from tests.distill_setup import (
     PROJECT_ROOT,
     local_source,

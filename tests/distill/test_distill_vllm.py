@@ -25,7 +25,7 @@ from polydraft.distill.vllm_backend import (
     generate_vllm,
     parse_output,
 )
-from polydraft.pipelines.stage import StageFailed
+from polydraft.pipelines.runtime.contract import StageFailed
 from tests.distill_setup import local_source, make_recipe, run_distill, translation_file
 from tests.vllm_setup import PROJECT_ROOT, demo_target, engine_env, require_vllm, stop_group
 
@@ -286,7 +286,7 @@ def _progress(work, index: int) -> int:
 
 def _node(recipe: Path, run_dir: Path, config: Path, rank: int, log: Path) -> subprocess.Popen:
     """`polydraft run RECIPE --only distill` as node `rank` of two (loopback), its output in `log`."""
-    command = [sys.executable, "-m", "polydraft.pipelines.cli", "run", str(recipe), "--only", "distill",
+    command = [sys.executable, "-m", "polydraft.pipelines.cli.main", "run", str(recipe), "--only", "distill",
                f"launch.accelerate_config={config}", "--run-dir", str(run_dir), "--node-rank", str(rank),
                "--node-timeout", "30", "--quiet"]  # fmt: skip
     with open(log, "w") as out:
@@ -302,7 +302,7 @@ def test_two_nodes_distill_with_an_engine_each_one_node_killed_then_rerun_give_e
     node 0 fails saying node 1 stopped answering, keeping every record. The rerun of both nodes generates
     exactly the missing ones, on both nodes; the greedy records equal a one-node run's."""
     require_vllm()
-    from polydraft.pipelines.recipe import dump_recipe
+    from polydraft.pipelines.run.recipe import dump_recipe
     from tests.distill_setup import free_port
     from tests.pipelines.test_multinode import MULTINODE
 

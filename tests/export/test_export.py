@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from polydraft.decoding.routing import load_router
+from polydraft.pipelines.export.routing import load_router
 from tests.decoding_helpers import single_thread_fixture
 from tests.export_setup import TRAINING, build_templates, export_recipe, measure_rows, run_export
 
@@ -319,7 +319,7 @@ def test_finetuned_drafters_cards_say_which_mixed_traffic_choice_won(
     tmp_path, tiny_tokenizer, tiny_target_dir
 ):
     from polydraft.decoding.measurement.mixed import write_group
-    from polydraft.pipelines.stage import StageFailed
+    from polydraft.pipelines.runtime.contract import StageFailed
     from tests.decoding.test_mixed_traffic import _groups, _seconds
 
     templates = build_templates(tmp_path / "templates", tiny_tokenizer, tiny_target_dir)

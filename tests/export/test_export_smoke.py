@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from polydraft.data.prompts import encode_prompt, translation_messages, vicuna_prompt
 from polydraft.pipelines.export.smoke import VLLM_ARCHITECTURES, drafter_checks, passed, vllm_rule_checks
-from polydraft.pipelines.stage import StageFailed
+from polydraft.pipelines.runtime.contract import StageFailed
 from tests.decoding_helpers import single_thread_fixture
 from tests.drafter_setup import context, run_stage
 from tests.export_setup import TRAINING, export_recipe, save_drafter

@@ -21,9 +21,9 @@ from polydraft.models.heads import (
     load_vllm_medusa,
     save_heads,
 )
-from polydraft.pipelines.runner import run_pipeline
+from polydraft.pipelines.run.runner import run_pipeline
+from polydraft.pipelines.runtime.contract import Stage
 from polydraft.pipelines.schema import ResolvedTarget
-from polydraft.pipelines.stage import Stage
 from tests.decoding_helpers import single_thread_fixture
 from tests.export_setup import _provider, _row, export_recipe
 

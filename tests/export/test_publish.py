@@ -76,7 +76,7 @@ class NoNetwork:
 def test_dry_run_lists_repos_files_and_cards_and_pushes_nothing(run_dir, capsys, monkeypatch):
     import huggingface_hub
 
-    from polydraft.pipelines.cli import main
+    from polydraft.pipelines.cli.main import main
 
     monkeypatch.setattr(huggingface_hub, "HfApi", NoNetwork)
     code = main(

@@ -13,9 +13,9 @@ from polydraft.models.drafters import (
     drafter_shape,
     export_drafter,
 )
-from polydraft.pipelines.recipe import RecipeError, load_recipe
+from polydraft.pipelines.run.recipe import RecipeError, load_recipe
+from polydraft.pipelines.runtime.contract import StageFailed
 from polydraft.pipelines.schema import Recipe
-from polydraft.pipelines.stage import StageFailed
 from tests.drafter_setup import context, run_stage, tiny_recipe
 
 IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}

@@ -30,8 +30,8 @@ from polydraft.models.placement import (
     plan_placement,
     process_device,
 )
+from polydraft.pipelines.runtime.target import resolve_target
 from polydraft.pipelines.schema import DataConfig, TargetConfig
-from polydraft.pipelines.target import resolve_target
 from tests.decoding.test_decoding_families import (
     chain_decoders,
     decode_all,

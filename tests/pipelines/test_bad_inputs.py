@@ -10,8 +10,8 @@ import pytest
 
 from polydraft.data.sources import SourceError, read_source
 from polydraft.models.folders import ModelFolderError, check_model_folder, is_local
-from polydraft.pipelines.cli import main
-from polydraft.pipelines.recipe import RecipeError, load_recipe
+from polydraft.pipelines.cli.main import main
+from polydraft.pipelines.run.recipe import RecipeError, load_recipe
 
 BASE = """
 target:
@@ -202,12 +202,12 @@ def test_cli_refuses_bad_folders_before_any_stage(tmp_path, capsys):
 def test_an_unexpected_error_exits_3_with_the_traceback_in_a_file(
     tmp_path, capsys, monkeypatch, tiny_target_dir
 ):
-    import polydraft.pipelines.runner
+    import polydraft.pipelines.run.runner
 
     def broken(*args, **kwargs):
         raise ZeroDivisionError("planted")
 
-    monkeypatch.setattr(polydraft.pipelines.runner, "run_pipeline", broken)
+    monkeypatch.setattr(polydraft.pipelines.run.runner, "run_pipeline", broken)
     path = write(tmp_path / "r.yaml", BASE)
     assert main(["run", str(path), f"target.path={tiny_target_dir}", "--run-dir", str(tmp_path / "run")]) == 3
     err = capsys.readouterr().err
@@ -267,7 +267,7 @@ def test_merge_shards_on_a_folder_that_is_not_a_shard_exits_2(tmp_path, capsys):
 
 
 def test_a_distill_source_that_yields_no_prompt_fails_before_generating(tmp_path, tiny_target_dir):
-    from polydraft.pipelines.stage import StageFailed
+    from polydraft.pipelines.runtime.contract import StageFailed
     from tests.distill_setup import local_source, make_recipe, run_distill, write_jsonl
 
     data = write_jsonl(tmp_path / "data" / "empty.jsonl", [{"de": "", "en": "x"}, {"de": " ", "en": "y"}])

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from polydraft.models.folders import MIRROR_ENV
-from polydraft.pipelines.cli import main
+from polydraft.pipelines.cli.main import main
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -139,8 +139,8 @@ def mirror(tmp_path_factory):
 
 
 def shipped() -> list:
-    from polydraft.pipelines.recipe import shipped_recipes
-    from polydraft.pipelines.stage import PROJECT_ROOT
+    from polydraft.pipelines.run.recipe import shipped_recipes
+    from polydraft.pipelines.runtime.contract import PROJECT_ROOT
 
     return list(shipped_recipes(PROJECT_ROOT / "recipes"))
 
@@ -149,9 +149,9 @@ def shipped() -> list:
 def test_every_shipped_recipe_reads_its_datasets_as_their_cards_describe_them(name, mirror, monkeypatch):
     """Every data source of every shipped recipe against the local copies of its datasets (real configs,
     splits and columns: tests/hub_fixtures.py); the models stay unchecked (offline)."""
-    from polydraft.pipelines.preflight import check_recipe, recipe_sources
-    from polydraft.pipelines.recipe import load_recipe
-    from polydraft.pipelines.target import resolve_target
+    from polydraft.pipelines.run.preflight import check_recipe, recipe_sources
+    from polydraft.pipelines.run.recipe import load_recipe
+    from polydraft.pipelines.runtime.target import resolve_target
 
     monkeypatch.setenv(MIRROR_ENV, str(mirror))
     (recipe_path,) = [r.path for r in shipped() if r.name == name]
@@ -222,7 +222,7 @@ def test_wandb_online_without_a_key_or_a_server_is_a_problem_with_its_fix(tmp_pa
     """Found before the first stage, not when a stage's wandb run starts after hours of distillation."""
     import socket
 
-    from polydraft.pipelines.preflight import check_tracking
+    from polydraft.pipelines.run.preflight import check_tracking
     from polydraft.pipelines.schema import Recipe
 
     recipe = Recipe.model_validate({"target": {"path": "org/m"}, "data": {"pairs": ["de-en"]},
@@ -254,10 +254,10 @@ def test_a_run_directory_without_room_for_the_run_is_a_problem(tmp_path, monkeyp
     import shutil
     from collections import namedtuple
 
-    from polydraft.pipelines.plan_disk import disk_estimate
-    from polydraft.pipelines.preflight import check_disk
-    from polydraft.pipelines.recipe import load_recipe
-    from polydraft.pipelines.stage import PROJECT_ROOT
+    from polydraft.pipelines.plan.disk import disk_estimate
+    from polydraft.pipelines.run.preflight import check_disk
+    from polydraft.pipelines.run.recipe import load_recipe
+    from polydraft.pipelines.runtime.contract import PROJECT_ROOT
 
     recipe = load_recipe(PROJECT_ROOT / "recipes" / "vicuna-7b" / "en-de.yaml")
     needed = disk_estimate(recipe)
@@ -277,7 +277,7 @@ def test_a_run_directory_without_room_for_the_run_is_a_problem(tmp_path, monkeyp
 def test_more_training_processes_per_node_than_its_gpus_is_a_problem():
     """`launch.num_processes` counts one node's processes: a total over two 8-GPU nodes written as 16 (what
     accelerate's own flag means) would start 32; on an 8-GPU node the check says so."""
-    from polydraft.pipelines.preflight import check_launch
+    from polydraft.pipelines.run.preflight import check_launch
     from polydraft.pipelines.schema import Recipe
 
     def recipe(count):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from polydraft.pipelines.recipe import load_recipe
-from polydraft.pipelines.stage import PROJECT_ROOT
+from polydraft.pipelines.run.recipe import load_recipe
+from polydraft.pipelines.runtime.contract import PROJECT_ROOT
 
 TABLE_9 = {  # recipe: (target, N, sequence, epochs, the seed's GPUs)
     "llama-2-13b": ("meta-llama/Llama-2-13b-hf", 3, 2048, 4.0, 2),

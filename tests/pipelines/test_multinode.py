@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from polydraft.pipelines.cli import main
+from polydraft.pipelines.cli.main import main
 from polydraft.train.steplog import read_log
 from tests.distill_setup import free_port
 from tests.pipelines.test_pipeline_e2e import RECIPE
@@ -42,7 +42,7 @@ def _recipe(tmp_path):
 
 
 def _node(recipe, run_dir, config, rank: int, *extra: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "polydraft.pipelines.cli", "run", str(recipe), "--only", "pretrain",
+    command = [sys.executable, "-m", "polydraft.pipelines.cli.main", "run", str(recipe), "--only", "pretrain",
                f"launch.accelerate_config={config}", "--run-dir", str(run_dir), "--node-rank", str(rank),
                "--quiet", *extra]  # fmt: skip
     return subprocess.Popen(
@@ -53,7 +53,7 @@ def _node(recipe, run_dir, config, rank: int, *extra: str) -> subprocess.Popen:
 def _slurm_node(recipe, run_dir, rank: int, port: int) -> subprocess.Popen:
     """`srun --ntasks-per-node=1 polydraft run ...` on node `rank` of a two-node job: no --node-rank, no
     multi-node config, one training process per node."""
-    command = [sys.executable, "-m", "polydraft.pipelines.cli", "run", str(recipe), "--only", "pretrain",
+    command = [sys.executable, "-m", "polydraft.pipelines.cli.main", "run", str(recipe), "--only", "pretrain",
                "launch.accelerate_config=recipes/accelerate/ddp.yaml", "launch.num_processes=1",
                "--run-dir", str(run_dir), "--quiet"]  # fmt: skip
     slurm = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_NODEID": str(rank),

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from polydraft.decoding.measurement.results import RESULTS_FILE, ResultRow, read_rows
-from polydraft.pipelines.recipe import load_recipe
+from polydraft.pipelines.run.recipe import load_recipe
 from tests.decoding_helpers import single_thread_fixture
 from tests.distill_setup import free_port
 from tests.measure_setup import measure_context, run_measure, write_drafters
@@ -81,7 +81,7 @@ def one_node(recipe, tmp_path_factory, tiny_target_dir) -> list[ResultRow]:
 def _node(recipe: Path, run_dir: Path, rank: int, timeout: int, log: Path) -> subprocess.Popen:
     """`polydraft run RECIPE` as node `rank` of two (loopback), its output in `log` (not --quiet: each
     measure process logs the groups it was dealt)."""
-    command = [sys.executable, "-m", "polydraft.pipelines.cli", "run", str(recipe), "--run-dir", str(run_dir),
+    command = [sys.executable, "-m", "polydraft.pipelines.cli.main", "run", str(recipe), "--run-dir", str(run_dir),
                "--node-rank", str(rank), "--node-timeout", str(timeout)]  # fmt: skip
     with open(log, "w") as out:
         return subprocess.Popen(command, cwd=PROJECT_ROOT, stdout=out, stderr=out, start_new_session=True)

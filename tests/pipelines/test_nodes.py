@@ -7,8 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from polydraft.pipelines.nodes import Machines, NodeError, expand_hostlist, processes_per_node, slurm_machines
-from polydraft.pipelines.stage import accelerate_command
+from polydraft.pipelines.runtime.launch import accelerate_command
+from polydraft.pipelines.runtime.nodes import (
+    Machines,
+    NodeError,
+    expand_hostlist,
+    processes_per_node,
+    slurm_machines,
+)
 
 
 def test_slurm_host_lists_expand_as_slurm_writes_them():
@@ -70,7 +76,7 @@ def test_each_training_process_gets_its_share_of_the_cores(tmp_path, monkeypatch
 
 
 def test_nodes_come_from_slurm_or_from_the_accelerate_config(tmp_path, monkeypatch):
-    from polydraft.pipelines.nodes import this_node
+    from polydraft.pipelines.runtime.nodes import this_node
     from polydraft.pipelines.schema import Recipe
 
     config = tmp_path / "two.yaml"
@@ -90,9 +96,9 @@ def test_nodes_come_from_slurm_or_from_the_accelerate_config(tmp_path, monkeypat
 
 
 def test_the_collective_timeout_outlasts_what_rank_0_does_alone(tmp_path):
-    from polydraft.pipelines.plan_model import COLLECTIVE_TIMEOUT_S, TOKENIZE_BYTES_PER_S
+    from polydraft.pipelines.runtime.cluster import COLLECTIVE_TIMEOUT_S, TOKENIZE_BYTES_PER_S
+    from polydraft.pipelines.runtime.launch import collective_timeout
     from polydraft.pipelines.schema import LaunchConfig
-    from polydraft.pipelines.stage import collective_timeout
 
     mix = tmp_path / "distill" / "mix" / "de-en"
     mix.mkdir(parents=True)

@@ -43,7 +43,7 @@ def test_the_wheel_installs_only_polydraft_and_import_models_fails_outside_the_c
         names = archive.namelist()
         entry_points = archive.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert {name.split("/")[0] for name in names} == {"polydraft", wheel.name.split("-py3")[0] + ".dist-info"}
-    assert "polydraft = polydraft.pipelines.cli:main" in entry_points
+    assert "polydraft = polydraft.pipelines.cli.main:main" in entry_points
     site = tmp_path / "site"
     install = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
@@ -56,7 +56,7 @@ def test_the_wheel_installs_only_polydraft_and_import_models_fails_outside_the_c
     code = (
         "import importlib.util, sys\n"
         f"sys.path.insert(0, {str(site)!r})\n"
-        "import polydraft.models, polydraft.pipelines.cli, polydraft.decoding.measurement.tables\n"
+        "import polydraft.models, polydraft.pipelines.cli.main, polydraft.decoding.measurement.tables\n"
         "print(polydraft.models.__file__)\n"
         "print([name for name in ('models', 'train', 'pipelines', 'distill', 'decoding')"
         " if importlib.util.find_spec(name) is not None])\n"

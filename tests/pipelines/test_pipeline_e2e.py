@@ -8,7 +8,7 @@ import re
 import pytest
 import yaml
 
-from polydraft.pipelines.cli import main
+from polydraft.pipelines.cli.main import main
 from tests.wandb_log import wait_for_record
 
 RECIPE = """

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from polydraft.pipelines.cli import EXIT_BAD_INPUT, main
-from polydraft.pipelines.plan import estimate
-from polydraft.pipelines.plan_model import (
+from polydraft.pipelines.cli.main import EXIT_BAD_INPUT, main
+from polydraft.pipelines.plan.estimate import estimate
+from polydraft.pipelines.plan.printing import plan_table
+from polydraft.pipelines.run.recipe import load_recipe
+from polydraft.pipelines.runtime.cluster import (
     CPU_RATES,
     DISTILL_PASSES,
     LAUNCH_S,
@@ -24,8 +26,6 @@ from polydraft.pipelines.plan_model import (
     PlanError,
     parse_gpus,
 )
-from polydraft.pipelines.plan_output import plan_table
-from polydraft.pipelines.recipe import load_recipe
 from polydraft.pipelines.schema import Recipe
 
 

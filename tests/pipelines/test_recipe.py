@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from polydraft.pipelines.recipe import (
+from polydraft.pipelines.run.recipe import (
     RecipeError,
     copy_recipe,
     dump_recipe,
@@ -157,7 +157,7 @@ def test_every_shipped_recipe_loads_and_starts_with_its_launch_command(path, tmp
 
 
 def test_polydraft_recipes_lists_every_recipe_and_copies_one(tmp_path, capsys):
-    from polydraft.pipelines.cli import main
+    from polydraft.pipelines.cli.main import main
 
     assert main(["recipes"]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -191,7 +191,7 @@ def test_accelerate_configs_are_valid_yaml():
 
 
 def test_gpu_only_accelerate_configs_are_flagged_on_a_cpu():
-    from polydraft.pipelines.stage import cpu_fallback
+    from polydraft.pipelines.runtime.launch import cpu_fallback
 
     flagged = {}
     for path in sorted((ROOT / "recipes" / "accelerate").glob("*.yaml")):
@@ -214,8 +214,8 @@ def test_the_readme_recipe_for_a_new_language_loads_and_plans(tmp_path):
     stages, the EAGLE-3 head among them."""
     import re
 
-    from polydraft.pipelines.plan import estimate
-    from polydraft.pipelines.plan_model import parse_gpus
+    from polydraft.pipelines.plan.estimate import estimate
+    from polydraft.pipelines.runtime.cluster import parse_gpus
 
     block = re.search(r"```yaml\n(# my-en-de.yaml.*?)```", (ROOT / "README.md").read_text(), re.S)
     assert block is not None, "the README lost its recipe"

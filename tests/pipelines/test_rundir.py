@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 import polydraft.pipelines.stages
-from polydraft.pipelines.cli import main
-from polydraft.pipelines.recipe import load_recipe, shipped_recipes
-from polydraft.pipelines.rundir import ORIGIN_FILE, RunDirTaken, claim_run_dir, default_run_dir
-from polydraft.pipelines.runner import run_pipeline
-from polydraft.pipelines.stage import PROJECT_ROOT, Stage
-from polydraft.pipelines.status import stage_states
+from polydraft.pipelines.cli.main import main
+from polydraft.pipelines.cli.status import stage_states
+from polydraft.pipelines.run.recipe import load_recipe, shipped_recipes
+from polydraft.pipelines.run.rundir import ORIGIN_FILE, RunDirTaken, claim_run_dir, default_run_dir
+from polydraft.pipelines.run.runner import run_pipeline
+from polydraft.pipelines.runtime.contract import PROJECT_ROOT, Stage
 from tests.fake_stages import TARGET, TOPOLOGY, _make, fake_stages, reuse, run
 from tests.pipelines.test_runner import RECIPE, ran
 
@@ -113,7 +113,7 @@ def test_a_partial_left_by_another_config_is_moved_aside_with_a_message(setup, m
         run(recipe_path, run_dir)
     (run_dir / "distill.partial" / "hanging").write_text("")
     monkeypatch.delenv("FAKE_STAGE_FAIL")
-    with caplog.at_level(logging.WARNING, logger="polydraft.pipelines.rundir"):
+    with caplog.at_level(logging.WARNING, logger="polydraft.pipelines.run.rundir"):
         outcomes = run(recipe_path, run_dir, "distill.seed=5")
     assert [o.metrics["resumed"] for o in outcomes if o.name == "distill"] == [False]
     assert aside(run_dir) == ["distill.partial"]

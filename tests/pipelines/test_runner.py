@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from polydraft.pipelines.recipe import load_recipe
-from polydraft.pipelines.runner import stale_stages
-from polydraft.pipelines.stage import StageFailed
+from polydraft.pipelines.run.recipe import load_recipe
+from polydraft.pipelines.run.runner import stale_stages
+from polydraft.pipelines.runtime.contract import StageFailed
 from tests.fake_stages import TARGET, TOPOLOGY, fake_stages, reuse, run
 
 ROOT = Path(__file__).resolve().parents[2]

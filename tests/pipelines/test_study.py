@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from polydraft.decoding.measurement.results import PromptResult, ResultRow
-from polydraft.pipelines.cli import main
+from polydraft.pipelines.cli.main import main
 from polydraft.pipelines.schema.inputs import stage_manifests
 from polydraft.pipelines.study.findings import all_findings, sanity_checks
 from polydraft.pipelines.study.fits import held_out_errors, shape_fits

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from polydraft.pipelines.tracking import Tracker, start_tracking
+from polydraft.pipelines.runtime.tracking import Tracker, start_tracking
 from tests.wandb_log import wait_for_record
 
 
@@ -62,7 +62,7 @@ def test_disabled_tracking_only_logs_to_console(tmp_path, caplog):
         tags=[],
         mode="disabled",
     )
-    with caplog.at_level("INFO", logger="polydraft.pipelines.tracking"):
+    with caplog.at_level("INFO", logger="polydraft.pipelines.runtime.tracking"):
         tracker.log({"speedup": 1.5}, step=3)
     tracker.finish()
     assert "[measure] step 3 speedup=1.5" in caplog.text

@@ -52,8 +52,8 @@ def test_bootstrap_pairs_default_to_the_data_pairs_and_keep_the_cache_key():
     existed (the committed demo targets' folders are named by it); set, it names the pairs trained on."""
     import pytest
 
+    from polydraft.pipelines.runtime.target import bootstrap_key, bootstrap_pairs
     from polydraft.pipelines.schema import Recipe
-    from polydraft.pipelines.target import bootstrap_key, bootstrap_pairs
 
     # the demo recipe of b966087, whose target was committed as recipes/demo/target/bdb8f257ea236e49
     boot = {"vocab_size": 2048, "hidden_size": 128, "num_layers": 24, "num_heads": 4, "intermediate_size": 384,

@@ -9,9 +9,10 @@ import torch
 
 from polydraft.models.calibration import CalibrationModel
 from polydraft.models.early_exit import build_early_exit, save_exit_head
-from polydraft.pipelines.stage import StageFailed, loop_settings, optim_settings, spec_for
+from polydraft.pipelines.runtime.contract import StageFailed, spec_for
+from polydraft.pipelines.runtime.process import loop_settings, optim_settings
+from polydraft.pipelines.runtime.tracking import Tracker
 from polydraft.pipelines.stages.calibrate import calibrate
-from polydraft.pipelines.tracking import Tracker
 from polydraft.train.calibrate import (
     REPORT_FILE,
     build_labels,

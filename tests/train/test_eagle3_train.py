@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from polydraft.models.eagle3 import load_eagle3, read_info
-from polydraft.pipelines.stage import PROJECT_ROOT, spec_for
+from polydraft.pipelines.runtime.contract import PROJECT_ROOT, spec_for
+from polydraft.pipelines.runtime.tracking import Tracker
 from polydraft.pipelines.stages.eagle3 import train_heads
-from polydraft.pipelines.tracking import Tracker
 from polydraft.train.eagle3 import step_rows, ttt_mask
 from polydraft.train.losses import IGNORE_INDEX
 from polydraft.train.runtime import make_accelerator

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from polydraft.models.early_exit import attach_exit_head, build_early_exit, from_target, read_head_config
-from polydraft.pipelines.stage import TRAINING_METRICS as METRICS_FILE
-from polydraft.pipelines.stage import StageFailed, spec_for
+from polydraft.pipelines.runtime.contract import TRAINING_METRICS as METRICS_FILE
+from polydraft.pipelines.runtime.contract import StageFailed, spec_for
+from polydraft.pipelines.runtime.tracking import Tracker
 from polydraft.pipelines.stages.early_exit import train_early_exit
-from polydraft.pipelines.tracking import Tracker
 from polydraft.train.early_exit import HEAD_DIR, LOG_FILE, exit_loss, head_forward, teacher_logits
 from polydraft.train.losses import ce_sum, topk_kl_sum
 from polydraft.train.runtime import make_accelerator

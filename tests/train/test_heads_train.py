@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from polydraft.models.heads import load_heads, load_vllm_medusa, read_heads_config
-from polydraft.pipelines.recipe import load_recipe
-from polydraft.pipelines.stage import PROJECT_ROOT, StageSpec, spec_for
+from polydraft.pipelines.run.recipe import load_recipe
+from polydraft.pipelines.runtime.contract import PROJECT_ROOT, StageSpec, spec_for
+from polydraft.pipelines.runtime.tracking import Tracker
 from polydraft.pipelines.stages.heads import train_heads
-from polydraft.pipelines.tracking import Tracker
 from polydraft.train.heads import HEADS_DIR, LOG_FILE, head_labels
 from polydraft.train.losses import IGNORE_INDEX
 from polydraft.train.runtime import make_accelerator

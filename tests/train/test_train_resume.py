@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from polydraft.pipelines.stage import StageFailed
+from polydraft.pipelines.runtime.contract import StageFailed
 from polydraft.train.checkpoint import list_checkpoints, read_state
 from tests.drafter_setup import context, run_stage, tiny_recipe, write_tiny_mix
 from tests.resume_check import assert_resumed, assert_same_weights, killed_then_resumed

@@ -1,6 +1,6 @@
 """`polydraft plan`: per enabled stage, the tokens it generates or trains on, the estimated hours, GPU-hours
 and peak memory per GPU on a given cluster, with warnings for idle GPUs and memory that will not fit. Every
-constant comes from `pipelines/plan_model.py`; nothing is loaded or run.
+constant comes from `pipelines/runtime/cluster.py`; nothing is loaded or run.
 """
 
 from __future__ import annotations
@@ -9,8 +9,7 @@ import math
 from dataclasses import dataclass, field
 
 from polydraft.decoding.measurement.eval_inputs import extra_pair
-from polydraft.pipelines.nodes import processes_per_node
-from polydraft.pipelines.plan_model import (
+from polydraft.pipelines.runtime.cluster import (
     ANSWER_TOKENS,
     CROSS_PAIR_SPEEDUP,
     DISTILL_PASSES,
@@ -33,9 +32,11 @@ from polydraft.pipelines.plan_model import (
     target_shape,
     train_memory,
 )
+from polydraft.pipelines.runtime.contract import StageFailed
+from polydraft.pipelines.runtime.launch import resolve_accelerate_config
+from polydraft.pipelines.runtime.nodes import processes_per_node
 from polydraft.pipelines.schema import Recipe, SourceConfig
 from polydraft.pipelines.schema.train import MemoryLoop, TargetLayerLoop
-from polydraft.pipelines.stage import StageFailed, resolve_accelerate_config
 from polydraft.train.mix_cache import PARALLEL_BYTES, TOKENIZE_PROCESSES
 from polydraft.train.throughput import train_flops_per_token
 

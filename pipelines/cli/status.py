@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from polydraft.pipelines.manifest import MANIFEST, ManifestError, file_hash, stage_manifest
-from polydraft.pipelines.runner import KEY_FILE, code_drift, stage_code, stage_key
+from polydraft.pipelines.run.runner import KEY_FILE, code_drift, stage_code, stage_key
+from polydraft.pipelines.runtime.contract import Stage
+from polydraft.pipelines.runtime.manifest import MANIFEST, ManifestError, file_hash, stage_manifest
 from polydraft.pipelines.schema import Recipe, ResolvedTarget
-from polydraft.pipelines.stage import Stage
 
 SHOWN = 4
 """Changed config keys or modules named before `and N more`."""

@@ -1,4 +1,4 @@
-"""The language router (`decoding.routing`): the table, its file, the decisions."""
+"""The language router (`pipelines.export.routing`): the table, its file, the decisions."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from polydraft.data.offline import offline_pairs
 from polydraft.data.prompts import task_prefix
-from polydraft.decoding import routing
+from polydraft.pipelines.export import routing
 from polydraft.pipelines.export.records import ExportIndex, ExportRecord, PublicTarget
 from polydraft.pipelines.export.routing_table import export_routing_table
 

@@ -288,7 +288,7 @@ def this_node(recipe: Recipe, flag: int | None) -> Machines:
     """This node among the run's nodes: a SLURM job's (`nodes.slurm_machines`), else the accelerate
     config's num_machines; the rank --node-rank (`flag`), else SLURM_NODEID or the config's machine_rank.
     NodeError for a rank or a config that does not make sense."""
-    from polydraft.pipelines.stage import resolve_accelerate_config
+    from polydraft.pipelines.runtime.launch import resolve_accelerate_config
 
     slurm = slurm_machines(dict(os.environ))
     if slurm is not None:

@@ -6,7 +6,7 @@ import logging
 import os
 from pathlib import Path
 
-from polydraft.pipelines.manifest import canonical_hash
+from polydraft.pipelines.runtime.manifest import canonical_hash
 from polydraft.pipelines.schema import DataConfig, ResolvedTarget, TargetConfig
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ def gpus_per_copy(target: ResolvedTarget) -> int:
 
     import torch
 
-    from polydraft.pipelines.plan_model import GIB, MEMORY_HEADROOM, PlanError, target_shape
+    from polydraft.pipelines.runtime.cluster import GIB, MEMORY_HEADROOM, PlanError, target_shape
 
     try:
         shape = target_shape(TargetConfig(path=target.path, revision=target.revision))

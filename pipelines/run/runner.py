@@ -12,7 +12,7 @@ key resumes from (checkpoints, distilled records). Nothing a run made is deleted
 `.partial` folder left by another config, and a complete folder that a rerun with another config (or other
 code) replaces, are moved to `<run_dir>/aside/` with a message that says where.
 
-Each manifest also records the fingerprint of the code that made the folder (`pipelines.fingerprint`: the
+Each manifest also records the fingerprint of the code that made the folder (`pipelines.run.fingerprint`: the
 stage's module and every polydraft module it imports). A folder up to date with the recipe but made by
 other code is kept, with a warning naming the stage and the modules that differ, unless `rerun_stale`
 (`--rerun-stale`): the closure of every stage holds shared modules (the schema, the runner), so rerunning on
@@ -30,8 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from polydraft.pipelines.fingerprint import CodeFingerprint, code_changes, code_fingerprint
-from polydraft.pipelines.manifest import (
+from polydraft.pipelines.run.fingerprint import CodeFingerprint, code_changes, code_fingerprint
+from polydraft.pipelines.run.recipe import dump_recipe
+from polydraft.pipelines.run.rundir import move_aside
+from polydraft.pipelines.runtime.contract import PROJECT_ROOT, Stage, StageContext, StageFailed
+from polydraft.pipelines.runtime.manifest import (
     MANIFEST,
     ManifestError,
     canonical_hash,
@@ -42,12 +45,9 @@ from polydraft.pipelines.manifest import (
     stage_manifest,
     write_json_atomic,
 )
-from polydraft.pipelines.nodes import NodeLeader
-from polydraft.pipelines.recipe import dump_recipe
-from polydraft.pipelines.rundir import move_aside
+from polydraft.pipelines.runtime.nodes import NodeLeader
+from polydraft.pipelines.runtime.tracking import start_tracking
 from polydraft.pipelines.schema import Recipe, ResolvedTarget
-from polydraft.pipelines.stage import PROJECT_ROOT, Stage, StageContext, StageFailed
-from polydraft.pipelines.tracking import start_tracking
 
 log = logging.getLogger(__name__)
 

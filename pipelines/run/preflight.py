@@ -288,11 +288,11 @@ def check_tracking(recipe: Recipe) -> Finding | None:
 
 
 def check_disk(recipe: Recipe, run_dir: Path) -> Finding:
-    """The run directory's free space against what the plan says the run will write (`plan_disk.disk_estimate`)."""
+    """The run directory's free space against what the plan says the run will write (`pipelines.plan.disk.disk_estimate`)."""
     import shutil
 
-    from polydraft.pipelines.plan_disk import disk_estimate
-    from polydraft.pipelines.plan_model import GIB, PlanError
+    from polydraft.pipelines.plan.disk import disk_estimate
+    from polydraft.pipelines.runtime.cluster import GIB, PlanError
 
     existing = run_dir.resolve()
     while not existing.exists():

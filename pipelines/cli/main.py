@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from polydraft.distill.engines import run_share
-from polydraft.pipelines.nodes import Machines, NodeError, NodeLeader, follow, this_node
-from polydraft.pipelines.preflight import (
+from polydraft.pipelines.run.preflight import (
     OFFLINE,
     InputError,
     check_recipe,
@@ -23,15 +22,14 @@ from polydraft.pipelines.preflight import (
     findings_table,
     raise_problems,
 )
-from polydraft.pipelines.recipe import RecipeError, dump_recipe, load_recipe
-from polydraft.pipelines.rundir import RunDirTaken, claim_run_dir, default_run_dir
-from polydraft.pipelines.stage import (
-    StageFailed,
-    configure_logging,
-    join_launch,
-)
+from polydraft.pipelines.run.recipe import RecipeError, dump_recipe, load_recipe
+from polydraft.pipelines.run.rundir import RunDirTaken, claim_run_dir, default_run_dir
+from polydraft.pipelines.runtime.contract import StageFailed
+from polydraft.pipelines.runtime.launch import join_launch
+from polydraft.pipelines.runtime.nodes import Machines, NodeError, NodeLeader, follow, this_node
+from polydraft.pipelines.runtime.process import configure_logging
 
-log = logging.getLogger("polydraft.pipelines.cli")
+log = logging.getLogger("polydraft.pipelines.cli.main")
 
 EXIT_BAD_INPUT = 2
 """A recipe, option, folder or file that is refused before (or, for data, while) work starts."""
@@ -241,10 +239,10 @@ def _publish(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from polydraft.pipelines.runner import run_pipeline, summary_table
+    from polydraft.pipelines.run.runner import run_pipeline, summary_table
+    from polydraft.pipelines.run.summary import results_summary
+    from polydraft.pipelines.runtime.target import resolve_target
     from polydraft.pipelines.stages import default_stages
-    from polydraft.pipelines.summary import results_summary
-    from polydraft.pipelines.target import resolve_target
 
     recipe = load_recipe(args.recipe, args.overrides)
     run_dir = args.run_dir or default_run_dir(args.recipe)
@@ -321,7 +319,7 @@ def _follow(run_dir: Path, machines: Machines, args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from polydraft.pipelines.target import resolve_target
+    from polydraft.pipelines.runtime.target import resolve_target
 
     recipe = load_recipe(args.recipe, args.overrides)
     target = resolve_target(recipe.target, recipe.data, show_progress=not args.quiet)
@@ -334,9 +332,9 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from polydraft.pipelines.plan import estimate
-    from polydraft.pipelines.plan_model import PlanError, parse_gpus
-    from polydraft.pipelines.plan_output import plan_table
+    from polydraft.pipelines.plan.estimate import estimate
+    from polydraft.pipelines.plan.printing import plan_table
+    from polydraft.pipelines.runtime.cluster import PlanError, parse_gpus
 
     recipe = load_recipe(args.recipe, args.overrides)
     try:
@@ -348,10 +346,10 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from polydraft.pipelines.rundir import ORIGIN_FILE, read_origin
+    from polydraft.pipelines.cli.status import stage_states, status_table
+    from polydraft.pipelines.run.rundir import ORIGIN_FILE, read_origin
+    from polydraft.pipelines.runtime.target import resolve_target
     from polydraft.pipelines.stages import default_stages
-    from polydraft.pipelines.status import stage_states, status_table
-    from polydraft.pipelines.target import resolve_target
 
     if not args.run_dir.is_dir():
         raise InputError(f"{args.run_dir}: no such run directory")
@@ -371,8 +369,8 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _recipes(args: argparse.Namespace) -> int:
-    from polydraft.pipelines.recipe import copy_recipe, shipped_recipes
-    from polydraft.pipelines.stage import PROJECT_ROOT
+    from polydraft.pipelines.run.recipe import copy_recipe, shipped_recipes
+    from polydraft.pipelines.runtime.contract import PROJECT_ROOT
 
     root = PROJECT_ROOT / "recipes"
     if not root.is_dir():
@@ -415,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
             print(dump_recipe(load_recipe(args.recipe, args.overrides)), end="")
             return 0
         if args.command == "bootstrap":
-            from polydraft.pipelines.target import resolve_target
+            from polydraft.pipelines.runtime.target import resolve_target
 
             recipe = load_recipe(args.recipe, args.overrides)
             print(resolve_target(recipe.target, recipe.data, show_progress=not args.quiet).path)

@@ -3,8 +3,8 @@ free space."""
 
 from __future__ import annotations
 
-from polydraft.pipelines.plan import answer_tokens, prompt_tokens, source_rows
-from polydraft.pipelines.plan_model import (
+from polydraft.pipelines.plan.estimate import answer_tokens, prompt_tokens, source_rows
+from polydraft.pipelines.runtime.cluster import (
     CHECKPOINT_BYTES_PER_PARAM,
     EXPORT_BYTES_PER_PARAM,
     MIX_CACHE_BYTES_PER_TOKEN,

@@ -3,8 +3,8 @@ assumed."""
 
 from __future__ import annotations
 
-from polydraft.pipelines.plan import Plan
-from polydraft.pipelines.plan_model import assumptions
+from polydraft.pipelines.plan.estimate import Plan
+from polydraft.pipelines.runtime.cluster import assumptions
 
 
 def _si(value: float) -> str:
@@ -17,7 +17,7 @@ def _si(value: float) -> str:
 def plan_table(plan: Plan) -> str:
     """The plan as a Markdown table, its total and its warnings."""
     lines = [
-        f"plan on {plan.cluster} (constants: pipelines/plan_model.py)",
+        f"plan on {plan.cluster} (constants: pipelines/runtime/cluster.py)",
         "",
         "| stage | tokens | hours | GPUs | GPU-hours | peak GiB/GPU | how |",
         "|---|---:|---:|---:|---:|---:|---|",
@@ -34,6 +34,6 @@ def plan_table(plan: Plan) -> str:
     assumed = ", ".join(f"{name} {value:g}" for name, value in assumptions(plan.cluster).items())
     lines += [
         "",
-        f"assumed, not measured (pipelines/plan_model.py; replace with your hardware's figures): {assumed}",
+        f"assumed, not measured (pipelines/runtime/cluster.py; replace with your hardware's figures): {assumed}",
     ]
     return "\n".join(lines)
