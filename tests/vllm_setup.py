@@ -16,12 +16,21 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 KV_CACHE_GIB = 0.25
 """KV cache of each test engine (the demo target needs 16 KiB per token: 16k tokens)."""
+DEMO_SOURCES = [
+    ("de-en", "Guten Morgen, wie geht es dir heute?"),
+    ("fr-en", "Le vingt-trois mars deux mille dix-neuf"),
+    ("de-en", "Dreihundertvierzig"),
+    ("fr-en", "Enregistrer les modifications"),
+]
+"""The sources of the exported drafts' vLLM tests (tests/export/test_heads_vllm.py, test_eagle3_vllm.py)."""
 
 
 def require_vllm() -> None:
@@ -37,6 +46,56 @@ def demo_target() -> Path:
     folders = sorted((PROJECT_ROOT / "recipes" / "demo" / "target").glob("*/config.json"))
     assert folders, "recipes/demo/target/ holds no target"
     return folders[0].parent
+
+
+def demo_prompts(tokenizer: Any) -> list[list[int]]:
+    """The demo's own kind of prompt (Vicuna format, seed 003's task prefix): real translations follow."""
+    from polydraft.data.prompts import build_prompt, encode_prompt, translation_messages
+
+    return [
+        encode_prompt(tokenizer, build_prompt(translation_messages(p, t), "vicuna")) for p, t in DEMO_SOURCES
+    ]
+
+
+def greedy_sequences(target: Any, prompts: list[list[int]], new_tokens: int) -> list[torch.Tensor]:
+    """Each prompt followed by the target's greedy continuation of `new_tokens` tokens: what the exported
+    drafts' vLLM tests fit a draft to, so that its drafts are accepted, partly."""
+    from polydraft.decoding.engine import autoregressive
+    from polydraft.decoding.lm import CachedLM
+    from polydraft.decoding.sampling import Sampling
+
+    target_lm = CachedLM(target, profile=False)
+    sequences = []
+    for ids in prompts:
+        prompt = torch.tensor(ids)
+        greedy = autoregressive(target_lm, prompt, new_tokens, Sampling(), torch.Generator(), set())
+        sequences.append(torch.cat([prompt, torch.tensor(greedy.tokens)]))
+    return sequences
+
+
+def counted_like_vllm(
+    generations: list[Any], eos_id: int, new_tokens: int, k: int
+) -> tuple[list[list[int]], list[int]]:
+    """polydraft's greedy generations with `k` drafts a round, counted the way vLLM counts: (the outputs cut
+    at EOS or `new_tokens`, the draft tokens accepted at each position over the rounds vLLM runs too).
+
+    vLLM drafts all k tokens in every step until the output holds EOS or `new_tokens` tokens, and counts
+    what the target accepts even past them; polydraft drafts fewer near max_new_tokens and stops at EOS. So
+    polydraft decodes k + 1 tokens more without stopping, and a round counts while the output before it is
+    shorter than `new_tokens` and holds no EOS (a round of a accepted drafts counts at positions 0..a-1).
+    """
+    outputs, per_position = [], [0] * k
+    for gen in generations:
+        length = 0
+        for r in gen.rounds:
+            if length >= new_tokens or eos_id in gen.tokens[:length]:
+                break
+            for position in range(r.accepted):
+                per_position[position] += 1
+            length += r.accepted + 1
+        tokens = gen.tokens[:new_tokens]
+        outputs.append(tokens[: tokens.index(eos_id) + 1] if eos_id in tokens else tokens)
+    return outputs, per_position
 
 
 def engine_env(multiprocessing: bool = True) -> dict[str, str]:

@@ -19,8 +19,7 @@ import pytest
 import torch
 
 from tests.eagle3_setup import fit_eagle3
-from tests.export.test_heads_vllm import demo_prompts
-from tests.vllm_setup import demo_target, require_vllm
+from tests.vllm_setup import counted_like_vllm, demo_prompts, demo_target, greedy_sequences, require_vllm
 
 K = 3
 NEW_TOKENS = 24
@@ -31,21 +30,14 @@ LAYERS = [2, 12, 21]
 def head_folder(tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from polydraft.decoding.engine import autoregressive
-    from polydraft.decoding.lm import CachedLM
-    from polydraft.decoding.sampling import Sampling
     from polydraft.models.draft_vocab import always_kept, draft_vocabulary
     from polydraft.models.eagle3 import save_eagle3
 
     target = AutoModelForCausalLM.from_pretrained(demo_target(), dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(demo_target())
     prompts = demo_prompts(tokenizer)
-    target_lm = CachedLM(target, profile=False)
-    sequences = []
-    for ids in prompts[:2]:  # the other prompts' drafts are mostly rejected
-        prompt = torch.tensor(ids)
-        greedy = autoregressive(target_lm, prompt, NEW_TOKENS + K + 1, Sampling(), torch.Generator(), set())
-        sequences.append(torch.cat([prompt, torch.tensor(greedy.tokens)]))
+    # the other prompts' drafts are mostly rejected
+    sequences = greedy_sequences(target, prompts[:2], NEW_TOKENS + K + 1)
     counts = Counter(token for s in sequences for token in s.tolist())
     draft_ids = torch.tensor(draft_vocabulary(counts, 512, always_kept(tokenizer), len(tokenizer)))
     head = fit_eagle3(target, LAYERS, sequences, steps=60, draft_ids=draft_ids)
@@ -56,9 +48,7 @@ def head_folder(tmp_path_factory):
 
 
 def polydraft_eagle3(target, folder, prompts, eos_id: int) -> tuple[list[list[int]], list[int]]:
-    """polydraft's `eagle3` at temperature 0, counted the way vLLM counts (see tests/export/test_heads_vllm.py's
-    `polydraft_bpd`: vLLM drafts K tokens every step and counts acceptance until the output holds EOS or
-    NEW_TOKENS tokens)."""
+    """polydraft's `eagle3` at temperature 0, counted the way vLLM counts (`tests.vllm_setup.counted_like_vllm`)."""
     from polydraft.decoding.control import FixedK
     from polydraft.decoding.eagle3 import Eagle3Drafter, eagle3_decode
     from polydraft.decoding.lm import CachedLM
@@ -68,22 +58,14 @@ def polydraft_eagle3(target, folder, prompts, eos_id: int) -> tuple[list[list[in
     head = load_eagle3(folder)
     featured = CachedLM(target, profile=False, aux_layers=head.aux_layers)
     drafter = Eagle3Drafter(head, target.get_input_embeddings(), profile=False)
-    outputs, per_position = [], [0] * K
-    for ids in prompts:
-        new = NEW_TOKENS + K + 1
-        gen = eagle3_decode(
+    new = NEW_TOKENS + K + 1
+    generations = [
+        eagle3_decode(
             featured, drafter, torch.tensor(ids), new, Sampling(), FixedK(K), torch.Generator(), set()
         )
-        length = 0
-        for r in gen.rounds:
-            if length >= NEW_TOKENS or eos_id in gen.tokens[:length]:
-                break
-            for position in range(r.accepted):
-                per_position[position] += 1
-            length += r.accepted + 1
-        tokens = gen.tokens[:NEW_TOKENS]
-        outputs.append(tokens[: tokens.index(eos_id) + 1] if eos_id in tokens else tokens)
-    return outputs, per_position
+        for ids in prompts
+    ]
+    return counted_like_vllm(generations, eos_id, NEW_TOKENS, K)
 
 
 def test_real_vllm_runs_the_head_as_its_eagle3_draft(head_folder):

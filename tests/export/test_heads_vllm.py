@@ -16,42 +16,21 @@ import pytest
 import torch
 
 from tests.heads_setup import fit_heads
-from tests.vllm_setup import demo_target, require_vllm
+from tests.vllm_setup import counted_like_vllm, demo_prompts, demo_target, greedy_sequences, require_vllm
 
 NUM_HEADS = 3
 NEW_TOKENS = 24
-SOURCES = [
-    ("de-en", "Guten Morgen, wie geht es dir heute?"),
-    ("fr-en", "Le vingt-trois mars deux mille dix-neuf"),
-    ("de-en", "Dreihundertvierzig"),
-    ("fr-en", "Enregistrer les modifications"),
-]
-
-
-def demo_prompts(tokenizer) -> list[list[int]]:
-    """The demo's own kind of prompt (Vicuna format, seed 003's task prefix): real translations follow."""
-    from polydraft.data.prompts import build_prompt, encode_prompt, translation_messages
-
-    return [encode_prompt(tokenizer, build_prompt(translation_messages(p, t), "vicuna")) for p, t in SOURCES]
 
 
 @pytest.fixture(scope="module", params=["medusa", "bpd"])
 def heads_folder(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from polydraft.decoding.engine import autoregressive
-    from polydraft.decoding.lm import CachedLM
-    from polydraft.decoding.sampling import Sampling
     from polydraft.models.heads import add_vllm_medusa, save_heads
 
     target = AutoModelForCausalLM.from_pretrained(demo_target(), dtype=torch.float32).eval()
     prompts = demo_prompts(AutoTokenizer.from_pretrained(demo_target()))
-    target_lm = CachedLM(target, profile=False)
-    sequences = []
-    for ids in prompts[:2]:  # the other prompts' drafts are mostly rejected
-        prompt = torch.tensor(ids)
-        greedy = autoregressive(target_lm, prompt, NEW_TOKENS, Sampling(), torch.Generator(), set())
-        sequences.append(torch.cat([prompt, torch.tensor(greedy.tokens)]))
+    sequences = greedy_sequences(target, prompts[:2], NEW_TOKENS)  # the others' drafts are mostly rejected
     heads = fit_heads(target, "medusa", NUM_HEADS, sequences, steps=30, lr=1e-2)
     folder = save_heads(
         heads, tmp_path_factory.mktemp("vllm_heads") / "heads", {"path": "t", "revision": None}
@@ -61,14 +40,7 @@ def heads_folder(request, tmp_path_factory):
 
 
 def polydraft_bpd(target, folder, prompts, eos_id: int) -> tuple[list[list[int]], list[int]]:
-    """polydraft's `bpd` at temperature 0, counted the way vLLM counts: its outputs cut at EOS or NEW_TOKENS,
-    and the draft tokens accepted at each position over the rounds vLLM runs too.
-
-    vLLM drafts all NUM_HEADS tokens in every step until the output holds EOS or NEW_TOKENS tokens, and counts
-    what the target accepts even past them; polydraft drafts fewer near max_new_tokens and stops at EOS. So
-    polydraft decodes NUM_HEADS + 1 tokens more without stopping, and a round counts while the output before
-    it is shorter than NEW_TOKENS and holds no EOS (a round of a accepted drafts counts at positions 0..a-1).
-    """
+    """polydraft's `bpd` at temperature 0, counted the way vLLM counts (`tests.vllm_setup.counted_like_vllm`)."""
     from polydraft.decoding.blockwise import HeadsDraft, blockwise_chain
     from polydraft.decoding.lm import CachedLM
     from polydraft.decoding.sampling import Sampling
@@ -76,20 +48,12 @@ def polydraft_bpd(target, folder, prompts, eos_id: int) -> tuple[list[list[int]]
 
     target_lm = CachedLM(target, profile=False)
     draft = HeadsDraft(attach_heads(target, folder), target_lm, profile=False)
-    outputs, per_position = [], [0] * NUM_HEADS
-    for ids in prompts:
-        new = NEW_TOKENS + NUM_HEADS + 1
-        gen = blockwise_chain(target_lm, draft, torch.tensor(ids), new, Sampling(), torch.Generator(), set())
-        length = 0
-        for r in gen.rounds:
-            if length >= NEW_TOKENS or eos_id in gen.tokens[:length]:
-                break
-            for position in range(r.accepted):
-                per_position[position] += 1
-            length += r.accepted + 1
-        tokens = gen.tokens[:NEW_TOKENS]
-        outputs.append(tokens[: tokens.index(eos_id) + 1] if eos_id in tokens else tokens)
-    return outputs, per_position
+    new = NEW_TOKENS + NUM_HEADS + 1
+    generations = [
+        blockwise_chain(target_lm, draft, torch.tensor(ids), new, Sampling(), torch.Generator(), set())
+        for ids in prompts
+    ]
+    return counted_like_vllm(generations, eos_id, NEW_TOKENS, NUM_HEADS)
 
 
 def test_real_vllm_runs_the_heads_as_its_medusa_draft(heads_folder):
