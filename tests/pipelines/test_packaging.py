@@ -67,3 +67,26 @@ def test_the_wheel_installs_only_polydraft_and_import_models_fails_outside_the_c
     models_file, generic = done.stdout.splitlines()
     assert Path(models_file).is_relative_to(site)
     assert generic == "[]"
+
+
+STAGE_NAMES = {"distill", "early_exit", "calibrate", "heads", "eagle3", "measure"}
+"""A stage's name is the one file name several folders share: its model (`models/`), trainer (`train/`),
+proposer (`decoding/`), recipe block (`pipelines/schema/`), stage (`pipelines/stages/`) and export
+(`pipelines/export/`), each the same feature at its own layer."""
+
+
+def test_no_two_modules_share_a_file_name_but_a_stage_s_and_none_is_over_500_lines():
+    by_name: dict[str, list[str]] = {}
+    for folder in FOLDERS:
+        for module in (ROOT / folder).rglob("*.py"):
+            if module.name != "__init__.py":
+                by_name.setdefault(module.stem, []).append(module.relative_to(ROOT).as_posix())
+    shared = {name: paths for name, paths in by_name.items() if len(paths) > 1 and name not in STAGE_NAMES}
+    assert shared == {}
+    long = {
+        path: n
+        for paths in by_name.values()
+        for path in paths
+        if (n := len((ROOT / path).read_text().splitlines())) > 500
+    }
+    assert long == {}
