@@ -345,7 +345,7 @@ class HeadsConfig(StrictModel):
     """Residual SiLU layers per head (Medusa-1: 1)."""
     loss_decay: float = Field(default=0.8, gt=0)
     """Head i's loss weight is loss_decay**i (Medusa-1: 0.8^i)."""
-    temperatures: list[float] | None = None
+    temperatures: UniqueList[Temperature] | None = Field(default=None, min_length=1)
     """Keep only distilled rows of these temperatures (open-source rows always stay). Unset: every
     `distill.temperatures` value, filled in when the recipe is loaded."""
     optim: HeadsOptim = Field(default_factory=HeadsOptim)
