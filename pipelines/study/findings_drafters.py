@@ -4,6 +4,7 @@ training seed and measured in one interleaved measure run; each check paired by 
 
 from __future__ import annotations
 
+from polydraft.pipelines.study.arms import prompt_values
 from polydraft.pipelines.study.fits import PromptPoints, ShapeFits, held_out_errors, shape_fits
 from polydraft.pipelines.study.model import (
     COMPARE,
@@ -22,7 +23,6 @@ from polydraft.pipelines.study.model import (
     pooled,
     rows_of,
 )
-from polydraft.pipelines.study.prompts import prompt_values
 from polydraft.pipelines.study.verdicts import ArmValues, Check, compare, stat
 
 TABLE_3 = (

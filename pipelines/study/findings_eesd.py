@@ -6,6 +6,7 @@ every head or drafter trained with each training seed, each check paired by trai
 from __future__ import annotations
 
 from polydraft.decoding.measurement.results import ResultRow
+from polydraft.pipelines.study.arms import PromptMetric, prompt_values
 from polydraft.pipelines.study.model import (
     MORE_SHARED_LAYERS,
     PRESET_K,
@@ -21,7 +22,6 @@ from polydraft.pipelines.study.model import (
     ts_variant,
     where,
 )
-from polydraft.pipelines.study.prompts import PromptMetric, prompt_values
 from polydraft.pipelines.study.verdicts import ArmValues, Check, arm_stat, compare, stat
 
 

@@ -5,6 +5,7 @@ decoders on one trained drafter (training seed 0), paired by prompt."""
 
 from __future__ import annotations
 
+from polydraft.pipelines.study.arms import PromptMetric, prompt_values
 from polydraft.pipelines.study.model import (
     BUDGET_TREES,
     HEADS,
@@ -20,7 +21,6 @@ from polydraft.pipelines.study.model import (
     temperatures,
     tree_budget,
 )
-from polydraft.pipelines.study.prompts import PromptMetric, prompt_values
 from polydraft.pipelines.study.verdicts import ArmValues, Check, arm_stat, compare
 
 METRICS: dict[PromptMetric, str] = {

@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from polydraft.decoding.measurement.results import ResultRow
-from polydraft.pipelines.study.prompts import PromptMetric, prompt_values
+from polydraft.pipelines.study.arms import PromptMetric, prompt_values
 from polydraft.pipelines.study.verdicts import (
     ArmValues,
     Check,

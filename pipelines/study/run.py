@@ -55,7 +55,7 @@ def run_study(options: StudyOptions) -> Path:
     if not recipe.measure.disjoint_prompts:
         raise InputError(
             "measure.disjoint_prompts is false: the study pairs the arms of each check by repetition and "
-            "prompt position (pipelines.study.prompts), which name one prompt only when every repetition "
+            "prompt position (pipelines.study.arms), which name one prompt only when every repetition "
             "decodes its own prompts"
         )
     plan = variants(recipe, options.study_dir)

@@ -1,7 +1,7 @@
 """The study's verdicts, from one rule written once (`decoding.measurement.claims`).
 
 A *check* compares two arms on the same prompts: each arm's value on each prompt (per training seed and
-repetition; `pipelines.study.prompts`), paired by training seed and prompt, and decided by the interval of
+repetition; `pipelines.study.arms`), paired by training seed and prompt, and decided by the interval of
 the mean paired difference (`claims.paired_interval`: a hierarchical bootstrap over training seeds, then
 prompts, with Student's t) at its stated level. A strict claim `A > B` *holds* when the interval lies above
 zero, is *contradicted* when it lies below, and is *within noise* otherwise, with the smallest difference

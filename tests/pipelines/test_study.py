@@ -14,10 +14,10 @@ import pytest
 from polydraft.decoding.measurement.results import PromptResult, ResultRow
 from polydraft.pipelines.cli.main import main
 from polydraft.pipelines.schema.inputs import stage_manifests
+from polydraft.pipelines.study.arms import prompt_values
 from polydraft.pipelines.study.findings import all_findings, sanity_checks
 from polydraft.pipelines.study.fits import held_out_errors, shape_fits
 from polydraft.pipelines.study.model import HEADS, PF_BUDGETS, VariantData, pf_variant, tree_budget
-from polydraft.pipelines.study.prompts import prompt_values
 from polydraft.pipelines.study.report import checks_table, headline
 from polydraft.pipelines.study.verdicts import (
     VERDICTS,
