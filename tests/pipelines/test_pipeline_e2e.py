@@ -223,9 +223,24 @@ def test_cli_reports_recipe_errors_with_exit_code_2(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
-def test_cli_rejects_unknown_arguments(tmp_path, capsys):
+def test_cli_rejects_unknown_arguments(tmp_path, capsys, monkeypatch, tiny_target_dir):
+    """An unknown option stops the command before anything runs; the same command without it would run
+    (the stages replaced by a recorder), so the test fails on a CLI that ignores what it does not know."""
+    import polydraft.pipelines.run.runner
+
+    started = []
+    monkeypatch.setattr(
+        polydraft.pipelines.run.runner, "run_pipeline", lambda *a, **k: started.append(a) or []
+    )
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        f"target: {{path: {tiny_target_dir}}}\n"
+        "data:\n  pairs: [de-en]\n  distill:\n    - {kind: offline, pair: de-en, limit: 4}\n"
+    )
+    command = ["run", str(recipe), "--run-dir", str(tmp_path / "run")]
     with pytest.raises(SystemExit) as exit_info:
-        main(["run", str(tmp_path / "r.yaml"), "--frobnicate"])
-    assert exit_info.value.code == 2  # argparse's usage error, before anything runs
+        main([*command, "--frobnicate"])
+    assert exit_info.value.code == 2  # argparse's usage error
     assert "unrecognized arguments: --frobnicate" in capsys.readouterr().err
-    assert list(tmp_path.iterdir()) == []  # no run directory, nothing written
+    assert not started and not (tmp_path / "run").exists()  # no stage ran, no run directory
+    assert main(command) == 0 and len(started) == 1 and (tmp_path / "run").is_dir()
