@@ -86,6 +86,7 @@ class Stage:
 # ----------------------------------------------------------------------------- training subprocesses
 
 
+@dataclass
 class StageSpec:
     """Everything a training subprocess needs, written as JSON by the runner side of a stage."""
 
