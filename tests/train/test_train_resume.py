@@ -14,6 +14,18 @@ from tests.resume_check import assert_resumed, assert_same_weights, killed_then_
 STEPS = 16  # per pair; the kill comes right after step 12 (checkpoints every 10 or 5: steps are redone)
 
 
+def assert_kill_resumes(stage: str, recipe, ctx, whole, target_dir, name: str) -> None:
+    """Stage `stage`, killed right after step 12 of its model `name` (checkpoints and step log beside the
+    output folder, `train.loop.TrainJob.beside`) and rerun, resumes from its last checkpoint and logs the
+    same steps as the uninterrupted run in `whole`."""
+    work, log = ctx.work_dir, f"{name}.train_log.jsonl"
+    step, checkpoint = killed_then_resumed(
+        stage, recipe, ctx, target_dir, 12, work / f"{name}.checkpoints", work / log, work / name
+    )
+    assert 0 < step < STEPS
+    assert_resumed(work / log, work / f"{stage}.log", checkpoint, step, whole.work_dir / log)
+
+
 def test_killed_pretraining_resumes_like_an_uninterrupted_run(tmp_path, tiny_target_dir):
     recipe = tiny_recipe(
         tiny_target_dir, pretrain={"loop": {"max_steps": STEPS, "checkpoint_every": 10, "log_every": 50}}
@@ -21,20 +33,7 @@ def test_killed_pretraining_resumes_like_an_uninterrupted_run(tmp_path, tiny_tar
     whole = context(tmp_path / "whole", "pretrain")
     assert run_stage("pretrain", recipe, whole, tiny_target_dir).metrics["drafter"]["steps"] == STEPS
     ctx = context(tmp_path / "killed", "pretrain")
-    work = ctx.work_dir
-    step, checkpoint = killed_then_resumed(
-        "pretrain",
-        recipe,
-        ctx,
-        tiny_target_dir,
-        12,
-        work / "model.checkpoints",
-        work / "model.train_log.jsonl",
-        work / "model",
-    )
-    assert 0 < step < STEPS
-    log = "model.train_log.jsonl"
-    assert_resumed(ctx.work_dir / log, ctx.work_dir / "pretrain.log", checkpoint, step, whole.work_dir / log)
+    assert_kill_resumes("pretrain", recipe, ctx, whole, tiny_target_dir, "model")
     assert_same_weights(
         ctx.work_dir / "model" / "model.safetensors", whole.work_dir / "model" / "model.safetensors"
     )
@@ -51,20 +50,7 @@ def test_killed_finetuning_resumes_like_an_uninterrupted_run(tmp_path, tiny_targ
     whole = context(tmp_path / "whole", "finetune", {"distill": distill})
     run_stage("finetune", recipe, whole, tiny_target_dir)
     ctx = context(tmp_path / "killed", "finetune", {"distill": distill})
-    work = ctx.work_dir
-    step, checkpoint = killed_then_resumed(
-        "finetune",
-        recipe,
-        ctx,
-        tiny_target_dir,
-        12,
-        work / "de-en.checkpoints",
-        work / "de-en.train_log.jsonl",
-        work / "de-en",
-    )
-    assert 0 < step < STEPS
-    log = "de-en.train_log.jsonl"
-    assert_resumed(ctx.work_dir / log, ctx.work_dir / "finetune.log", checkpoint, step, whole.work_dir / log)
+    assert_kill_resumes("finetune", recipe, ctx, whole, tiny_target_dir, "de-en")
     for pair in ("de-en", "fr-en"):
         weights = f"{pair}/model.safetensors"
         assert_same_weights(ctx.work_dir / weights, whole.work_dir / weights)
