@@ -38,8 +38,12 @@ from polydraft.pipelines.runtime.tracking import Tracker
 from polydraft.pipelines.schema.inputs import Eagle3Inputs
 from polydraft.pipelines.stages.mix_training import (
     MIX_CACHE,
+    pair_jobs,
     peak_memory_gib,
+    read_metrics,
     sized_batches,
+    unfinished,
+    write_metrics,
     write_output,
 )
 from polydraft.train.data import pad_id_of
@@ -55,23 +59,15 @@ log = logging.getLogger(__name__)
 
 def run(inputs: Eagle3Inputs, ctx: StageContext) -> StageResult:
     """Launch one training subprocess for the heads still to train; return the metrics of every one."""
-    if "distill" not in ctx.upstream:
-        raise StageFailed("eagle3 trains on the distill stage's mix: enable the distill stage")
     jobs = head_names(inputs)
-    done = [job for job in jobs if metrics_path(ctx.work_dir, job).is_file()]
+    todo = unfinished("eagle3", inputs, ctx, jobs)
     launched = Launched()
     aux_layers = None
-    if len(done) < len(jobs):
-        todo = inputs.model_copy(update={"done": done})
+    if todo is not None:
         metrics = launch_training(todo, inputs.launch, ctx, "polydraft.pipelines.stages.eagle3")
         launched = Launched.model_validate({k: metrics[k] for k in ("distributed_type", "num_processes")})
         aux_layers = metrics["aux_layers"]
-    heads = {
-        job: Eagle3HeadMetrics.model_validate_json(
-            metrics_path(ctx.work_dir, job).read_text(encoding="utf-8")
-        )
-        for job in jobs
-    }
+    heads = {job: read_metrics(ctx.work_dir, job, Eagle3HeadMetrics) for job in jobs}
     if aux_layers is None:  # every head was done before: the layers they were trained on
         aux_layers = read_info(ctx.work_dir / jobs[0])["aux_layers"]
     result = Eagle3Metrics(heads=heads, aux_layers=aux_layers, **launched.model_dump())
@@ -79,12 +75,7 @@ def run(inputs: Eagle3Inputs, ctx: StageContext) -> StageResult:
 
 
 def head_names(inputs: Eagle3Inputs) -> list[str]:
-    return [*inputs.pairs, MULTILINGUAL] if inputs.eagle3.multilingual else list(inputs.pairs)
-
-
-def metrics_path(work_dir: Path, name: str) -> Path:
-    """`<name>.metrics.json`, written once the head is saved: it is done."""
-    return Path(work_dir) / f"{name}.metrics.json"
+    return pair_jobs(inputs.pairs, inputs.eagle3.multilingual)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -263,8 +254,7 @@ class Job:
             vocab=vocab,
         )  # fmt: skip
         self.save(name, unroll, metrics)
-        if accelerator.is_main_process:
-            metrics_path(work_dir, name).write_text(metrics.model_dump_json(indent=2), encoding="utf-8")
+        write_metrics(accelerator, work_dir, name, metrics)
         accelerator.free_memory()
         return total_steps
 

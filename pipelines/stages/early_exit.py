@@ -17,19 +17,11 @@ import torch
 from polydraft.models.early_exit import EarlyExitDrafter, build_early_exit, from_target, save_exit_head
 from polydraft.models.loading import load_causal_lm, resolve_dtype
 from polydraft.pipelines.runtime.contract import StageContext, StageResult, StageSpec
-from polydraft.pipelines.runtime.process import loop_settings, optim_settings
 from polydraft.pipelines.runtime.tracking import Tracker
 from polydraft.pipelines.schema.inputs import EarlyExitInputs
-from polydraft.pipelines.stages.mix_training import (
-    main_on_mix,
-    peak_memory_gib,
-    run_on_mix,
-    start_on_mix,
-    write_output,
-)
+from polydraft.pipelines.stages.mix_training import main_on_mix, run_on_mix, start_on_mix
 from polydraft.train.early_exit import HEAD_DIR, LOG_FILE, ExitLoss, eval_reference, fit
-from polydraft.train.loop import TrainJob
-from polydraft.train.runtime import prepare_for_training, resolve_attn_implementation
+from polydraft.train.runtime import resolve_attn_implementation
 from polydraft.train.stage_metrics import EarlyExitMetrics
 
 
@@ -47,10 +39,9 @@ def train_early_exit(
     spec: StageSpec, inputs: EarlyExitInputs, accelerator: Any, tracker: Tracker
 ) -> tuple[EarlyExitDrafter, EarlyExitMetrics]:
     """Build the drafter, train its head, write `head/`; returns the drafter and its metrics."""
-    target, work_dir, block = inputs.target, Path(spec.work_dir), inputs.early_exit
-    loop, optim = block.loop, optim_settings(block.optim)
-    device = accelerator.device
-    start = start_on_mix("early_exit", spec, inputs, block, accelerator, block.loss_on)
+    target, block = inputs.target, inputs.early_exit
+    loop, device = block.loop, accelerator.device
+    start = start_on_mix("early_exit", spec, inputs, block, accelerator, tracker, block.loss_on)
     attn = resolve_attn_implementation(loop.attn_implementation, device.type == "cuda")
     frozen_dtype = resolve_dtype(target.dtype, device)
     teacher = None
@@ -69,7 +60,7 @@ def train_early_exit(
         )  # fmt: skip
     evals = start.evals
     references = eval_reference(
-        work_dir,
+        start.work_dir,
         (target.path, target.revision, target.trust_remote_code),
         [b["input_ids"] for b in evals],
         accelerator,
@@ -79,27 +70,16 @@ def train_early_exit(
 
     if loop.gradient_checkpointing:
         drafter.exit.gradient_checkpointing_enable()
-    prepared, optimizer, scheduler = prepare_for_training(
-        drafter.exit, optim, start.total_steps, loop.per_device_batch_size, accelerator, loop.compile
-    )
-    job = TrainJob("early_exit", work_dir / "checkpoints", work_dir / LOG_FILE, tracker, spec.quiet)
-    result, initial, final = fit(
-        accelerator, drafter, prepared, (optimizer, scheduler, optim.max_grad_norm), start.batches,
-        (evals, references), loop_settings(loop, start.total_steps), ExitLoss(teacher, block.kl_weight, block.kl_top_k), job,
+    head, optimization = start.prepare(drafter.exit)
+    trained = fit(
+        accelerator, drafter, head, optimization, start.batches, (evals, references), start.loop(),
+        ExitLoss(teacher, block.kl_weight, block.kl_top_k), start.job(LOG_FILE),
     )  # fmt: skip
-    metrics = EarlyExitMetrics(
-        steps=result.steps,
-        train_loss=result.train_loss,
-        initial=initial,
-        final=final,
-        peak_memory_gib=peak_memory_gib(device),
-    )
-    state = accelerator.get_state_dict(prepared)  # every process: FSDP / ZeRO-3 gather the shards
-    write_output(
-        accelerator, work_dir, HEAD_DIR,
-        lambda folder: save_exit_head(drafter, folder, extra={"training": metrics.model_dump()}, state=state),
-    )  # fmt: skip
-    return drafter, metrics
+
+    def save(folder: Path, metrics: EarlyExitMetrics, state: dict[str, Any]) -> None:
+        save_exit_head(drafter, folder, extra={"training": metrics.model_dump()}, state=state)
+
+    return drafter, start.finish(EarlyExitMetrics, head, trained, HEAD_DIR, save)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,14 @@ from polydraft.pipelines.runtime.launch import launch_training
 from polydraft.pipelines.runtime.process import loop_settings, optim_settings, training_main
 from polydraft.pipelines.runtime.tracking import Tracker
 from polydraft.pipelines.schema.inputs import FinetuneInputs
-from polydraft.pipelines.stages.mix_training import MIX_CACHE, sized_batches
+from polydraft.pipelines.stages.mix_training import (
+    MIX_CACHE,
+    pair_jobs,
+    read_metrics,
+    sized_batches,
+    unfinished,
+    write_metrics,
+)
 from polydraft.train.data import pad_id_of
 from polydraft.train.drafter import export, initial_drafter, train_drafter
 from polydraft.train.evaluation import read_eval_sets
@@ -40,41 +47,24 @@ log = logging.getLogger(__name__)
 
 def run(inputs: FinetuneInputs, ctx: StageContext) -> StageResult:
     """Launch one training subprocess for the drafters still to train; return the metrics of every one."""
-    if "distill" not in ctx.upstream:
-        raise StageFailed("finetune trains on the distill stage's mix: enable the distill stage")
-    jobs = [*inputs.pairs, MULTILINGUAL] if inputs.finetune.multilingual else list(inputs.pairs)
-    done = [job for job in jobs if pair_metrics_path(ctx.work_dir, job).is_file()]
+    todo = unfinished("finetune", inputs, ctx, pair_jobs(inputs.pairs, inputs.finetune.multilingual))
     launched = Launched()
-    if len(done) < len(jobs):
+    if todo is not None:
         drafter, target = inputs.finetune.drafter, inputs.target
         try:  # a drafter checkpoint with another vocabulary fails here, before any process is launched
             if "pretrain" not in ctx.upstream and drafter.init is not None:
                 check_init_for_target(drafter.init, drafter.revision, target.path, target.revision, target.trust_remote_code)  # fmt: skip
         except DrafterMismatch as err:
             raise StageFailed(f"{ctx.name}: {err}") from err
-        todo = inputs.model_copy(update={"done": done})
         launched = Launched.model_validate(
             launch_training(todo, inputs.launch, ctx, "polydraft.pipelines.stages.finetune")
         )
-    pairs = {
-        pair: DrafterMetrics.model_validate_json(
-            pair_metrics_path(ctx.work_dir, pair).read_text(encoding="utf-8")
-        )
-        for pair in inputs.pairs
-    }
+    pairs = {pair: read_metrics(ctx.work_dir, pair, DrafterMetrics) for pair in inputs.pairs}
     multilingual = None
     if inputs.finetune.multilingual:
-        multilingual = MultilingualMetrics.model_validate_json(
-            pair_metrics_path(ctx.work_dir, MULTILINGUAL).read_text(encoding="utf-8")
-        )
+        multilingual = read_metrics(ctx.work_dir, MULTILINGUAL, MultilingualMetrics)
     metrics = FinetuneMetrics(pairs=pairs, multilingual=multilingual, **launched.model_dump())
     return StageResult(metrics=metrics.model_dump())
-
-
-def pair_metrics_path(work_dir: Path, pair: str) -> Path:
-    """`<pair>.metrics.json` (or `multilingual.metrics.json`), written once the drafter is exported: it
-    is done."""
-    return Path(work_dir) / f"{pair}.metrics.json"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -94,8 +84,7 @@ def finetune(spec: StageSpec, inputs: FinetuneInputs, accelerator: Any, tracker:
             continue
         mix = job.mix(pair)
         metrics, steps = job.train(pair, mix.examples, mix.dropped, [pair], step_offset)
-        if accelerator.is_main_process:
-            pair_metrics_path(work_dir, pair).write_text(metrics.model_dump_json(indent=2), encoding="utf-8")
+        write_metrics(accelerator, work_dir, pair, metrics)
         step_offset += steps
     if block.multilingual and MULTILINGUAL not in inputs.done:
         # the same encoded rows as the per-pair drafters (the tokenized mix is cached per pair)
@@ -114,9 +103,7 @@ def finetune(spec: StageSpec, inputs: FinetuneInputs, accelerator: Any, tracker:
             examples_per_pair={pair: len(mix.examples) for pair, mix in mixes.items()},
             rows_per_pair=rows,
         )
-        if accelerator.is_main_process:
-            path = pair_metrics_path(work_dir, MULTILINGUAL)
-            path.write_text(result.model_dump_json(indent=2), encoding="utf-8")
+        write_metrics(accelerator, work_dir, MULTILINGUAL, result)
     return {}
 
 

@@ -16,19 +16,10 @@ from typing import Any
 from polydraft.models.heads import Heads, add_vllm_medusa, heads_for_target, save_heads
 from polydraft.models.placement import load_target, process_device
 from polydraft.pipelines.runtime.contract import StageContext, StageResult, StageSpec
-from polydraft.pipelines.runtime.process import loop_settings, optim_settings
 from polydraft.pipelines.runtime.tracking import Tracker
 from polydraft.pipelines.schema.inputs import HeadsInputs
-from polydraft.pipelines.stages.mix_training import (
-    main_on_mix,
-    peak_memory_gib,
-    run_on_mix,
-    start_on_mix,
-    write_output,
-)
+from polydraft.pipelines.stages.mix_training import main_on_mix, run_on_mix, start_on_mix
 from polydraft.train.heads import HEADS_DIR, LOG_FILE, HeadsSettings, fit
-from polydraft.train.loop import TrainJob
-from polydraft.train.runtime import prepare_for_training
 from polydraft.train.stage_metrics import HeadsMetrics
 
 
@@ -46,42 +37,28 @@ def train_heads(
     spec: StageSpec, inputs: HeadsInputs, accelerator: Any, tracker: Tracker
 ) -> tuple[Heads, HeadsMetrics]:
     """Load the frozen target, train the heads, write `heads/`; returns the heads and their metrics."""
-    target_spec, work_dir, block = inputs.target, Path(spec.work_dir), inputs.heads
-    loop, optim = block.loop, optim_settings(block.optim)
-    device = accelerator.device
-    start = start_on_mix("heads", spec, inputs, block, accelerator, "response")
+    target_spec, block = inputs.target, inputs.heads
+    start = start_on_mix("heads", spec, inputs, block, accelerator, tracker, "response")
 
     target = load_target(
         target_spec.path, target_spec.revision, target_spec.dtype, target_spec.trust_remote_code,
-        target_spec.max_memory_per_gpu_gib, process_device(device, accelerator.num_processes),
+        target_spec.max_memory_per_gpu_gib, process_device(accelerator.device, accelerator.num_processes),
     )  # fmt: skip
     target.requires_grad_(False)
     heads = heads_for_target(target, block.kind, block.num_heads, block.num_layers)
     shared_head = target.get_output_embeddings() if block.kind == "bpd" else None
-    prepared, optimizer, scheduler = prepare_for_training(
-        heads, optim, start.total_steps, loop.per_device_batch_size, accelerator, loop.compile
-    )
-    job = TrainJob("heads", work_dir / "checkpoints", work_dir / LOG_FILE, tracker, spec.quiet)
-    result, initial, final = fit(
-        accelerator, target, prepared, (optimizer, scheduler, optim.max_grad_norm), start.batches, start.evals,
-        loop_settings(loop, start.total_steps), HeadsSettings(block.num_heads, block.loss_decay, shared_head), job,
+    prepared, optimization = start.prepare(heads)
+    trained = fit(
+        accelerator, target, prepared, optimization, start.batches, start.evals, start.loop(),
+        HeadsSettings(block.num_heads, block.loss_decay, shared_head), start.job(LOG_FILE),
     )  # fmt: skip
-    metrics = HeadsMetrics(
-        steps=result.steps,
-        train_loss=result.train_loss,
-        initial=initial,
-        final=final,
-        peak_memory_gib=peak_memory_gib(device),
-    )
-    state = accelerator.get_state_dict(prepared)  # every process: FSDP / ZeRO-3 gather the shards
     origin = {"path": target_spec.path, "revision": target_spec.revision}
 
-    def save(folder: Path) -> None:
+    def save(folder: Path, metrics: HeadsMetrics, state: dict[str, Any]) -> None:
         save_heads(heads, folder, origin, extra={"training": metrics.model_dump()}, state=state)
         add_vllm_medusa(folder, target.get_output_embeddings())  # the same folder loads in vLLM's medusa
 
-    write_output(accelerator, work_dir, HEADS_DIR, save)
-    return heads, metrics
+    return heads, start.finish(HeadsMetrics, prepared, trained, HEADS_DIR, save)
 
 
 if __name__ == "__main__":
