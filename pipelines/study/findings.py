@@ -4,7 +4,8 @@ that measure it and judged by the one rule of `pipelines.study.verdicts`, and th
 Every finding names the seed's table or figure, quotes its claim and numbers (typed in from
 `../shared/seeds/`) in the seed's setting, says which metric it compares and how, and returns its checks;
 a study item that is no seed claim says so (`seed_claim=False`). The findings live by seed:
-`findings_drafters` (seed 003), `findings_eesd` (seed 001), `findings_trees` (seeds 002 and 000).
+`findings_drafters` (seed 003), `findings_eesd` (seed 001), `findings_trees` (seeds 002 and 000), and the
+seeds' headline tables that only `make study-full` measures, `findings_headline` (seeds 001 and 002).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from polydraft.pipelines.study.findings_eesd import (
     thompson_eesd,
     thompson_standalone,
 )
+from polydraft.pipelines.study.findings_headline import eesd_vs_baselines, trees_lengths
 from polydraft.pipelines.study.findings_trees import rescoring, rsd_budget, rsd_budget_low, trees
 from polydraft.pipelines.study.model import Finding, Panel, Runs, finish, ok
 from polydraft.pipelines.study.verdicts import Check, Stat, stat
@@ -87,6 +89,7 @@ def all_findings(runs: Runs, draft_length: int, pairs: list[str], shared_layers_
         pf_over_f(runs, k, pairs),
         in_domain(runs, k, pairs),
         finetune_tokens(runs, k, pairs),
+        eesd_vs_baselines(runs),
         exit_layer(runs),
         shared_layers(runs, shared_layers_n),
         thompson_eesd(runs, best=False),
@@ -94,6 +97,7 @@ def all_findings(runs: Runs, draft_length: int, pairs: list[str], shared_layers_
         thompson_eesd(runs, best=True),
         thompson_standalone(runs, pairs, best=False),
         trees(runs, pairs),
+        trees_lengths(runs, pairs),
         rsd_budget(runs, pairs),
         rescoring(runs, "block_efficiency"),
         rescoring(runs, "speedup"),

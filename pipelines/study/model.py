@@ -56,6 +56,23 @@ BUDGET_TREES: dict[int, tuple[list[list[int]], list[list[int]]]] = {
 """Seed 002 App. C.3.2: target budget B -> (RSD-C branching vectors, RSD-S [W, L]); SD drafts K = B."""
 SEED_TEMPERATURES = (0.0, 0.3, 0.7, 1.0)
 """Seed 003 §2.3 distils at these four temperatures."""
+LENGTH_TREES: dict[int, tuple[list[list[int]], list[list[int]]]] = {
+    2: ([[2, 2], [2, 1], [3, 1]], [[2, 2], [3, 2]]),
+    3: ([[2, 2, 2], [3, 1, 1], [4, 1, 1]], [[3, 3], [4, 3]]),
+    4: ([[2, 2, 2, 2], [5, 1, 1, 1], [7, 1, 1, 1]], [[5, 4], [7, 4]]),
+    5: ([[2, 2, 2, 2, 2], [6, 1, 1, 1, 1], [12, 1, 1, 1, 1]], [[6, 5], [12, 5]]),
+}
+"""Seed 002 App. C.3.1 (Exp1): draft length L -> (RSD-C branching vectors, RSD-S [W, L]); SD drafts K = L."""
+TREES_LENGTHS = "trees_lengths"
+"""Exp1 at every draft length of `LENGTH_TREES` (a `make study-full` variant)."""
+HEADLINE_K = 10
+"""Seed 001 Table 1's vanilla SD drafts a fixed K=10 (its 1.88× is Table 5's fixed-K=10 row)."""
+
+
+def headline_variant(seed: int) -> str:
+    """One interleaved measure run of EESD, `sd` and Medusa (seed 001 Tables 1-3), each trained with
+    training seed `seed` (a `make study-full` variant)."""
+    return f"headline_s{seed}"
 
 
 def pf_variant(seed: int, fraction: float) -> str:
@@ -112,6 +129,18 @@ def tree_budget(decoder: str, tree: str | None, draft_length: int | None) -> int
         level *= int(b)
         total += level
     return total
+
+
+def tree_length(decoder: str, tree: str | None, draft_length: int | None) -> int | None:
+    """Seed 002's (maximum) draft length L of a row: a chain's K, a tree's depth from its label (`2-2-1`
+    branching: 3 levels; `3x2` beamwidth x depth: 2)."""
+    if decoder == "sd":
+        return draft_length
+    if tree is None:
+        return None
+    if decoder == "rsd_s":
+        return int(tree.split("x")[1])
+    return len(tree.split("-"))
 
 
 @dataclass

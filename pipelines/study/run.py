@@ -33,8 +33,9 @@ class StudyOptions:
     command: str
     quick: bool = False
     only: list[str] = field(default_factory=list)
-    """Run only these variants; the others' results are read from their run directories when those are
-    complete and up to date (else their findings are `not run`)."""
+    """Run only these variants (`full`: every variant, `make study-full`); the others' results are read
+    from their run directories when those are complete and up to date (else their findings are `not
+    run`). Empty: the variants of `make study` (and, with `quick`, the `full` ones too)."""
     reuse: list[Path] = field(default_factory=list)
     """Other run directories whose complete stage folders may be copied when their keys match."""
     quiet: bool = False
@@ -59,12 +60,13 @@ def run_study(options: StudyOptions) -> Path:
             "decodes its own prompts"
         )
     plan = variants(recipe, options.study_dir)
-    unknown = sorted(set(options.only) - {v.name for v in plan})
+    unknown = sorted(set(options.only) - {v.name for v in plan} - {FULL})
     if unknown:
         raise InputError(
-            f"--only {', '.join(unknown)}: no such variant (variants: {', '.join(v.name for v in plan)})"
+            f"--only {', '.join(unknown)}: no such variant (variants: {', '.join(v.name for v in plan)}; "
+            f"`{FULL}`: every variant, `make study-full`)"
         )
-    selected = [v for v in plan if not options.only or v.name in options.only]
+    selected = [v for v in plan if chosen(v, options.only, options.quick)]
     records, data = [], {}
     clock = time.perf_counter()
     for variant in plan:
@@ -74,7 +76,8 @@ def run_study(options: StudyOptions) -> Path:
                 "study: variant %d/%d `%s`: %s [%.0f s so far]", number, len(selected), variant.name,
                 variant.purpose, time.perf_counter() - clock,
             )  # fmt: skip
-        record, result = _variant(options, base, variant, plan, variant in selected)
+        why = "not in --only" if options.only else f"in `make study-full` only (`--only {FULL}`)"
+        record, result = _variant(options, base, variant, plan, variant in selected, why)
         records.append(record)
         data[variant.name] = result
         if variant in selected:
@@ -88,10 +91,27 @@ def run_study(options: StudyOptions) -> Path:
     )  # fmt: skip
 
 
+FULL = "full"
+"""`--only full`: every variant, those of `make study` and the headline tables (`Variant.full`)."""
+
+
+def chosen(variant: Variant, only: list[str], quick: bool) -> bool:
+    """Whether this invocation runs `variant`: the ones `--only` names (`full`: all of them); without
+    `--only`, those of `make study` (`--quick` runs the `make study-full` ones too)."""
+    if only:
+        return FULL in only or variant.name in only
+    return quick or not variant.full
+
+
 def _variant(
-    options: StudyOptions, base: list[str], variant: Variant, plan: list[Variant], selected: bool
+    options: StudyOptions,
+    base: list[str],
+    variant: Variant,
+    plan: list[Variant],
+    selected: bool,
+    why: str = "not in --only",
 ) -> tuple[VariantRecord, VariantData]:
-    """Run one variant (or, when not selected, read what an earlier run left up to date)."""
+    """Run one variant (or, when not selected (`why`), read what an earlier run left up to date)."""
     run_dir = options.study_dir / variant.name
     overrides = [*base, *variant.overrides]
     record = VariantRecord(
@@ -108,9 +128,9 @@ def _variant(
     if not selected:
         stale = stale_stages(recipe, run_dir, stages, target)
         if not run_dir.is_dir():
-            record.status = "not run: not in --only, and never run in this study directory"
+            record.status = f"not run: {why}, and never run in this study directory"
         elif stale:
-            record.status = f"not run: not in --only, and {', '.join(stale)} not up to date in {run_dir}"
+            record.status = f"not run: {why}, and {', '.join(stale)} not up to date in {run_dir}"
         if stale:
             return record, VariantData(status=record.status)
         return record, _collect(run_dir)

@@ -12,6 +12,9 @@ prompts, group by group) and each check pairs its arms by training seed and prom
 cannot be loaded that way (the measure stage reads one head, its upstream's), so each EESD variant
 measures its own.
 
+The seeds' headline tables that do not fit `make study`'s 60 minutes (`headline`: seed 001 Tables 1-3,
+seed 002 Exp1 at draft lengths 2-5) are `full` variants, run by `make study-full` (`--only full`).
+
 Settings come from the seeds, not from the results: seed 003's measurement temperatures (0 and 1) and
 four distillation temperatures, seed 001's K sweep and preset K=10 (greedy), seed 002's draft length 3
 (Exp1, T=0.3) and target budgets with their trees (Exp2, WMT De-En), seed 000's temperatures 0, 0.7, 1.
@@ -30,8 +33,10 @@ from polydraft.pipelines.study.model import (
     BUDGET_TREES,
     COMPARE,
     F_BUDGETS,
+    HEADLINE_K,
     HEADS,
     K_SWEEP,
+    LENGTH_TREES,
     MORE_SHARED_LAYERS,
     PF_BUDGETS,
     RSD_BUDGET,
@@ -40,10 +45,12 @@ from polydraft.pipelines.study.model import (
     TRAIN_SEEDS,
     TREE_DEPTH,
     TREES,
+    TREES_LENGTHS,
     budgets_variant,
     drafter_name,
     eesd_variant,
     f_variant,
+    headline_variant,
     pf_variant,
     temps_variant,
     ts_variant,
@@ -67,6 +74,9 @@ class Variant:
     overrides: tuple[str, ...]
     skip: str | None = None
     """Why this recipe cannot run the variant (its findings are then `not run` with this reason)."""
+    full: bool = False
+    """Part of `make study-full` only (`--only full`; `--quick` runs it too): a headline table that does
+    not fit `make study`'s 60 minutes of stages on 2 cores."""
 
 
 def flow(value: Any) -> str:
@@ -309,6 +319,48 @@ def temperatures_item(recipe: Recipe, study_dir: Path) -> list[Variant]:
     return out
 
 
+def headline(recipe: Recipe) -> list[Variant]:
+    """`make study-full`: seed 001's main table (EESD against vanilla SD and Medusa) measured interleaved
+    in one run per training seed, each of the three trained with that seed (the EESD head and its
+    calibration model, the pair drafters and the heads are those of `eesd_s*`, `pf_s*_x1` and, for seed 0,
+    `heads`, reused by key), and seed 002's Exp1 at every draft length it reports (2-5, App. C.3.1's
+    trees)."""
+    out = []
+    for seed in TRAIN_SEEDS:
+        out.append(Variant(
+            headline_variant(seed),
+            f"seed 001 Tables 1-3, training seed {seed}: EESD (one exit layer) under Beta-TS and Cali-TS, sd at "
+            f"the seed's fixed K={HEADLINE_K} with the pair's P-F drafter, and Medusa, one measure run, T=0",
+            (
+                f"pretrain.loop.seed={recipe.pretrain.loop.seed + seed}",
+                f"finetune.loop.seed={recipe.finetune.loop.seed + seed}",
+                f"early_exit.loop.seed={recipe.early_exit.loop.seed + seed}",
+                f"heads.loop.seed={recipe.heads.loop.seed + seed}",
+                "early_exit.enabled=true", "early_exit.num_exit_layers=1", "calibrate.enabled=true",
+                "calibrate.drafters=early_exit", "heads.enabled=true", "eagle3.enabled=false",
+                "export.enabled=false", "finetune.multilingual=false",
+                _measure(decoders=["ar", "sd", "eesd", "medusa"], controls=["fixed", "beta_ts", "cali_ts"],
+                         draft_length=HEADLINE_K, eesd_draft_length=HEADLINE_K, temperatures=[0.0]),
+            ),
+            full=True,
+        ))  # fmt: skip
+    lengths = sorted(LENGTH_TREES)
+    c_trees = [b for length in lengths for b in LENGTH_TREES[length][0]]
+    s_trees = [t for length in lengths for t in LENGTH_TREES[length][1]]
+    out.append(Variant(
+        TREES_LENGTHS,
+        f"seed 002 Exp1 at draft lengths L in {lengths}: SD K=L and App. C.3.1's RSD-C and RSD-S trees per L, "
+        "T=0.3, each pair's drafter on its own pair",
+        (*OFF, "measure.enabled=true", _measure(
+            decoders=["ar", "sd", "rsd_c", "rsd_s"], draft_length=lengths[0], k_sweep=lengths[1:],
+            branching=c_trees[0], rsd_c_trees=c_trees[1:], beam_width=s_trees[0][0], beam_depth=s_trees[0][1],
+            rsd_s_trees=s_trees[1:], temperatures=TREE_TEMPERATURES,
+        )),
+        full=True,
+    ))  # fmt: skip
+    return out
+
+
 def variants(recipe: Recipe, study_dir: Path) -> list[Variant]:
     """The variants of `recipe`, in the order they run (each reuses what the earlier ones made; the
     measure-only comparisons come after the drafters they load)."""
@@ -318,6 +370,7 @@ def variants(recipe: Recipe, study_dir: Path) -> list[Variant]:
         *decoders(recipe),
         *self_speculative(recipe),
         *temperatures_item(recipe, study_dir),
+        *headline(recipe),
     ]
 
 

@@ -36,6 +36,7 @@ FINDINGS = [  # the seeds' findings by seed, then those counted apart; written h
     "pf_over_f",
     "in_domain",
     "finetune_tokens",
+    "eesd_headline",
     "exit_layer",
     "shared_layers",
     "thompson_eesd_preset",
@@ -43,6 +44,7 @@ FINDINGS = [  # the seeds' findings by seed, then those counted apart; written h
     "thompson_eesd_best",
     "thompson_standalone_preset",
     "trees",
+    "trees_lengths",
     "rsd_budget",
     "rescoring_efficiency",
     "rescoring_speedup",
@@ -77,12 +79,14 @@ def test_the_report_has_every_finding_with_a_verdict_and_numbers_with_std_and_n(
     keys = [re.match(r"`(\w+)`", row[1]).group(1) for row in rows]
     assert keys == FINDINGS + SANITY
     assert re.search(
-        r"Of the seeds' 14 findings: \d+ reproduced, \d+ consistent,.*counted apart \(4:", report
+        r"Of the seeds' 16 findings: \d+ reproduced, \d+ consistent,.*counted apart \(4:", report
     )
     assert report.startswith(
         f"# polydraft study: {headline(json.loads((quick / 'study.json').read_text())['findings'])}"
     )
-    for number, key, (_, title, seed, measured, tally, verdict, reason) in zip(range(1, 20), keys, rows):
+    for number, key, (_, title, seed, measured, tally, verdict, reason) in zip(
+        range(1, len(keys) + 1), keys, rows
+    ):
         assert ("not a seed claim" in title) == (key in NOT_SEED_CLAIMS), key
         assert ("side remark" in title) == (key in SIDE_REMARKS), key
         assert re.fullmatch(r"\d+ / \d+ / \d+", tally), (key, tally)
@@ -91,7 +95,7 @@ def test_the_report_has_every_finding_with_a_verdict_and_numbers_with_std_and_n(
         assert reason and "seed" in seed, key
         ns = [int(n) for n in re.findall(NUMBER, measured)]
         assert ns and min(ns) >= 3, (key, measured)  # >= 3 prompts behind every number
-        trained = key not in {"trees", "rsd_budget", "rsd_budget_low", "rescoring_efficiency", "rescoring_speedup", "lossless"}  # fmt: skip
+        trained = key not in {"trees", "trees_lengths", "rsd_budget", "rsd_budget_low", "rescoring_efficiency", "rescoring_speedup", "lossless"}  # fmt: skip
         assert not trained or ns[0] >= 12, (key, measured)  # 2 training seeds x 3 repetitions x 2 prompts
         section = report.split(f"### {number}. ")[1].split("\n### ")[0]
         assert f"(`{key}`)" in section and "**Verdict:" in section and "| check |" in section
@@ -101,7 +105,9 @@ def test_the_report_has_every_finding_with_a_verdict_and_numbers_with_std_and_n(
     assert [f["key"] for f in study["findings"]] == FINDINGS
     assert [f["key"] for f in study["sanity_checks"]] == SANITY
     assert all(f["checks"] for f in study["findings"] + study["sanity_checks"])
-    assert report.index("## Sanity checks") > report.index("### 18. ")  # after the findings, apart
+    assert report.index("## Sanity checks") > report.index(
+        f"### {len(FINDINGS)}. "
+    )  # after the findings, apart
     checks = [c for f in study["findings"] for c in f["checks"]]
     assert any(c["interval"] and c["first_values"] and c["second_values"] for c in checks)
     assert {"seed", "repetition", "prompt", "value"} == set(checks[0]["first_values"][0])
