@@ -20,6 +20,7 @@ import math
 import random
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -92,27 +93,47 @@ def _batch(
     return input_ids, labels, attention
 
 
+@dataclass(frozen=True)
+class TargetShape:
+    """The bootstrap Llama's shape (`models.tiny.build_llama`; the vocabulary is the tokenizer's size)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class BootstrapTraining:
+    """Its training: `steps` of `batch_size` conversations cut to `seq_len` tokens, AdamW at `lr`."""
+
+    steps: int
+    batch_size: int
+    seq_len: int
+    lr: float
+    seed: int
+    checkpoint_every: int = 25
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """The offline corpus it learns from (`data.offline.offline_pairs`)."""
+
+    samples_per_pair: int
+    entries_per_sample: tuple[int, int]
+    test_fraction: float
+    kind_weights: dict[str, float]
+
+
 def build_bootstrap_target(
     out_dir: Path,
     pairs: list[str],
-    *,
-    vocab_size: int,
-    hidden_size: int,
-    num_layers: int,
-    num_heads: int,
-    intermediate_size: int,
-    max_position_embeddings: int,
-    steps: int,
-    batch_size: int,
-    seq_len: int,
-    lr: float,
-    seed: int,
-    entries_per_sample: tuple[int, int],
-    test_fraction: float,
-    samples_per_pair: int,
-    kind_weights: dict[str, float],
+    shape: TargetShape,
+    training: BootstrapTraining,
+    corpus: Corpus,
     show_progress: bool = True,
-    checkpoint_every: int = 25,
 ) -> dict[str, Any]:
     """Train a tokenizer and a small Llama on the offline corpus and save them as a Hugging Face folder.
 
@@ -121,33 +142,41 @@ def build_bootstrap_target(
     """
     from transformers import AutoTokenizer
 
+    seed, steps, batch_size = training.seed, training.steps, training.batch_size
     started = time.perf_counter()
     torch.manual_seed(seed)
     rng = random.Random(seed)
     partial = out_dir.with_name(f".{out_dir.name}.partial")
     langs = [pair.split("-")[0] for pair in pairs]
-    examples = conversations(pairs, samples_per_pair, entries_per_sample, test_fraction, seed, kind_weights)
+    examples = conversations(
+        pairs,
+        corpus.samples_per_pair,
+        corpus.entries_per_sample,
+        corpus.test_fraction,
+        seed,
+        corpus.kind_weights,
+    )
     if (partial / "tokenizer.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(partial)
     else:
         texts = [row["text"] for row in offline_texts(langs, 2000, seed)] + [p + a for p, a in examples]
-        tokenizer = train_tokenizer(texts, vocab_size, VICUNA_CHAT_TEMPLATE)
+        tokenizer = train_tokenizer(texts, shape.vocab_size, VICUNA_CHAT_TEMPLATE)
         partial.mkdir(parents=True, exist_ok=True)
         tokenizer.save_pretrained(partial)
-    encoded = _encode(tokenizer, examples, seq_len)
+    encoded = _encode(tokenizer, examples, training.seq_len)
     model = build_llama(
         vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings,
+        hidden_size=shape.hidden_size,
+        num_layers=shape.num_layers,
+        num_heads=shape.num_heads,
+        intermediate_size=shape.intermediate_size,
+        max_position_embeddings=shape.max_position_embeddings,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         seed=seed,
     ).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=training.lr, betas=(0.9, 0.95), weight_decay=0.01)
     warmup = max(1, steps // 20)
 
     def lr_at(step: int) -> float:
@@ -158,7 +187,9 @@ def build_bootstrap_target(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
     accelerator = make_accelerator(1, "no")
     model, optimizer = accelerator.prepare(model, optimizer)
-    plan = LoopPlan(steps, log_every=10, eval_every=0, checkpoint_every=checkpoint_every, keep_checkpoints=1)
+    plan = LoopPlan(
+        steps, log_every=10, eval_every=0, checkpoint_every=training.checkpoint_every, keep_checkpoints=1
+    )
     training = TrainingLoop(
         accelerator, plan, label="bootstrap target", checkpoints=partial / CHECKPOINTS,
         log_path=partial / LOG_FILE, scheduler=scheduler, quiet=not show_progress,

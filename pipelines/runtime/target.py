@@ -49,7 +49,7 @@ def resolve_target(
             trust_remote_code=target.trust_remote_code,
             max_memory_per_gpu_gib=target.max_memory_per_gpu_gib,
         )
-    from polydraft.train.bootstrap import DONE, build_bootstrap_target
+    from polydraft.train.bootstrap import DONE, BootstrapTraining, Corpus, TargetShape, build_bootstrap_target
 
     boot = target.bootstrap
     assert boot is not None
@@ -59,26 +59,21 @@ def resolve_target(
     elif build:
         log.info("bootstrap target: building %s (%d steps on the offline corpus)", folder, boot.steps)
         folder.parent.mkdir(parents=True, exist_ok=True)
+        offline = data.offline
         build_bootstrap_target(
             folder,
             bootstrap_pairs(target, data),
-            vocab_size=boot.vocab_size,
-            hidden_size=boot.hidden_size,
-            num_layers=boot.num_layers,
-            num_heads=boot.num_heads,
-            intermediate_size=boot.intermediate_size,
-            max_position_embeddings=boot.max_position_embeddings,
-            steps=boot.steps,
-            batch_size=boot.batch_size,
-            seq_len=boot.seq_len,
-            lr=boot.lr,
-            seed=boot.seed,
-            entries_per_sample=(data.offline.entries_per_sample[0], data.offline.entries_per_sample[1]),
-            test_fraction=data.offline.test_fraction,
-            samples_per_pair=data.offline.samples_per_pair,
-            kind_weights=dict(data.offline.kind_weights),
+            TargetShape(
+                boot.vocab_size, boot.hidden_size, boot.num_layers, boot.num_heads, boot.intermediate_size,
+                boot.max_position_embeddings,
+            ),
+            BootstrapTraining(boot.steps, boot.batch_size, boot.seq_len, boot.lr, boot.seed),
+            Corpus(
+                offline.samples_per_pair, (offline.entries_per_sample[0], offline.entries_per_sample[1]),
+                offline.test_fraction, dict(offline.kind_weights),
+            ),
             show_progress=show_progress,
-        )
+        )  # fmt: skip
     return ResolvedTarget(
         path=str(folder.resolve()),
         revision=None,

@@ -11,11 +11,14 @@ from safetensors.torch import load_file
 from polydraft.train import bootstrap
 
 SETTINGS = dict(
-    pairs=["de-en"], vocab_size=300, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
-    max_position_embeddings=256, steps=6, batch_size=5, seq_len=256, lr=3e-3, seed=0,
-    entries_per_sample=(1, 2), test_fraction=0.1, samples_per_pair=12, kind_weights={"date": 1.0},
-    show_progress=False, checkpoint_every=2,
-)  # fmt: skip
+    pairs=["de-en"],
+    shape=bootstrap.TargetShape(300, 32, 2, 2, 64, max_position_embeddings=256),
+    training=bootstrap.BootstrapTraining(
+        steps=6, batch_size=5, seq_len=256, lr=3e-3, seed=0, checkpoint_every=2
+    ),
+    corpus=bootstrap.Corpus(12, entries_per_sample=(1, 2), test_fraction=0.1, kind_weights={"date": 1.0}),
+    show_progress=False,
+)
 # 12 examples in batches of 5: the data order is drawn again at steps 0, 2 and 4, so a build resumed at
 # step 4 (its last checkpoint) must restore the order's random state too
 
