@@ -28,7 +28,12 @@ from polydraft.pipelines.study.findings_eesd import (
     thompson_eesd,
     thompson_standalone,
 )
-from polydraft.pipelines.study.findings_headline import eesd_vs_baselines, trees_lengths
+from polydraft.pipelines.study.findings_headline import (
+    drafter_size,
+    eesd_vs_baselines,
+    sd_vs_medusa,
+    trees_lengths,
+)
 from polydraft.pipelines.study.findings_trees import rescoring, rsd_budget, rsd_budget_low, trees
 from polydraft.pipelines.study.model import Finding, Panel, Runs, finish, ok
 from polydraft.pipelines.study.verdicts import Check, Stat, stat
@@ -80,15 +85,20 @@ def sanity_checks(runs: Runs) -> list[Finding]:
     return [lossless(runs)]
 
 
-def all_findings(runs: Runs, draft_length: int, pairs: list[str], shared_layers_n: int) -> list[Finding]:
+def all_findings(
+    runs: Runs, draft_length: int, pairs: list[str], shared_layers_n: int, drafter_depth: int | None = None
+) -> list[Finding]:
     """The seeds' findings by seed (003, 001, 002, 000), then a seed's side remark and the study items that
-    are no seed claim; the sanity checks are in `sanity_checks`."""
+    are no seed claim; the sanity checks are in `sanity_checks`. `drafter_depth`: the recipe's drafter
+    layers (None: 1), the smallest of the drafter-size finding's depths."""
     k = draft_length
     return [
         pf_over_p(runs, k, pairs),
         pf_over_f(runs, k, pairs),
         in_domain(runs, k, pairs),
         finetune_tokens(runs, k, pairs),
+        sd_vs_medusa(runs, k),
+        drafter_size(runs, k, pairs, drafter_depth),
         eesd_vs_baselines(runs),
         exit_layer(runs),
         shared_layers(runs, shared_layers_n),

@@ -69,6 +69,24 @@ HEADLINE_K = 10
 """Seed 001 Table 1's vanilla SD drafts a fixed K=10 (its 1.88× is Table 5's fixed-K=10 row)."""
 
 
+DEPTH_FACTORS = (1, 2, 3)
+"""Seed 003 Table 5 (drafter size): P-F drafters at 1, 2 and 3 times the recipe's drafter depth (its
+layers), every other setting the recipe's (a `make study-full` item)."""
+DEPTHS_COMPARE = "compare_depths"
+"""One interleaved measure run of the P-F drafters of every depth and training seed."""
+
+
+def depth_variant(seed: int, depth: int, recipe_depth: int) -> str:
+    """The P-F drafters of `depth` layers (the recipe's own depth: the full-budget `pf_s<seed>_x1`)."""
+    return pf_variant(seed, 1.0) if depth == recipe_depth else f"pf_depth{depth}_s{seed}"
+
+
+def sd_medusa_variant(seed: int) -> str:
+    """Seed 003 Table 1: `sd` with the pair's P-F drafter and Medusa, both trained with training seed
+    `seed`, measured interleaved at T=0 and T=1 (a `make study-full` variant)."""
+    return f"sd_medusa_s{seed}"
+
+
 def headline_variant(seed: int) -> str:
     """One interleaved measure run of EESD, `sd` and Medusa (seed 001 Tables 1-3), each trained with
     training seed `seed` (a `make study-full` variant)."""

@@ -85,7 +85,10 @@ def run_study(options: StudyOptions) -> Path:
     _account(options.study_dir, records)
     return write_report(
         options.study_dir,
-        all_findings(data, recipe.measure.draft_length, list(recipe.data.pairs), recipe.early_exit.num_shared_layers),
+        all_findings(
+            data, recipe.measure.draft_length, list(recipe.data.pairs), recipe.early_exit.num_shared_layers,
+            recipe.pretrain.drafter.num_layers,
+        ),
         sanity_checks(data), records,
         command=options.command, quick=options.quick, total_seconds=time.perf_counter() - clock,
     )  # fmt: skip

@@ -32,6 +32,8 @@ from polydraft.pipelines.schema import Recipe
 from polydraft.pipelines.study.model import (
     BUDGET_TREES,
     COMPARE,
+    DEPTH_FACTORS,
+    DEPTHS_COMPARE,
     F_BUDGETS,
     HEADLINE_K,
     HEADS,
@@ -47,11 +49,13 @@ from polydraft.pipelines.study.model import (
     TREES,
     TREES_LENGTHS,
     budgets_variant,
+    depth_variant,
     drafter_name,
     eesd_variant,
     f_variant,
     headline_variant,
     pf_variant,
+    sd_medusa_variant,
     temps_variant,
     ts_variant,
 )
@@ -344,6 +348,21 @@ def headline(recipe: Recipe) -> list[Variant]:
             ),
             full=True,
         ))  # fmt: skip
+    for seed in TRAIN_SEEDS:
+        out.append(Variant(
+            sd_medusa_variant(seed),
+            f"seed 003 Table 1, training seed {seed}: sd with each pair's P-F drafter at the recipe's K and "
+            "Medusa, one measure run, T=0 and T=1",
+            (
+                f"pretrain.loop.seed={recipe.pretrain.loop.seed + seed}",
+                f"finetune.loop.seed={recipe.finetune.loop.seed + seed}",
+                f"heads.loop.seed={recipe.heads.loop.seed + seed}",
+                "early_exit.enabled=false", "calibrate.enabled=false", "heads.enabled=true",
+                "eagle3.enabled=false", "export.enabled=false", "finetune.multilingual=false",
+                _measure(decoders=["ar", "sd", "medusa"], temperatures=COMPARE_TEMPERATURES),
+            ),
+            full=True,
+        ))  # fmt: skip
     lengths = sorted(LENGTH_TREES)
     c_trees = [b for length in lengths for b in LENGTH_TREES[length][0]]
     s_trees = [t for length in lengths for t in LENGTH_TREES[length][1]]
@@ -361,6 +380,40 @@ def headline(recipe: Recipe) -> list[Variant]:
     return out
 
 
+def drafter_sizes(recipe: Recipe, study_dir: Path) -> list[Variant]:
+    """`make study-full`: P-F drafters at the depths of `DEPTH_FACTORS` (the recipe's own depth is
+    `pf_s*_x1`), every training seed, then one measure-only run of all of them (seed 003 Table 5)."""
+    base = recipe.pretrain.drafter.num_layers
+    skip = None if base is not None else "pretrain.drafter names no num_layers (a named architecture)"
+    depths = [(base or 1) * f for f in DEPTH_FACTORS]
+    out, extras = [], {}
+    for seed in TRAIN_SEEDS:
+        seeds = (
+            f"pretrain.loop.seed={recipe.pretrain.loop.seed + seed}",
+            f"finetune.loop.seed={recipe.finetune.loop.seed + seed}",
+        )
+        for depth in depths:
+            name = depth_variant(seed, depth, base or 1)
+            for pair in recipe.data.pairs:
+                extras[drafter_name(f"d{depth}", seed, None, pair)] = str(
+                    study_dir.absolute() / name / "finetune" / pair
+                )
+            if depth != base:
+                out.append(Variant(
+                    name, f"P-F drafters of {depth} layers, training seed {seed}",
+                    (*OFF, *seeds, f"pretrain.drafter.num_layers={depth}", "measure.enabled=false"), skip, full=True,
+                ))  # fmt: skip
+    out.append(Variant(
+        DEPTHS_COMPARE,
+        f"the P-F drafters of {depths} layers, every training seed, one measure run on their own pairs, T=0, "
+        "fixed K",
+        (*MEASURE_ONLY, _measure(decoders=["ar", "sd"], temperatures=[0.0], extra_drafters=extras)),
+        skip,
+        full=True,
+    ))  # fmt: skip
+    return out
+
+
 def variants(recipe: Recipe, study_dir: Path) -> list[Variant]:
     """The variants of `recipe`, in the order they run (each reuses what the earlier ones made; the
     measure-only comparisons come after the drafters they load)."""
@@ -371,6 +424,7 @@ def variants(recipe: Recipe, study_dir: Path) -> list[Variant]:
         *self_speculative(recipe),
         *temperatures_item(recipe, study_dir),
         *headline(recipe),
+        *drafter_sizes(recipe, study_dir),
     ]
 
 

@@ -17,7 +17,7 @@ from polydraft.pipelines.schema.inputs import stage_manifests
 from polydraft.pipelines.study.arms import prompt_values
 from polydraft.pipelines.study.findings import all_findings, sanity_checks
 from polydraft.pipelines.study.fits import held_out_errors, shape_fits
-from polydraft.pipelines.study.model import HEADS, PF_BUDGETS, VariantData, pf_variant, tree_budget
+from polydraft.pipelines.study.model import DEPTH_FACTORS, HEADS, PF_BUDGETS, VariantData, pf_variant, tree_budget
 from polydraft.pipelines.study.report import checks_table, headline
 from polydraft.pipelines.study.verdicts import (
     VERDICTS,
@@ -36,6 +36,8 @@ FINDINGS = [  # the seeds' findings by seed, then those counted apart; written h
     "pf_over_f",
     "in_domain",
     "finetune_tokens",
+    "pf_over_medusa",
+    "drafter_size",
     "eesd_headline",
     "exit_layer",
     "shared_layers",
@@ -79,7 +81,7 @@ def test_the_report_has_every_finding_with_a_verdict_and_numbers_with_std_and_n(
     keys = [re.match(r"`(\w+)`", row[1]).group(1) for row in rows]
     assert keys == FINDINGS + SANITY
     assert re.search(
-        r"Of the seeds' 16 findings: \d+ reproduced, \d+ consistent,.*counted apart \(4:", report
+        r"Of the seeds' 18 findings: \d+ reproduced, \d+ consistent,.*counted apart \(4:", report
     )
     assert report.startswith(
         f"# polydraft study: {headline(json.loads((quick / 'study.json').read_text())['findings'])}"
@@ -119,8 +121,9 @@ def test_the_report_has_every_finding_with_a_verdict_and_numbers_with_std_and_n(
 def test_variants_share_identical_stages_and_a_rerun_runs_nothing(quick):
     variants = json.loads((quick / "study.json").read_text())["variants"]
     made = [stage for v in variants for stage in v["made"]]
-    # the recipe's distillation once (+ the two of the temperature item), a pretrain per training seed
-    assert made.count("distill") == 3 and made.count("pretrain") == 2
+    # the recipe's distillation once (+ the two of the temperature item), a pretrain per training seed and
+    # drafter depth (make study-full's drafter-size item)
+    assert made.count("distill") == 3 and made.count("pretrain") == 2 * len(DEPTH_FACTORS)
     assert sum(v["shared"].get("distill") == pf_variant(0, PF_BUDGETS[0]) for v in variants) >= 20
     assert all(v["ran"] == list(v["made"]) for v in variants)
     # only the trained variants train drafters: the others reuse theirs (the heads' rescorers included)

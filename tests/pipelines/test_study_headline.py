@@ -9,11 +9,13 @@ import pytest
 from polydraft.decoding.measurement.results import PromptResult, ResultRow
 from polydraft.pipelines.study.findings_headline import eesd_vs_baselines, trees_lengths
 from polydraft.pipelines.study.model import (
+    DEPTHS_COMPARE,
     HEADLINE_K,
     LENGTH_TREES,
     TREES_LENGTHS,
     VariantData,
     headline_variant,
+    sd_medusa_variant,
     tree_length,
 )
 from tests.export_setup import result_row
@@ -178,7 +180,16 @@ def test_the_headline_variants_run_in_study_full_only_with_every_stage_seeded():
     recipe = load_recipe(Path(__file__).resolve().parents[2] / "recipes" / "demo" / "study.yaml", [])
     plan = {v.name: v for v in variants(recipe, Path("runs/study"))}
     full = sorted(name for name, v in plan.items() if v.full)
-    assert full == sorted([headline_variant(0), headline_variant(1), TREES_LENGTHS])
+    assert full == sorted([
+        *(f(s) for f in (headline_variant, sd_medusa_variant) for s in (0, 1)), TREES_LENGTHS,
+        "pf_depth2_s0", "pf_depth3_s0", "pf_depth2_s1", "pf_depth3_s1", DEPTHS_COMPARE,
+    ])  # fmt: skip
+    assert "pretrain.drafter.num_layers=3" in plan["pf_depth3_s1"].overrides
+    depths = next(o for o in plan[DEPTHS_COMPARE].overrides if o.startswith("measure="))
+    assert "d1_s1_de-en: " + str(Path("runs/study").absolute() / "pf_s1_x1" / "finetune" / "de-en") in depths
+    assert (
+        "d3_s0_fr-en: " + str(Path("runs/study").absolute() / "pf_depth3_s0" / "finetune" / "fr-en") in depths
+    )
     standard, headline = plan["trees"], plan[headline_variant(1)]
     assert chosen(standard, [], quick=False) and not chosen(headline, [], quick=False)  # `make study`
     assert chosen(headline, [FULL], quick=False) and chosen(
@@ -196,3 +207,80 @@ def test_the_headline_variants_run_in_study_full_only_with_every_stage_seeded():
     trees = next(o for o in plan[TREES_LENGTHS].overrides if o.startswith("measure="))
     for c_trees, s_trees in LENGTH_TREES.values():
         assert all(str(b) in trees for b in c_trees) and all(str(t) in trees for t in s_trees)
+
+
+def test_the_pf_drafter_beats_medusa_per_prompt_at_both_temperatures():
+    from polydraft.pipelines.study.findings_headline import sd_vs_medusa
+
+    def runs(medusa: float) -> dict[str, VariantData]:
+        out = {}
+        for seed in (0, 1):
+            rows = []
+            for t in (0.0, 1.0):
+                speedups = {("sd", "fixed", 4): 1.5, ("sd", "fixed", 10): 0.5, ("medusa", None, None): medusa}
+                rows += [r.model_copy(update={"temperature": t}) for r in speed_rows(speedups, seed)]
+            out[sd_medusa_variant(seed)] = VariantData(status="ok", rows=rows)
+        return out
+
+    finding = sd_vs_medusa(runs(medusa=1.2), k=4)
+    assert [c.label for c in finding.checks] == [
+        "de-en, T=0: sd (P-F drafter, K=4) > Medusa",
+        "de-en, T=1: sd (P-F drafter, K=4) > Medusa",
+    ]
+    assert finding.verdict == "reproduced", finding.reason
+    assert finding.checks[0].interval.mean == pytest.approx(0.3, abs=0.03)  # K=4's arm, not K=10's
+    assert finding.checks[0].seed_effect == pytest.approx(2.42 - 1.58)
+    assert finding.checks[1].seed_effect == pytest.approx(1.99 - 1.61)
+    assert sd_vs_medusa(runs(medusa=1.8), k=4).verdict == "not reproduced"
+
+
+def depth_rows(speedups: list[float], efficiency: list[float]) -> list[ResultRow]:
+    """The drafter-size run: `ar` and `sd` K=4 with the drafters of depths 1, 2, 3 of both training seeds on
+    de-en, each depth's prompts `speedups[i]` faster than `ar`'s with block efficiency `efficiency[i]`."""
+    from polydraft.pipelines.study.model import drafter_name
+
+    rng = np.random.default_rng(2)
+    rows = []
+    for repetition in range(REPETITIONS):
+        walls = 1.0 + rng.uniform(0.0, 1.0, size=PROMPTS)
+        ar = [PromptResult(new_tokens=100, target_calls=100, wall_seconds=w) for w in walls]
+        rows.append(result_row(decoder="ar", method="ar", drafter=None, seed=repetition, per_prompt=ar))
+        for seed in (0, 1):
+            for depth, speedup, be in zip((1, 2, 3), speedups, efficiency):
+                calls = [round(100 / (be + rng.normal(0.0, 0.02))) for _ in walls]
+                noisy = walls / speedup * (1 + rng.normal(0.0, 0.01, size=PROMPTS))
+                per_prompt = [
+                    PromptResult(new_tokens=100, target_calls=c, wall_seconds=w) for c, w in zip(calls, noisy)
+                ]
+                name = drafter_name(f"d{depth}", seed, None, "de-en")
+                rows.append(result_row(method=name, drafter=name, seed=repetition, per_prompt=per_prompt))
+    return rows
+
+
+def test_a_deeper_drafter_gives_less_speedup_for_as_many_tokens():
+    from polydraft.pipelines.study.findings_headline import drafter_size
+    from polydraft.pipelines.study.model import depth_variant
+
+    def runs(speedups: list[float], efficiency: list[float]) -> dict[str, VariantData]:
+        out = {depth_variant(s, d, 1): VariantData(status="ok") for s in (0, 1) for d in (1, 2, 3)}
+        out[DEPTHS_COMPARE] = VariantData(status="ok", rows=depth_rows(speedups, efficiency))
+        return out
+
+    finding = drafter_size(runs([1.4, 1.1, 0.9], [2.0, 2.05, 2.1]), k=4, pairs=["de-en"], recipe_depth=1)
+    assert [(c.label, c.claim, c.outcome) for c in finding.checks] == [
+        ("de-en, T=0: speedup 1 layer(s) > 2 layers", ">", "holds"),
+        ("de-en, T=0: speedup 1 layer(s) > 3 layers", ">", "holds"),
+        ("de-en, T=0: block efficiency 3 layers >= 1 layer(s)", ">=", "consistent"),
+    ]
+    assert finding.verdict == "consistent"  # the block-efficiency half can only be consistent
+    assert (
+        finding.checks[1].seed_effect == pytest.approx(2.42 - 0.75) and finding.checks[0].seed_effect is None
+    )
+    assert finding.checks[0].interval.seeds == 2
+    # a deeper drafter that is faster contradicts the seed; one that accepts fewer tokens too
+    faster = drafter_size(runs([1.0, 1.1, 1.3], [2.0, 2.05, 2.1]), k=4, pairs=["de-en"], recipe_depth=1)
+    assert faster.verdict == "not reproduced" and faster.checks[1].outcome == "contradicted"
+    fewer = drafter_size(runs([1.4, 1.1, 0.9], [2.4, 2.0, 1.6]), k=4, pairs=["de-en"], recipe_depth=1)
+    assert fewer.checks[2].outcome == "contradicted"
+    missing = drafter_size({}, k=4, pairs=["de-en"], recipe_depth=1)
+    assert missing.verdict == "not run" and "pf_depth2_s0" in missing.reason
