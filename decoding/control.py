@@ -31,6 +31,9 @@ probability 0.8: 3.22 drafts a round and a posterior mean of 0.70, against 4.38 
 bench/results/ts_sweep.md).
 
 - Beta-TS (Alg. 2): alpha += r, beta += n - r, with the prior (alpha_0, beta_0) restored for each prompt.
+  `BetaTS(literal=True)` runs the symbolic formulas instead, with Q_v what the round adds to the output
+  (A + 1 tokens; the reading that keeps r >= 0): r = A, n = min(A + 2, K) (`chi_counts_literal`), so that
+  the study can measure the seed's rule beside this reading.
 - Cali-TS (Alg. 3): mu = (sigma_S^2 theta_M + n sigma_M^2 theta_hat) / (n sigma_M^2 + sigma_S^2),
   sigma^2 = sigma_M^2 sigma_S^2 / (sigma_S^2 + n sigma_M^2), theta ~ N(mu, sigma^2), with n the number
   of verifications so far (line 21) and theta_M the calibration model's prediction. theta_hat is "the
@@ -39,6 +42,10 @@ bench/results/ts_sweep.md).
   above and theta_hat_0 weighing as one prior observation. Eq. 10 has this form with t (tokens generated)
   as the count and |Q_v| as the successes; taken literally every generated token is a success and
   theta_hat tends to 1 whatever is accepted, so the chi trials are counted instead.
+- Cali-TS's ablations (seed 001 Table 4): `CaliTS(use="model")` ("w/o Sampling-Prediction") draws theta
+  from N(theta_M, sigma_M^2), the observations left out; `CaliTS(use="sampling")` ("w/o
+  Model-Prediction") from N(theta_hat, sigma_S^2 / max(n, 1)), the limit of eq. 9 as sigma_M grows, with
+  no calibration model and so no deferred first round.
 - Cali-TS's first round: theta_M needs H_t^(T), the target state that produced the context's newest
   token, which for the prompt only the round's own target call computes. The round therefore drafts up
   to the cap, the target call that verifies the drafts also returns the state at the prompt's
@@ -59,6 +66,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from typing import Literal
 
 from torch import Tensor
 
@@ -88,6 +96,15 @@ class FixedK:
         pass
 
 
+def chi_counts_literal(drafted: int, accepted: int) -> tuple[int, int]:
+    """(r, n) by Alg. 2 lines 18-19 as written, r = |Q_v| - 1 and n = min(|Q_v| + 1, |Q_d|), with Q_v the
+    A + 1 tokens the round adds to the output: r = A, n = min(A + 2, K) (two failures per rejection but
+    at the last draft)."""
+    if not 0 <= accepted <= drafted:
+        raise ValueError(f"accepted must lie in 0..drafted, got {accepted} of {drafted}")
+    return accepted, min(accepted + 2, drafted)
+
+
 def chi_counts(drafted: int, accepted: int) -> tuple[int, int]:
     """(r, n): successes and trials of chi observed in a round of `drafted` drafts, `accepted` of them
     accepted (seed 001 §3.3 as read in the module docstring: the validated tokens, one failure at most)."""
@@ -101,10 +118,14 @@ class BetaTS:
 
     needs_target_hidden = False
 
-    def __init__(self, alpha0: float, beta0: float, max_length: int, seed: int) -> None:
+    def __init__(
+        self, alpha0: float, beta0: float, max_length: int, seed: int, literal: bool = False
+    ) -> None:
         if alpha0 <= 0 or beta0 <= 0:
             raise ValueError(f"Beta prior needs alpha0, beta0 > 0, got {alpha0}, {beta0}")
         self.alpha0, self.beta0, self.max_length = alpha0, beta0, max_length
+        self.counts = chi_counts_literal if literal else chi_counts
+        """How a round's (r, n) are counted: this module's reading, or the seed's formulas as written."""
         self.rng = random.Random(seed)
         self.alpha, self.beta = alpha0, beta0
 
@@ -119,7 +140,7 @@ class BetaTS:
         return self.rng.random() < theta
 
     def update(self, drafted: int, accepted: int) -> None:
-        r, n = chi_counts(drafted, accepted)
+        r, n = self.counts(drafted, accepted)
         self.alpha += r
         self.beta += n - r
 
@@ -134,12 +155,18 @@ class CaliTS:
         sigma_m: float,
         sigma_s: float,
         theta0: float,
-        predict: Predictor,
+        predict: Predictor | None,
         max_length: int,
         seed: int,
+        use: Literal["both", "model", "sampling"] = "both",
     ) -> None:
         if sigma_m <= 0 or sigma_s <= 0:
             raise ValueError(f"sigma_M and sigma_S must be > 0, got {sigma_m}, {sigma_s}")
+        if predict is None and use != "sampling":
+            raise ValueError(f"Cali-TS with use={use!r} needs a calibration model")
+        self.use = use
+        """`both` (Alg. 3), `model` (w/o sampling prediction) or `sampling` (w/o model prediction)."""
+        self.needs_target_hidden = use != "sampling"
         self.sigma_m2, self.sigma_s2 = sigma_m**2, sigma_s**2
         self.theta0, self.predict, self.max_length = theta0, predict, max_length
         self.rng = random.Random(seed)
@@ -158,16 +185,24 @@ class CaliTS:
         self.deferred = []
 
     def posterior(self, theta_m: float) -> tuple[float, float]:
-        """(mu, sigma^2) of Alg. 3 lines 9-10."""
+        """(mu, sigma^2) of Alg. 3 lines 9-10 (or of an ablation, `use`)."""
+        if self.use == "model":
+            return theta_m, self.sigma_m2
+        if self.use == "sampling":
+            return self.theta_hat, self.sigma_s2 / max(self.verifications, 1)
         weight = self.verifications * self.sigma_m2
         denominator = weight + self.sigma_s2
         mu = (self.sigma_s2 * theta_m + weight * self.theta_hat) / denominator
         return mu, self.sigma_m2 * self.sigma_s2 / denominator
 
     def keep_drafting(self, step: int, draft_hidden: Tensor) -> bool:
+        if self.use == "sampling":  # no calibration model: nothing waits for the target state
+            mu, variance = self.posterior(0.0)
+            return self.rng.random() < self.rng.gauss(mu, variance**0.5)
         if self.target_hidden is None:  # first round: draft on, decide in `settle`
             self.deferred.append((step, draft_hidden))
             return True
+        assert self.predict is not None
         theta_m = float(self.predict(step, self.target_hidden, draft_hidden))
         mu, variance = self.posterior(theta_m)
         theta = self.rng.gauss(mu, variance**0.5)

@@ -178,7 +178,7 @@ def method_label(fields: dict[str, Any]) -> str:
         name = f"{decoder}[{fields['rescorer']}]"
     if fields.get("tree"):
         return f"{name} {fields['tree']}"
-    if fields.get("control") in ("beta_ts", "cali_ts"):
+    if fields.get("control") not in (None, "fixed"):
         return f"{name} {fields['control']}"
     return f"{name} K={fields['draft_length']}"
 

@@ -51,6 +51,9 @@ class PromptResult(BaseModel):
     """Draft tokens sent to the target (None in rows written before this field)."""
     accepted: int | None = None
     """Draft tokens accepted and kept (None in rows written before this field)."""
+    first_round_drafted: int | None = None
+    """Draft tokens of the prompt's first round (Cali-TS drafts up to its cap there before deciding, seed
+    001 Alg. 3 as `decoding.control` reads it); None in rows written before this field."""
 
     @property
     def block_efficiency(self) -> float:
@@ -82,6 +85,7 @@ def prompt_results(generations: Sequence[Generation]) -> list[PromptResult]:
         PromptResult(
             new_tokens=len(g.tokens), target_calls=g.target_calls, wall_seconds=g.wall_seconds,
             drafted=sum(r.drafted for r in g.rounds), accepted=sum(r.accepted for r in g.rounds),
+            first_round_drafted=g.rounds[0].drafted if g.rounds else 0,
         )
         for g in generations
     ]  # fmt: skip
@@ -120,7 +124,10 @@ class ResultRow(BaseModel):
     # settings
     draft_length: int | None
     """K of a chain; the cap under Thompson sampling; None otherwise."""
-    control: Literal["fixed", "beta_ts", "cali_ts"] | None
+    control: (
+        Literal["fixed", "beta_ts", "cali_ts", "beta_ts_literal", "cali_ts_model", "cali_ts_sampling"] | None
+    )
+    """`pipelines.schema.measure.Control`; None for trees and the blockwise decoders."""
     tree: str | None
     """`2-2-1` (branching) for rsd_c, `3x3` (width x depth) for rsd_s and `medusa+rescore` (beams x
     heads), `9 nodes` for medusa, None otherwise."""

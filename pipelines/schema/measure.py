@@ -28,7 +28,10 @@ Decoder = Literal[
     "bpd+rescore",
     "medusa+rescore",
 ]
-Control = Literal["fixed", "beta_ts", "cali_ts"]
+Control = Literal["fixed", "beta_ts", "cali_ts", "beta_ts_literal", "cali_ts_model", "cali_ts_sampling"]
+"""`beta_ts_literal`: Beta-TS counting a round by seed 001 Alg. 2's formulas as written
+(`decoding.control.chi_counts_literal`); `cali_ts_model` / `cali_ts_sampling`: Cali-TS without sampling
+prediction / without model prediction (seed 001 Table 4's ablations)."""
 
 
 class MeasureConfig(StrictModel):
@@ -84,7 +87,8 @@ class MeasureConfig(StrictModel):
     the exported heads' configs unless the measured best K is known."""
     controls: UniqueList[Control] = Field(default_factory=lambda: ["fixed"], min_length=1)
     """Draft-length controls measured for `sd`, `eesd` and `eagle3`: fixed K, Beta-TS (seed 001 Alg. 2), Cali-TS
-    (Alg. 3; only for drafters the calibrate stage made a calibration model for)."""
+    (Alg. 3; only for drafters the calibrate stage made a calibration model for), and the study's
+    variants of them (`Control`; Cali-TS's ablations need `cali_ts` beside them, which loads the models)."""
     k_sweep: UniqueList[PositiveInt] = Field(default_factory=list)
     """Extra fixed draft lengths for `sd` and `eesd`, for the speedup-vs-K plot (e.g. [1, 2, 6, 8])."""
     max_draft_length: int = Field(default=10, ge=1)
@@ -182,6 +186,13 @@ class MeasureConfig(StrictModel):
         if "ar" not in self.decoders:
             raise FieldError(
                 "measure.decoders must include `ar`: every speedup is measured against it", "decoders"
+            )
+        ablations = [c for c in ("cali_ts_model", "cali_ts_sampling") if c in self.controls]
+        if ablations and "cali_ts" not in self.controls:
+            raise FieldError(
+                f"measure.controls: {', '.join(ablations)} (Cali-TS's ablations) run beside Cali-TS, for the "
+                "drafters whose calibration models `cali_ts` loads: list cali_ts too",
+                "controls",
             )
         for tree in self.rsd_s_trees:
             if len(tree) != 2:

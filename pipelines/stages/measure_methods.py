@@ -53,6 +53,14 @@ def controls_for(
         out.append(
             ("cali_ts", cap, CaliTS(cfg.cali_sigma_m, cfg.cali_sigma_s, cfg.cali_theta0, predict, cap, seed))
         )
+    # the study's variants of them (pipelines.schema.measure.Control)
+    if "beta_ts_literal" in cfg.controls:
+        out.append(("beta_ts_literal", cap, BetaTS(*cfg.beta_prior, cap, seed, literal=True)))
+    cali = (cfg.cali_sigma_m, cfg.cali_sigma_s, cfg.cali_theta0)
+    if "cali_ts_model" in cfg.controls and predict is not None:
+        out.append(("cali_ts_model", cap, CaliTS(*cali, predict, cap, seed, use="model")))
+    if "cali_ts_sampling" in cfg.controls and predict is not None:  # the same drafters as Cali-TS
+        out.append(("cali_ts_sampling", cap, CaliTS(*cali, None, cap, seed, use="sampling")))
     return out
 
 
@@ -244,7 +252,7 @@ def measure_latencies(
     """The forward latencies of every model the run's decoders call, on a context as long as a prompt
     plus half an answer."""
     lengths = [cfg.draft_length, cfg.eesd_k, cfg.eagle3_k, *cfg.k_sweep]
-    if "beta_ts" in cfg.controls or "cali_ts" in cfg.controls:
+    if any(c != "fixed" for c in cfg.controls):
         lengths.append(cfg.max_draft_length)
     shapes = [shape for _, shape, _ in tree_shapes(cfg)]
     size = max([max(lengths) + 1, *(shape.max_nodes + 1 for shape in shapes)])
