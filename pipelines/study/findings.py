@@ -5,7 +5,8 @@ Every finding names the seed's table or figure, quotes its claim and numbers (ty
 `../shared/seeds/`) in the seed's setting, says which metric it compares and how, and returns its checks;
 a study item that is no seed claim says so (`seed_claim=False`). The findings live by seed:
 `findings_drafters` (seed 003), `findings_eesd` (seed 001), `findings_trees` (seeds 002 and 000), and the
-seeds' headline tables that only `make study-full` measures, `findings_headline` (seeds 001 and 002).
+seeds' headline tables that only `make study-full` measures, `findings_headline` (seeds 001, 002 and 003)
+and `findings_thompson` (seed 001's controls on long answers, its ablations and exit layers).
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ from polydraft.pipelines.study.findings_headline import (
     eesd_vs_baselines,
     sd_vs_medusa,
     trees_lengths,
+)
+from polydraft.pipelines.study.findings_thompson import (
+    beta_literal,
+    cali_ablations,
+    exit_layers_two,
+    thompson_long,
 )
 from polydraft.pipelines.study.findings_trees import rescoring, rsd_budget, rsd_budget_low, trees
 from polydraft.pipelines.study.model import Finding, Panel, Runs, finish, ok
@@ -101,10 +108,14 @@ def all_findings(
         drafter_size(runs, k, pairs, drafter_depth),
         eesd_vs_baselines(runs),
         exit_layer(runs),
+        exit_layers_two(runs),
         shared_layers(runs, shared_layers_n),
         thompson_eesd(runs, best=False),
         cali_over_beta(runs),
         thompson_eesd(runs, best=True),
+        thompson_long(runs, cali=False),
+        thompson_long(runs, cali=True),
+        cali_ablations(runs),
         thompson_standalone(runs, pairs, best=False),
         trees(runs, pairs),
         trees_lengths(runs, pairs),
@@ -114,5 +125,6 @@ def all_findings(
         rsd_budget_low(runs, pairs),
         pf_over_p_budgets(runs, k, pairs),
         thompson_standalone(runs, pairs, best=True),
+        beta_literal(runs),
         distill_temperatures(runs, k, pairs),
     ]

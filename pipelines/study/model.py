@@ -110,10 +110,29 @@ def ts_variant(pair: str) -> str:
 
 
 def eesd_variant(seed: int, exit_layers: int = 1, shared: int | None = None) -> str:
-    """EESD variant names: `eesd_s0` (the recipe's N, one exit layer), `eesd_no_layer_s0`, `eesd_n2_s0`."""
+    """EESD variant names: `eesd_s0` (the recipe's N, one exit layer), `eesd_no_layer_s0`, `eesd_n2_s0`,
+    `eesd_2layers_s0` (`make study-full`)."""
     if shared is not None:
         return f"eesd_n{shared}_s{seed}"
+    if exit_layers > 1:
+        return f"eesd_{exit_layers}layers_s{seed}"
     return f"eesd_s{seed}" if exit_layers else f"eesd_no_layer_s{seed}"
+
+
+LONG_ENTRIES = [14, 16]
+"""Entries per eval sample of the long-answer Thompson-sampling runs, against the demo's 4 to 8: the
+study's eval prompts grow from 59 / 82 tokens (de-en / fr-en, mean) to 95 / 146, and their answers with
+them, about twice as long. No longer: prompt and answer must fit the 256-token sequences the demo target
+was trained on (fr-en's longest prompt is 162 tokens). The report lists the answer lengths measured."""
+LONG_TOKENS = 160
+"""measure.max_new_tokens of the long-answer runs: above the longest answer, so that answers end at EOS."""
+LONG_CONTROLS = ["fixed", "beta_ts", "beta_ts_literal", "cali_ts", "cali_ts_model", "cali_ts_sampling"]
+"""Seed 001 Table 4's rows (K=10, Beta-TS, Cali-TS and its two ablations) and the literal Beta-TS."""
+
+
+def eesd_long_variant(seed: int) -> str:
+    """EESD's controls on long answers (seed 001 Table 4, Thompson sampling in the seed's setting)."""
+    return f"eesd_long_s{seed}"
 
 
 def temps_variant(seed: int, four: bool) -> str:

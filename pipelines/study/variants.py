@@ -32,13 +32,9 @@ from polydraft.pipelines.schema import Recipe
 from polydraft.pipelines.study.model import (
     BUDGET_TREES,
     COMPARE,
-    DEPTH_FACTORS,
-    DEPTHS_COMPARE,
     F_BUDGETS,
-    HEADLINE_K,
     HEADS,
     K_SWEEP,
-    LENGTH_TREES,
     MORE_SHARED_LAYERS,
     PF_BUDGETS,
     RSD_BUDGET,
@@ -47,15 +43,11 @@ from polydraft.pipelines.study.model import (
     TRAIN_SEEDS,
     TREE_DEPTH,
     TREES,
-    TREES_LENGTHS,
     budgets_variant,
-    depth_variant,
     drafter_name,
     eesd_variant,
     f_variant,
-    headline_variant,
     pf_variant,
-    sd_medusa_variant,
     temps_variant,
     ts_variant,
 )
@@ -323,108 +315,18 @@ def temperatures_item(recipe: Recipe, study_dir: Path) -> list[Variant]:
     return out
 
 
-def headline(recipe: Recipe) -> list[Variant]:
-    """`make study-full`: seed 001's main table (EESD against vanilla SD and Medusa) measured interleaved
-    in one run per training seed, each of the three trained with that seed (the EESD head and its
-    calibration model, the pair drafters and the heads are those of `eesd_s*`, `pf_s*_x1` and, for seed 0,
-    `heads`, reused by key), and seed 002's Exp1 at every draft length it reports (2-5, App. C.3.1's
-    trees)."""
-    out = []
-    for seed in TRAIN_SEEDS:
-        out.append(Variant(
-            headline_variant(seed),
-            f"seed 001 Tables 1-3, training seed {seed}: EESD (one exit layer) under Beta-TS and Cali-TS, sd at "
-            f"the seed's fixed K={HEADLINE_K} with the pair's P-F drafter, and Medusa, one measure run, T=0",
-            (
-                f"pretrain.loop.seed={recipe.pretrain.loop.seed + seed}",
-                f"finetune.loop.seed={recipe.finetune.loop.seed + seed}",
-                f"early_exit.loop.seed={recipe.early_exit.loop.seed + seed}",
-                f"heads.loop.seed={recipe.heads.loop.seed + seed}",
-                "early_exit.enabled=true", "early_exit.num_exit_layers=1", "calibrate.enabled=true",
-                "calibrate.drafters=early_exit", "heads.enabled=true", "eagle3.enabled=false",
-                "export.enabled=false", "finetune.multilingual=false",
-                _measure(decoders=["ar", "sd", "eesd", "medusa"], controls=["fixed", "beta_ts", "cali_ts"],
-                         draft_length=HEADLINE_K, eesd_draft_length=HEADLINE_K, temperatures=[0.0]),
-            ),
-            full=True,
-        ))  # fmt: skip
-    for seed in TRAIN_SEEDS:
-        out.append(Variant(
-            sd_medusa_variant(seed),
-            f"seed 003 Table 1, training seed {seed}: sd with each pair's P-F drafter at the recipe's K and "
-            "Medusa, one measure run, T=0 and T=1",
-            (
-                f"pretrain.loop.seed={recipe.pretrain.loop.seed + seed}",
-                f"finetune.loop.seed={recipe.finetune.loop.seed + seed}",
-                f"heads.loop.seed={recipe.heads.loop.seed + seed}",
-                "early_exit.enabled=false", "calibrate.enabled=false", "heads.enabled=true",
-                "eagle3.enabled=false", "export.enabled=false", "finetune.multilingual=false",
-                _measure(decoders=["ar", "sd", "medusa"], temperatures=COMPARE_TEMPERATURES),
-            ),
-            full=True,
-        ))  # fmt: skip
-    lengths = sorted(LENGTH_TREES)
-    c_trees = [b for length in lengths for b in LENGTH_TREES[length][0]]
-    s_trees = [t for length in lengths for t in LENGTH_TREES[length][1]]
-    out.append(Variant(
-        TREES_LENGTHS,
-        f"seed 002 Exp1 at draft lengths L in {lengths}: SD K=L and App. C.3.1's RSD-C and RSD-S trees per L, "
-        "T=0.3, each pair's drafter on its own pair",
-        (*OFF, "measure.enabled=true", _measure(
-            decoders=["ar", "sd", "rsd_c", "rsd_s"], draft_length=lengths[0], k_sweep=lengths[1:],
-            branching=c_trees[0], rsd_c_trees=c_trees[1:], beam_width=s_trees[0][0], beam_depth=s_trees[0][1],
-            rsd_s_trees=s_trees[1:], temperatures=TREE_TEMPERATURES,
-        )),
-        full=True,
-    ))  # fmt: skip
-    return out
-
-
-def drafter_sizes(recipe: Recipe, study_dir: Path) -> list[Variant]:
-    """`make study-full`: P-F drafters at the depths of `DEPTH_FACTORS` (the recipe's own depth is
-    `pf_s*_x1`), every training seed, then one measure-only run of all of them (seed 003 Table 5)."""
-    base = recipe.pretrain.drafter.num_layers
-    skip = None if base is not None else "pretrain.drafter names no num_layers (a named architecture)"
-    depths = [(base or 1) * f for f in DEPTH_FACTORS]
-    out, extras = [], {}
-    for seed in TRAIN_SEEDS:
-        seeds = (
-            f"pretrain.loop.seed={recipe.pretrain.loop.seed + seed}",
-            f"finetune.loop.seed={recipe.finetune.loop.seed + seed}",
-        )
-        for depth in depths:
-            name = depth_variant(seed, depth, base or 1)
-            for pair in recipe.data.pairs:
-                extras[drafter_name(f"d{depth}", seed, None, pair)] = str(
-                    study_dir.absolute() / name / "finetune" / pair
-                )
-            if depth != base:
-                out.append(Variant(
-                    name, f"P-F drafters of {depth} layers, training seed {seed}",
-                    (*OFF, *seeds, f"pretrain.drafter.num_layers={depth}", "measure.enabled=false"), skip, full=True,
-                ))  # fmt: skip
-    out.append(Variant(
-        DEPTHS_COMPARE,
-        f"the P-F drafters of {depths} layers, every training seed, one measure run on their own pairs, T=0, "
-        "fixed K",
-        (*MEASURE_ONLY, _measure(decoders=["ar", "sd"], temperatures=[0.0], extra_drafters=extras)),
-        skip,
-        full=True,
-    ))  # fmt: skip
-    return out
-
-
 def variants(recipe: Recipe, study_dir: Path) -> list[Variant]:
     """The variants of `recipe`, in the order they run (each reuses what the earlier ones made; the
-    measure-only comparisons come after the drafters they load)."""
+    measure-only comparisons come after the drafters they load); `make study-full`'s last."""
+    from polydraft.pipelines.study.variants_full import full_variants  # it builds on this module
+
     return [
         *trained(recipe, study_dir),
         *comparisons(recipe, study_dir),
         *decoders(recipe),
         *self_speculative(recipe),
         *temperatures_item(recipe, study_dir),
-        *headline(recipe),
-        *drafter_sizes(recipe, study_dir),
+        *full_variants(recipe, study_dir),
     ]
 
 

@@ -17,7 +17,14 @@ from polydraft.pipelines.schema.inputs import stage_manifests
 from polydraft.pipelines.study.arms import prompt_values
 from polydraft.pipelines.study.findings import all_findings, sanity_checks
 from polydraft.pipelines.study.fits import held_out_errors, shape_fits
-from polydraft.pipelines.study.model import DEPTH_FACTORS, HEADS, PF_BUDGETS, VariantData, pf_variant, tree_budget
+from polydraft.pipelines.study.model import (
+    DEPTH_FACTORS,
+    HEADS,
+    PF_BUDGETS,
+    VariantData,
+    pf_variant,
+    tree_budget,
+)
 from polydraft.pipelines.study.report import checks_table, headline
 from polydraft.pipelines.study.verdicts import (
     VERDICTS,
@@ -40,10 +47,14 @@ FINDINGS = [  # the seeds' findings by seed, then those counted apart; written h
     "drafter_size",
     "eesd_headline",
     "exit_layer",
+    "exit_layers_two",
     "shared_layers",
     "thompson_eesd_preset",
     "thompson_eesd_cali",
     "thompson_eesd_best",
+    "thompson_long_preset",
+    "thompson_long_cali",
+    "cali_ablations",
     "thompson_standalone_preset",
     "trees",
     "trees_lengths",
@@ -53,10 +64,11 @@ FINDINGS = [  # the seeds' findings by seed, then those counted apart; written h
     "rsd_budget_low",
     "pf_over_p_budgets",
     "thompson_standalone_best",
+    "beta_ts_literal",
     "distill_temperatures",
 ]
 SIDE_REMARKS = {"rsd_budget_low"}
-NOT_SEED_CLAIMS = {"pf_over_p_budgets", "thompson_standalone_best", "distill_temperatures"}
+NOT_SEED_CLAIMS = {"pf_over_p_budgets", "thompson_standalone_best", "beta_ts_literal", "distill_temperatures"}
 SANITY = ["lossless"]  # reported apart: it cannot come out otherwise, so it is no finding
 NUMBER = r"-?\d+\.\d+ ± \d+\.\d+ \(n=(\d+)\)"
 
@@ -81,7 +93,7 @@ def test_the_report_has_every_finding_with_a_verdict_and_numbers_with_std_and_n(
     keys = [re.match(r"`(\w+)`", row[1]).group(1) for row in rows]
     assert keys == FINDINGS + SANITY
     assert re.search(
-        r"Of the seeds' 18 findings: \d+ reproduced, \d+ consistent,.*counted apart \(4:", report
+        r"Of the seeds' 22 findings: \d+ reproduced, \d+ consistent,.*counted apart \(5:", report
     )
     assert report.startswith(
         f"# polydraft study: {headline(json.loads((quick / 'study.json').read_text())['findings'])}"

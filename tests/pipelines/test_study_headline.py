@@ -183,7 +183,17 @@ def test_the_headline_variants_run_in_study_full_only_with_every_stage_seeded():
     assert full == sorted([
         *(f(s) for f in (headline_variant, sd_medusa_variant) for s in (0, 1)), TREES_LENGTHS,
         "pf_depth2_s0", "pf_depth3_s0", "pf_depth2_s1", "pf_depth3_s1", DEPTHS_COMPARE,
+        "eesd_long_s0", "eesd_long_s1", "eesd_2layers_s0", "eesd_2layers_s1",
     ])  # fmt: skip
+    # Thompson sampling in the seed's setting: long answers, Table 4's rows, the heads of eesd_s* (same stages)
+    long = plan["eesd_long_s1"].overrides
+    assert "entries_per_sample: [14, 16]" in next(o for o in long if o.startswith("data.eval="))
+    measure = next(o for o in long if o.startswith("measure="))
+    assert "max_new_tokens: 160" in measure and "eesd_draft_length: 10" in measure
+    assert "controls: [fixed, beta_ts, beta_ts_literal, cali_ts, cali_ts_model, cali_ts_sampling]" in measure
+    same = [o for o in plan["eesd_s1"].overrides if o.startswith(("early_exit", "calibrate"))]
+    assert all(o in long for o in same)
+    assert "early_exit.num_exit_layers=2" in plan["eesd_2layers_s0"].overrides
     assert "pretrain.drafter.num_layers=3" in plan["pf_depth3_s1"].overrides
     depths = next(o for o in plan[DEPTHS_COMPARE].overrides if o.startswith("measure="))
     assert "d1_s1_de-en: " + str(Path("runs/study").absolute() / "pf_s1_x1" / "finetune" / "de-en") in depths
