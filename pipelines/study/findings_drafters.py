@@ -8,7 +8,10 @@ from polydraft.pipelines.study.arms import prompt_values
 from polydraft.pipelines.study.fits import PromptPoints, ShapeFits, held_out_errors, shape_fits
 from polydraft.pipelines.study.model import (
     COMPARE,
+    DOMAIN_IO,
     F_BUDGETS,
+    IO_DRAFTER,
+    IO_PAIRS,
     PF_BUDGETS,
     TEMPS_COMPARE,
     TRAIN_SEEDS,
@@ -166,6 +169,40 @@ def in_domain(runs: Runs, k: int, pairs: list[str]) -> Finding:
         f"wall-clock speedup of `sd` (fixed K={k}) of the full-budget P-F drafters (seeds {list(TRAIN_SEEDS)}) "
         "on their own pair vs each other pair's eval set, T=0 and T=1",
         [COMPARE],
+        runs,
+        build,
+    )
+
+
+def input_domain(runs: Runs, k: int) -> Finding:
+    names = _names("pf", 1.0, IO_DRAFTER)
+
+    def build() -> tuple[list[Check], str, list[Panel]]:
+        rows, checks = rows_of(runs, DOMAIN_IO), []
+        on = {pair: _sd(rows, names, pair, 0.0, k) for pair in [IO_DRAFTER, *IO_PAIRS]}
+        shared = [p for p, what in IO_PAIRS.items() if what == "input"]
+        for inside in shared:
+            for other in [p for p, what in IO_PAIRS.items() if what != "input"]:
+                label = f"drafter {IO_DRAFTER}, T=0: on {inside} (input shared) > on {other} ({IO_PAIRS[other]} shared)"
+                checks.append(compare(label, ">", inside, on[inside], other, on[other]))
+        means = [f"{p} {s.text() if (s := stat([v for by in on[p].values() for v in by.values()])) else '-'}" for p in on]  # fmt: skip
+        return checks, f"- speedup of the {IO_DRAFTER} drafters per eval set: " + "; ".join(means), []
+
+    return finish(
+        "input_domain",
+        "a language drafter's speedup follows its input language more than its output language",
+        "seed 003 Fig. 5 and §5",
+        "'Speedups are consistently higher when translating from German to other languages … translations "
+        "involving non-German languages with English and English-German pairings show limited gains … "
+        "effective speculation relies more on matching the translation task's input domain with the "
+        "training data than on the output domain' (the WMT16 De-En drafter, greedy)",
+        "Fig. 5 (Vicuna 7B, the De-En P-F and F drafters on De→X, X→En and En→De pairs): highest speedups on "
+        "German-input pairs, limited gains elsewhere (a figure; the text gives no numbers).",
+        f"wall-clock speedup per prompt of `sd` (fixed K={k}) with the full-budget {IO_DRAFTER} P-F drafters "
+        f"(seeds {list(TRAIN_SEEDS)}) at T=0 on De-Fr (its input language, another output), Fr-En (its "
+        "output language, another input) and En-De (neither: German answers), one measure run; the eval "
+        "sets differ, so each difference pairs independent prompts by position",
+        [DOMAIN_IO],
         runs,
         build,
     )

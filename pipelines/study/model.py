@@ -130,6 +130,15 @@ LONG_CONTROLS = ["fixed", "beta_ts", "beta_ts_literal", "cali_ts", "cali_ts_mode
 """Seed 001 Table 4's rows (K=10, Beta-TS, Cali-TS and its two ablations) and the literal Beta-TS."""
 
 
+DOMAIN_IO = "domain_io"
+"""Seed 003 Fig. 5: the De-En P-F drafters of every training seed on pairs that share its input language
+(De-Fr), its output language (Fr-En) or neither (En-De, whose answers are German), one measure run."""
+IO_DRAFTER = "de-en"
+IO_PAIRS = {"de-fr": "input", "fr-en": "output", "en-de": "neither"}
+"""Eval pairs of `DOMAIN_IO` and what each shares with the De-En drafter's training pair (the demo target
+translates all four; en-de is the demo recipe's third pair)."""
+
+
 def eesd_long_variant(seed: int) -> str:
     """EESD's controls on long answers (seed 001 Table 4, Thompson sampling in the seed's setting)."""
     return f"eesd_long_s{seed}"

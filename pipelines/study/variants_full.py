@@ -5,13 +5,17 @@ stage folders by key."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from polydraft.pipelines.schema import Recipe
 from polydraft.pipelines.study.model import (
     DEPTH_FACTORS,
     DEPTHS_COMPARE,
+    DOMAIN_IO,
     HEADLINE_K,
+    IO_DRAFTER,
+    IO_PAIRS,
     LENGTH_TREES,
     LONG_CONTROLS,
     LONG_ENTRIES,
@@ -23,6 +27,7 @@ from polydraft.pipelines.study.model import (
     eesd_long_variant,
     eesd_variant,
     headline_variant,
+    pf_variant,
     sd_medusa_variant,
 )
 from polydraft.pipelines.study.variants import (
@@ -135,7 +140,9 @@ def thompson(recipe: Recipe) -> list[Variant]:
         "pretrain.enabled=false", "finetune.enabled=false", "heads.enabled=false", "eagle3.enabled=false",
         "early_exit.enabled=true", "export.enabled=false",
     )  # fmt: skip
-    long_eval = [s.model_dump(mode="json") | {"entries_per_sample": list(LONG_ENTRIES)} for s in recipe.data.eval]
+    long_eval = [
+        s.model_dump(mode="json") | {"entries_per_sample": list(LONG_ENTRIES)} for s in recipe.data.eval
+    ]
     out = []
     for seed in TRAIN_SEEDS:
         seeded = (*base, f"early_exit.loop.seed={recipe.early_exit.loop.seed + seed}")
@@ -160,6 +167,38 @@ def thompson(recipe: Recipe) -> list[Variant]:
     return out
 
 
+def domain_io(recipe: Recipe, study_dir: Path) -> list[Variant]:
+    """Seed 003 Fig. 5: input vs output domain. The De-En P-F drafters of every training seed (`pf_s*_x1`)
+    on the recipe's eval sets and on De-Fr and En-De (the recipe's first eval source with the pair changed),
+    one measure-only run at T=0 (the seed's speculative greedy sampling)."""
+    skip = (
+        None
+        if IO_DRAFTER in recipe.data.pairs and recipe.data.eval
+        else f"the recipe has no {IO_DRAFTER} pair"
+    )
+    sources = [json.loads(s.model_dump_json()) for s in recipe.data.eval]
+    known = {s["pair"] for s in sources}
+    sources += [json.loads(recipe.data.eval[0].model_copy(update={"pair": p}).model_dump_json()) for p in IO_PAIRS if p not in known] if not skip else []  # fmt: skip
+    pairs = list(dict.fromkeys([*recipe.data.pairs, *(s["pair"] for s in sources)]))
+    extras = {
+        drafter_name("pf", seed, 1.0, IO_DRAFTER): str(study_dir.absolute() / pf_variant(seed, 1.0) / "finetune" / IO_DRAFTER)
+        for seed in TRAIN_SEEDS
+    }  # fmt: skip
+    return [Variant(
+        DOMAIN_IO,
+        f"the {IO_DRAFTER} P-F drafters of every training seed on {pairs}, one measure run, T=0, fixed K",
+        (*MEASURE_ONLY, f"data.pairs={flow(pairs)}", f"data.eval={flow(sources)}",
+         _measure(decoders=["ar", "sd"], temperatures=[0.0], cross_pairs=True, extra_drafters=extras)),
+        skip,
+        full=True,
+    )]  # fmt: skip
+
+
 def full_variants(recipe: Recipe, study_dir: Path) -> list[Variant]:
     """Every `make study-full` variant, in the order they run."""
-    return [*headline(recipe), *drafter_sizes(recipe, study_dir), *thompson(recipe)]
+    return [
+        *headline(recipe),
+        *drafter_sizes(recipe, study_dir),
+        *thompson(recipe),
+        *domain_io(recipe, study_dir),
+    ]

@@ -42,6 +42,7 @@ FINDINGS = [  # the seeds' findings by seed, then those counted apart; written h
     "pf_over_p",
     "pf_over_f",
     "in_domain",
+    "input_domain",
     "finetune_tokens",
     "pf_over_medusa",
     "drafter_size",
@@ -93,7 +94,7 @@ def test_the_report_has_every_finding_with_a_verdict_and_numbers_with_std_and_n(
     keys = [re.match(r"`(\w+)`", row[1]).group(1) for row in rows]
     assert keys == FINDINGS + SANITY
     assert re.search(
-        r"Of the seeds' 22 findings: \d+ reproduced, \d+ consistent,.*counted apart \(5:", report
+        r"Of the seeds' 23 findings: \d+ reproduced, \d+ consistent,.*counted apart \(5:", report
     )
     assert report.startswith(
         f"# polydraft study: {headline(json.loads((quick / 'study.json').read_text())['findings'])}"

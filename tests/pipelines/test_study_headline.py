@@ -183,7 +183,7 @@ def test_the_headline_variants_run_in_study_full_only_with_every_stage_seeded():
     assert full == sorted([
         *(f(s) for f in (headline_variant, sd_medusa_variant) for s in (0, 1)), TREES_LENGTHS,
         "pf_depth2_s0", "pf_depth3_s0", "pf_depth2_s1", "pf_depth3_s1", DEPTHS_COMPARE,
-        "eesd_long_s0", "eesd_long_s1", "eesd_2layers_s0", "eesd_2layers_s1",
+        "eesd_long_s0", "eesd_long_s1", "eesd_2layers_s0", "eesd_2layers_s1", "domain_io",
     ])  # fmt: skip
     # Thompson sampling in the seed's setting: long answers, Table 4's rows, the heads of eesd_s* (same stages)
     long = plan["eesd_long_s1"].overrides
@@ -294,3 +294,49 @@ def test_a_deeper_drafter_gives_less_speedup_for_as_many_tokens():
     assert fewer.checks[2].outcome == "contradicted"
     missing = drafter_size({}, k=4, pairs=["de-en"], recipe_depth=1)
     assert missing.verdict == "not run" and "pf_depth2_s0" in missing.reason
+
+
+def test_the_input_language_matters_more_than_the_output_language():
+    from polydraft.pipelines.study.findings_drafters import input_domain
+    from polydraft.pipelines.study.model import DOMAIN_IO, drafter_name
+
+    def runs(speedups: dict[str, float]) -> dict[str, VariantData]:
+        rows = []
+        for pair, speedup in speedups.items():
+            for seed in (0, 1):
+                name = drafter_name("pf", seed, 1.0, "de-en")
+                arm = speed_rows({("sd", "fixed", 4): speedup}, seed)
+                rows += [
+                    r.model_copy(update={"dataset": pair, "dataset_pair": pair, "drafter": name if r.decoder == "sd" else None,
+                                         "in_domain": pair == "de-en" if r.decoder == "sd" else None})
+                    for r in arm
+                    if r.decoder == "sd" or seed == 0  # one ar row per group
+                ]  # fmt: skip
+        return {DOMAIN_IO: VariantData(status="ok", rows=rows)}
+
+    finding = input_domain(runs({"de-en": 1.6, "de-fr": 1.4, "fr-en": 1.1, "en-de": 0.9}), k=4)
+    assert [(c.label, c.outcome) for c in finding.checks] == [
+        ("drafter de-en, T=0: on de-fr (input shared) > on fr-en (output shared)", "holds"),
+        ("drafter de-en, T=0: on de-fr (input shared) > on en-de (neither shared)", "holds"),
+    ]
+    assert finding.verdict == "reproduced" and "en-de 0.9" in finding.details
+    assert finding.checks[0].interval.seeds == 2
+    output_first = input_domain(runs({"de-en": 1.6, "de-fr": 1.0, "fr-en": 1.3, "en-de": 0.9}), k=4)
+    assert output_first.checks[0].outcome == "contradicted" and output_first.verdict == "not reproduced"
+
+
+def test_the_domain_run_adds_de_fr_and_en_de_to_the_recipes_pairs():
+    from pathlib import Path
+
+    from polydraft.pipelines.run.recipe import load_recipe
+    from polydraft.pipelines.study.model import DOMAIN_IO
+    from polydraft.pipelines.study.variants import variants
+
+    study = Path(__file__).resolve().parents[2] / "recipes" / "demo" / "study.yaml"
+    plan = {v.name: v for v in variants(load_recipe(study, []), Path("runs/study"))}
+    variant = plan[DOMAIN_IO]
+    assert variant.full and variant.skip is None
+    recipe = load_recipe(study, list(variant.overrides))  # a valid recipe: the pairs cover the eval sets
+    assert [s.pair for s in recipe.data.eval] == ["de-en", "fr-en", "de-fr", "en-de"]
+    assert recipe.measure.cross_pairs and not recipe.finetune.enabled
+    assert set(recipe.measure.extra_drafters) == {"pf_s0_x1_de-en", "pf_s1_x1_de-en"}
