@@ -124,8 +124,9 @@ LONG_ENTRIES = [14, 16]
 study's eval prompts grow from 59 / 82 tokens (de-en / fr-en, mean) to 95 / 146, and their answers with
 them, about twice as long. No longer: prompt and answer must fit the 256-token sequences the demo target
 was trained on (fr-en's longest prompt is 162 tokens). The report lists the answer lengths measured."""
-LONG_TOKENS = 160
-"""measure.max_new_tokens of the long-answer runs: above the longest answer, so that answers end at EOS."""
+LONG_TOKENS_FACTOR = 2.5
+"""measure.max_new_tokens of the long-answer runs, as a multiple of the recipe's: 160 for the demo's 64,
+above the longest answer, so that answers end at EOS (`--quick`'s 6 become 15, which keeps it quick)."""
 LONG_CONTROLS = ["fixed", "beta_ts", "beta_ts_literal", "cali_ts", "cali_ts_model", "cali_ts_sampling"]
 """Seed 001 Table 4's rows (K=10, Beta-TS, Cali-TS and its two ablations) and the literal Beta-TS."""
 

@@ -19,7 +19,7 @@ from polydraft.pipelines.study.model import (
     LENGTH_TREES,
     LONG_CONTROLS,
     LONG_ENTRIES,
-    LONG_TOKENS,
+    LONG_TOKENS_FACTOR,
     TRAIN_SEEDS,
     TREES_LENGTHS,
     depth_variant,
@@ -140,6 +140,7 @@ def thompson(recipe: Recipe) -> list[Variant]:
         "pretrain.enabled=false", "finetune.enabled=false", "heads.enabled=false", "eagle3.enabled=false",
         "early_exit.enabled=true", "export.enabled=false",
     )  # fmt: skip
+    tokens = round(recipe.measure.max_new_tokens * LONG_TOKENS_FACTOR)
     long_eval = [
         s.model_dump(mode="json") | {"entries_per_sample": list(LONG_ENTRIES)} for s in recipe.data.eval
     ]
@@ -148,13 +149,13 @@ def thompson(recipe: Recipe) -> list[Variant]:
         seeded = (*base, f"early_exit.loop.seed={recipe.early_exit.loop.seed + seed}")
         out.append(Variant(
             eesd_long_variant(seed),
-            f"EESD on long answers ({LONG_ENTRIES[0]}-{LONG_ENTRIES[1]} entries a sample, up to {LONG_TOKENS} "
+            f"EESD on long answers ({LONG_ENTRIES[0]}-{LONG_ENTRIES[1]} entries a sample, up to {tokens} "
             f"tokens), training seed {seed}: fixed K={HEADLINE_K}, Beta-TS as read and as written, Cali-TS "
             "and its two ablations, T=0",
             (*seeded, "early_exit.num_exit_layers=1", "calibrate.enabled=true", "calibrate.drafters=early_exit",
              f"data.eval={flow(long_eval)}",
              _measure(decoders=["ar", "eesd"], controls=LONG_CONTROLS, eesd_draft_length=HEADLINE_K,
-                      max_new_tokens=LONG_TOKENS, temperatures=[0.0])),
+                      max_new_tokens=tokens, temperatures=[0.0])),
             full=True,
         ))  # fmt: skip
         out.append(Variant(
