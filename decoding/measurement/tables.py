@@ -305,7 +305,9 @@ def _bars(rows: list[Row], metric: str, title: str, path: Path) -> None:
     datasets = list(dict.fromkeys(r.dataset for r in rows))
     methods = _methods(rows)
     cells = _cells(rows, metric)
-    figure = Figure(figsize=(max(6.0, 1.2 * len(datasets) * len(temperatures) + 3), 4.5))
+    # tall enough for the legend beside the bars (about 0.17 inch per method at x-small)
+    height = max(4.5, 1.0 + 0.17 * len(methods))
+    figure = Figure(figsize=(max(6.0, 1.2 * len(datasets) * len(temperatures) + 3), height))
     axes = figure.subplots(1, len(temperatures), squeeze=False)[0]
     width = 0.8 / max(1, len(methods))
     for ax, temperature in zip(axes, temperatures, strict=True):

@@ -169,3 +169,22 @@ def test_rescoring_gain_is_decided_per_prompt_not_per_repetition():
     older = [r.model_copy(update={"per_prompt": None}) for r in alone + steady]
     assert rescoring_table(older).endswith(f"| - | - | {NOT_PAIRED} |")
     assert rescoring_table(steady).startswith("No `+rescore` decoder")
+
+
+def test_the_bar_charts_hold_the_legend_of_a_study_sized_run_without_a_layout_warning(tmp_path):
+    import warnings
+
+    from polydraft.decoding.measurement.tables import write_report
+
+    rows = [
+        row(dataset, seed, 2.0, 1.5).model_copy(
+            update={"method": f"sd[pf_s{i % 2}_x0.25] K={i} beta_ts_literal"}
+        )
+        for i in range(90)
+        for dataset in ("de-en", "fr-en")
+        for seed in (0, 1)
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's "Tight layout not applied" is a UserWarning
+        written = write_report(rows, tmp_path)
+    assert (tmp_path / "speedup.png") in written and (tmp_path / "speedup.png").stat().st_size > 0
