@@ -122,8 +122,9 @@ def eesd_variant(seed: int, exit_layers: int = 1, shared: int | None = None) -> 
 LONG_ENTRIES = [14, 16]
 """Entries per eval sample of the long-answer Thompson-sampling runs, against the demo's 4 to 8: the
 study's eval prompts grow from 59 / 82 tokens (de-en / fr-en, mean) to 95 / 146, and their answers with
-them, about twice as long. No longer: prompt and answer must fit the 256-token sequences the demo target
-was trained on (fr-en's longest prompt is 162 tokens). The report lists the answer lengths measured."""
+them: 92-99 tokens a prompt on average (at most 138, every answer ending at EOS; `--only eesd_long_s0`,
+2026-11-29) against about 40. No longer: prompt and answer must fit the 256-token sequences the demo
+target was trained on (fr-en's longest prompt is 162 tokens). The report lists the answer lengths."""
 LONG_TOKENS_FACTOR = 2.5
 """measure.max_new_tokens of the long-answer runs, as a multiple of the recipe's: 160 for the demo's 64,
 above the longest answer, so that answers end at EOS (`--quick`'s 6 become 15, which keeps it quick)."""
