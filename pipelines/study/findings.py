@@ -40,6 +40,7 @@ from polydraft.pipelines.study.findings_thompson import (
     beta_literal,
     cali_ablations,
     exit_layers_two,
+    self_distillation,
     thompson_long,
 )
 from polydraft.pipelines.study.findings_trees import rescoring, rsd_budget, rsd_budget_low, trees
@@ -111,6 +112,7 @@ def all_findings(
         eesd_vs_baselines(runs),
         exit_layer(runs),
         exit_layers_two(runs),
+        self_distillation(runs),
         shared_layers(runs, shared_layers_n),
         thompson_eesd(runs, best=False),
         cali_over_beta(runs),

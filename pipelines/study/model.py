@@ -141,6 +141,11 @@ IO_PAIRS = {"de-fr": "input", "fr-en": "output", "en-de": "neither"}
 translates all four; en-de is the demo recipe's third pair)."""
 
 
+def eesd_open_variant(seed: int) -> str:
+    """EESD trained without self-distillation: on the open rows (seed 001 Table 4's ablation)."""
+    return f"eesd_open_only_s{seed}"
+
+
 def eesd_long_variant(seed: int) -> str:
     """EESD's controls on long answers (seed 001 Table 4, Thompson sampling in the seed's setting)."""
     return f"eesd_long_s{seed}"

@@ -25,6 +25,7 @@ from polydraft.pipelines.study.model import (
     depth_variant,
     drafter_name,
     eesd_long_variant,
+    eesd_open_variant,
     eesd_variant,
     headline_variant,
     pf_variant,
@@ -165,7 +166,33 @@ def thompson(recipe: Recipe) -> list[Variant]:
              _measure(decoders=["ar", "eesd"], controls=["beta_ts"], temperatures=[0.0])),
             full=True,
         ))  # fmt: skip
+        out.append(Variant(
+            eesd_open_variant(seed),
+            f"EESD trained without self-distillation (the open rows, as many), training seed {seed}: Beta-TS, T=0",
+            (*seeded, "early_exit.num_exit_layers=1", "calibrate.enabled=false", *open_only(recipe),
+             _measure(decoders=["ar", "eesd"], controls=["beta_ts"], temperatures=[0.0])),
+            None if open_only(recipe) else "needs data.open, distill.open_fraction > 0 and a limit on every "
+            "data.distill source (to keep the mix's size)",
+            full=True,
+        ))  # fmt: skip
     return out
+
+
+def open_only(recipe: Recipe) -> tuple[str, ...]:
+    """Overrides that make the distill stage's mix open rows but for one distilled prompt a source (the
+    stage needs one), as many rows as the recipe's mix: a source's `limit` prompts at every distillation
+    temperature with `open_fraction` times as many open rows become 1 prompt and `limit (1 + fraction) - 1`
+    times as many (seed 001 Table 4's "w/o Self-Distillation": trained on open-source data only)."""
+    sources = [json.loads(s.model_dump_json()) for s in recipe.data.distill]
+    limits = {s["limit"] for s in sources}
+    fraction = recipe.distill.open_fraction
+    if not recipe.data.open or fraction <= 0 or None in limits or len(limits) != 1:
+        return ()
+    (limit,) = limits
+    return (
+        f"data.distill={flow([s | {'limit': 1} for s in sources])}",
+        f"distill.open_fraction={limit * (1 + fraction) - 1:g}",
+    )
 
 
 def domain_io(recipe: Recipe, study_dir: Path) -> list[Variant]:

@@ -49,6 +49,7 @@ FINDINGS = [  # the seeds' findings by seed, then those counted apart; written h
     "eesd_headline",
     "exit_layer",
     "exit_layers_two",
+    "self_distillation",
     "shared_layers",
     "thompson_eesd_preset",
     "thompson_eesd_cali",
@@ -94,7 +95,7 @@ def test_the_report_has_every_finding_with_a_verdict_and_numbers_with_std_and_n(
     keys = [re.match(r"`(\w+)`", row[1]).group(1) for row in rows]
     assert keys == FINDINGS + SANITY
     assert re.search(
-        r"Of the seeds' 23 findings: \d+ reproduced, \d+ consistent,.*counted apart \(5:", report
+        r"Of the seeds' 24 findings: \d+ reproduced, \d+ consistent,.*counted apart \(5:", report
     )
     assert report.startswith(
         f"# polydraft study: {headline(json.loads((quick / 'study.json').read_text())['findings'])}"

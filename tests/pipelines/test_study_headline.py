@@ -184,6 +184,7 @@ def test_the_headline_variants_run_in_study_full_only_with_every_stage_seeded():
         *(f(s) for f in (headline_variant, sd_medusa_variant) for s in (0, 1)), TREES_LENGTHS,
         "pf_depth2_s0", "pf_depth3_s0", "pf_depth2_s1", "pf_depth3_s1", DEPTHS_COMPARE,
         "eesd_long_s0", "eesd_long_s1", "eesd_2layers_s0", "eesd_2layers_s1", "domain_io",
+        "eesd_open_only_s0", "eesd_open_only_s1",
     ])  # fmt: skip
     # Thompson sampling in the seed's setting: long answers, Table 4's rows, the heads of eesd_s* (same stages)
     long = plan["eesd_long_s1"].overrides

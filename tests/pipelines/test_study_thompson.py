@@ -107,3 +107,47 @@ def test_two_exit_layers_raise_hm_and_one_is_as_fast():
     assert worse.checks[0].outcome == "contradicted" and worse.verdict == "not reproduced"
     faster = exit_layers_two(runs(accepted_two=7, speedup_two=1.8))
     assert faster.checks[1].outcome == "contradicted"
+
+
+def test_self_distillation_against_open_rows_alone():
+    from polydraft.pipelines.study.findings_thompson import self_distillation
+    from polydraft.pipelines.study.model import eesd_open_variant
+
+    def runs(accepted_open: int, speedup_open: float) -> dict[str, VariantData]:
+        out = {}
+        for s in (0, 1):
+            out[eesd_variant(s)] = VariantData(status="ok", rows=eesd_rows({("beta_ts", 10): (1.5, 6)}, s))
+            rows = eesd_rows({("beta_ts", 10): (speedup_open, accepted_open)}, s + 10)
+            out[eesd_open_variant(s)] = VariantData(status="ok", rows=rows)
+        return out
+
+    finding = self_distillation(runs(accepted_open=4, speedup_open=1.3))
+    assert [(c.label, c.outcome) for c in finding.checks] == [
+        ("de-en, Beta-TS: speedup with self-distillation > without", "holds"),
+        ("de-en, Beta-TS: hm with self-distillation > without", "holds"),
+    ]
+    assert finding.verdict == "reproduced" and finding.checks[0].seed_effect == pytest.approx(1.91 - 1.82)
+    assert "w/o Self-Distillation 1.82×" in finding.seed_numbers
+    assert self_distillation(runs(accepted_open=6, speedup_open=1.8)).verdict == "not reproduced"
+
+
+def test_the_open_only_mix_keeps_the_recipes_row_count():
+    from pathlib import Path
+
+    from polydraft.pipelines.run.recipe import load_recipe
+    from polydraft.pipelines.study.model import eesd_open_variant
+    from polydraft.pipelines.study.variants import variants
+
+    study = Path(__file__).resolve().parents[2] / "recipes" / "demo" / "study.yaml"
+    base = load_recipe(study, [])
+    variant = {v.name: v for v in variants(base, Path("runs/study"))}[eesd_open_variant(1)]
+    assert variant.full and variant.skip is None
+    recipe = load_recipe(study, list(variant.overrides))
+    assert {s.limit for s in recipe.data.distill} == {1} and {s.limit for s in base.data.distill} == {400}
+    temperatures = len(base.distill.temperatures)
+    rows = 400 * temperatures * (1 + base.distill.open_fraction)  # distilled + open rows a pair
+    assert 1 * temperatures * (1 + recipe.distill.open_fraction) == pytest.approx(rows)
+    assert (
+        recipe.early_exit.loop.seed == base.early_exit.loop.seed + 1
+        and recipe.early_exit.num_exit_layers == 1
+    )
