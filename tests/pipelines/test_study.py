@@ -135,9 +135,10 @@ def test_the_report_has_every_finding_with_a_verdict_and_numbers_with_std_and_n(
 def test_variants_share_identical_stages_and_a_rerun_runs_nothing(quick):
     variants = json.loads((quick / "study.json").read_text())["variants"]
     made = [stage for v in variants for stage in v["made"]]
-    # the recipe's distillation once (+ the two of the temperature item), a pretrain per training seed and
-    # drafter depth (make study-full's drafter-size item)
-    assert made.count("distill") == 3 and made.count("pretrain") == 2 * len(DEPTH_FACTORS)
+    # the recipe's distillation once (+ the two of the temperature item and the open-only mix of make
+    # study-full's self-distillation ablation), a pretrain per training seed and drafter depth (its
+    # drafter-size item)
+    assert made.count("distill") == 4 and made.count("pretrain") == 2 * len(DEPTH_FACTORS)
     assert sum(v["shared"].get("distill") == pf_variant(0, PF_BUDGETS[0]) for v in variants) >= 20
     assert all(v["ran"] == list(v["made"]) for v in variants)
     # only the trained variants train drafters: the others reuse theirs (the heads' rescorers included)
