@@ -36,14 +36,15 @@ def results_summary(run_dir: Path) -> str | None:
         speedup_table(rows),
         "",
         "In-domain vs out-of-domain (each language-specific drafter on its own pair and on the others; "
-        "beyond noise: the block-efficiency difference exceeds twice the pooled std of the repetitions):",
+        "decided by the paired rule, decoding.measurement.claims.paired_interval, on the prompts' block "
+        "efficiencies, the two eval sets' prompts paired by position):",
         domain_table(rows),
     ]
     if any(r.decoder in BLOCKWISE and r.rescorer for r in rows):
         parts += [
             "",
-            "Local rescoring against the same heads alone (block-efficiency gain; beyond noise: above twice the "
-            "pooled std of the two methods' repetitions, or of the per-seed gains when paired by seed):",
+            "Local rescoring against the same heads alone (block-efficiency gain per prompt, both decoding the "
+            "same prompts; decided by the paired rule, decoding.measurement.claims.paired_interval):",
             rescoring_table(rows),
         ]
     groups = read_groups(run_dir / "measure")
