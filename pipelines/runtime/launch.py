@@ -117,8 +117,11 @@ def training_env(cpu: bool, extra: dict[str, str], config_file: Path, name: str)
 
 def run_logged(command: list[str], env: dict[str, str], log_path: Path, quiet: bool) -> int:
     """Run `command`, its output appended to `log_path` and (unless `quiet`) shown; returns its status."""
-    with open(log_path, "ab") as log_file:
-        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # the Popen context closes the pipe once the process is done (no ResourceWarning for an open pipe)
+    with (
+        open(log_path, "ab") as log_file,
+        subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as process,
+    ):
         assert process.stdout is not None
         for line in process.stdout:
             log_file.write(line)

@@ -115,3 +115,23 @@ def test_the_collective_timeout_outlasts_what_rank_0_does_alone(tmp_path):
         "launch.collective_timeout_s",
     )
     assert collective_timeout(LaunchConfig(), {})[0] == COLLECTIVE_TIMEOUT_S  # no mix read: pretraining
+
+
+def test_a_launched_process_s_output_lands_in_its_log_and_its_pipe_is_closed(tmp_path, monkeypatch):
+    import gc
+    import os
+    import sys
+    import warnings
+
+    from polydraft.pipelines.runtime.launch import run_logged
+
+    log_path = tmp_path / "stage.log"
+    unraisable = []  # a pipe left open warns from its __del__, where an exception can only be reported
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    command = [sys.executable, "-c", "print('line one'); raise SystemExit(3)"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)
+        code = run_logged(command, dict(os.environ), log_path, True)
+        gc.collect()
+    assert code == 3 and log_path.read_text() == "line one\n"
+    assert [str(u.exc_value) for u in unraisable] == []
