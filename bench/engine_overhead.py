@@ -1,0 +1,232 @@
+"""Where a decoding round's time goes, against what the latency model predicts for it.
+
+The measure stage predicts each method's speedup from forward latencies timed in probes
+(`decoding.measurement.latency`): a round costs its forward calls and nothing else. This bench loads a
+finished demo run's target and drafters exactly as its measure stage does (`pipelines.stages.measure.load`,
+which also times the probes), decodes one eval set's held-out prompts at T=0 with `ar`, `sd`, `rsd_s`,
+`eesd` and `eagle3` (each pair-matched drafter of the set), the methods rotating prompt by prompt in one
+process, `--repeats` times, and splits each method's measured time per round into:
+
+- `forward`: time inside the models' forward passes during the rounds (the engine's own clocks:
+  `Generation.target_seconds` + `draft_seconds`), less the prompt's first call of each model;
+- `prefill`: that first call of each model on the whole prompt (timed apart here, on fresh caches, as
+  the decoders make it), which the latency model leaves out;
+- `between`: everything outside the forward passes (acceptance, host syncs, cache crops, commits,
+  controllers, Python per round): wall clock - forward time;
+- `probe`: the round cost the latency model charges (`Method.cost`).
+
+Then `--profile` runs each method once more under cProfile and lists the engine's functions that take the
+`between` time (own time, the models' forward passes excluded), so the overhead can be read by function.
+
+    python -m bench.engine_overhead --run-dir runs/demo [--eval-set de-en] [--repeats 3] [--profile] \
+        [--record bench/results/engine_overhead.md]
+
+Run it with nothing else on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime
+import pstats
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from polydraft.decoding.lm import CachedLM  # noqa: E402
+from polydraft.decoding.measurement.eval_inputs import repetition_prompts  # noqa: E402
+from polydraft.decoding.measurement.groups import method_label  # noqa: E402
+from polydraft.decoding.sampling import Sampling  # noqa: E402
+from polydraft.pipelines.run.recipe import load_recipe  # noqa: E402
+from polydraft.pipelines.runtime.target import resolve_target  # noqa: E402
+from polydraft.pipelines.schema.inputs import MeasureInputs  # noqa: E402
+from polydraft.pipelines.stages.measure import load  # noqa: E402
+from polydraft.pipelines.stages.measure_methods import build_methods  # noqa: E402
+
+UPSTREAM = ("pretrain", "finetune", "early_exit", "heads", "eagle3", "calibrate")
+
+
+def kept(fields: dict, pair: str) -> bool:
+    """`ar`, and each decoder with the eval set's own drafter (eesd has one drafter for every pair)."""
+    if fields["decoder"] in ("ar", "eesd"):
+        return True
+    return fields.get("drafter") in (pair, f"eagle3-{pair}")
+
+
+def prefill_seconds(method_fields: dict, loaded, prompt: torch.Tensor) -> float:
+    """The first call of each model the method runs, on the whole prompt, on fresh caches."""
+    total = 0.0
+    models = [loaded.target]
+    drafter = next((d for d in loaded.drafters if d.source.name == method_fields.get("drafter")), None)
+    if method_fields["decoder"] in ("sd", "rsd_s") and drafter is not None:
+        models.append(drafter.model)
+    for model in models:
+        lm = CachedLM(model)
+        with torch.inference_mode():
+            started = time.perf_counter()
+            lm.forward(prompt.view(1, -1), num_logits=1)
+            total += time.perf_counter() - started
+    return total
+
+
+def split(method, prefill: dict[int, float]) -> dict[str, float]:
+    """Per round (ms): forward time in the rounds, prefill, between the forward calls, the probe cost."""
+    rounds = sum(g.target_calls for g in method.generations)
+    wall = sum(g.wall_seconds for g in method.generations)
+    forward = sum(g.target_seconds + g.draft_seconds for g in method.generations)
+    first = sum(prefill[i] for i in range(len(method.generations)))
+    probe = None
+    if method.cost is not None:
+        costs = [method.cost(r) for g in method.generations for r in g.rounds]
+        probe = sum(costs) / len(costs) * 1e3 if costs else None
+    tokens = sum(len(g.tokens) for g in method.generations)
+    return {
+        "tokens": tokens,
+        "rounds": rounds,
+        "round_ms": wall / rounds * 1e3,
+        "forward_ms": (forward - first) / rounds * 1e3,
+        "prefill_ms": first / rounds * 1e3,
+        "between_ms": (wall - forward) / rounds * 1e3,
+        "probe_ms": probe,
+        "wall": wall,
+    }
+
+
+def engine_functions(profile: cProfile.Profile, top: int) -> list[tuple[str, float, int]]:
+    """(function, own seconds, calls) of the package's code outside the models, by own time."""
+    stats = pstats.Stats(profile)
+    rows = []
+    for (path, line, name), (_, calls, own, _cum, _) in stats.stats.items():  # type: ignore[attr-defined]
+        if "/decoding/" in path and "/measurement/" not in path:
+            rows.append((f"{Path(path).parent.name}/{Path(path).name}:{line} {name}", own, calls))
+    return sorted(rows, key=lambda r: -r[1])[:top]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "demo")
+    parser.add_argument("--recipe", default=str(ROOT / "recipes" / "demo" / "demo.yaml"))
+    parser.add_argument("--eval-set", default="de-en")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--record", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+
+    recipe = load_recipe(args.recipe)
+    inputs = MeasureInputs.of(recipe, resolve_target(recipe.target, recipe.data, build=False))
+    upstream = {s: args.run_dir / s for s in UPSTREAM if (args.run_dir / s).is_dir()}
+    latency_path = Path("/tmp/engine_overhead_latency.json")
+    loaded = load(inputs, upstream, latency_path)
+    cfg = inputs.measure
+    eval_set = next(s for s in loaded.eval_sets if s.name == args.eval_set)
+    sampling = Sampling(0.0, 1.0)
+
+    totals: dict[str, list[dict[str, float]]] = defaultdict(list)
+    speedups: dict[str, list[tuple[float, float | None]]] = defaultdict(list)
+    last = None
+    for repeat in range(args.repeats):
+        seed = cfg.seeds[repeat % len(cfg.seeds)]
+        prompts = repetition_prompts(eval_set.prompts, cfg.seeds, seed, cfg.num_prompts, cfg.disjoint_prompts)
+
+        def build(seed=seed):
+            methods = build_methods(
+                cfg, eval_set, sampling, seed, loaded.target, loaded.target_lm, loaded.drafters,
+                loaded.eos_ids, loaded.latencies,
+            )  # fmt: skip
+            return [m for m in methods if kept(m.fields, eval_set.pair)]
+
+        for method in build():  # warm-up, as measure_group does
+            method.decode(prompts[0], -1)
+        methods = build()
+        for index, prompt in enumerate(prompts):
+            shift = index % len(methods)
+            for method in methods[shift:] + methods[:shift]:
+                method.generations.append(method.decode(prompt, index))
+        ar_rate = None
+        for method in methods:
+            label = method_label(method.fields)
+            prefill = {i: prefill_seconds(method.fields, loaded, p) for i, p in enumerate(prompts)}
+            row = split(method, prefill)
+            totals[label].append(row)
+            rate = row["tokens"] / row["wall"]
+            if method.fields["decoder"] == "ar":
+                ar_rate = rate
+            assert ar_rate is not None, "ar is built first"
+            be = row["tokens"] / row["rounds"]
+            t_ar = loaded.latencies.target.chain[1]
+            predicted = be * t_ar * 1e3 / row["probe_ms"] if row["probe_ms"] else None
+            speedups[label].append((rate / ar_rate, predicted))
+        last = (methods, prompts)
+
+    lines = [
+        f"## {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%MZ} - `python -m bench.engine_overhead "
+        f"--eval-set {args.eval_set} --repeats {args.repeats}{' --profile' if args.profile else ''}` "
+        f"(commit {git_head()}, {torch.get_num_threads()} threads)",
+        "",
+        f"The run's target and drafters ({args.run_dir.name}), the `{args.eval_set}` eval set at T=0, "
+        f"{cfg.num_prompts} prompts x {cfg.max_new_tokens} new tokens per repeat, the methods rotating per "
+        "prompt in one process. Per round, ms (mean ± std over the repeats): the whole round; the forward "
+        "passes in the rounds; the prompt's first call of each model; the time between forward calls; the "
+        "latency model's cost of the same rounds. Speedups over `ar`: measured, predicted, error.",
+        "",
+        "| method | round | forward | prefill | between | probe | forward - probe | speedup | predicted | error |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for label, rows in totals.items():
+
+        def cell(key: str, rows=rows) -> str:
+            values = [r[key] for r in rows if r[key] is not None]
+            if not values:
+                return "-"
+            std = statistics.stdev(values) if len(values) > 1 else 0.0
+            return f"{statistics.mean(values):.2f} ± {std:.2f}"
+
+        excess = [r["forward_ms"] - r["probe_ms"] for r in rows if r["probe_ms"]]
+        measured = [s for s, _ in speedups[label]]
+        predicted = [p for _, p in speedups[label] if p]
+        err = f"{statistics.mean(measured) / statistics.mean(predicted) - 1:+.1%}" if predicted else "-"
+        lines.append(
+            f"| {label} | {cell('round_ms')} | {cell('forward_ms')} | {cell('prefill_ms')} | "
+            f"{cell('between_ms')} | {cell('probe_ms')} | "
+            f"{f'{statistics.mean(excess):+.2f}' if excess else '-'} | {statistics.mean(measured):.2f} | "
+            f"{f'{statistics.mean(predicted):.2f}' if predicted else '-'} | {err} |"
+        )
+    if args.profile and last is not None:
+        methods, prompts = last
+        lines += ["", "### Between the forward calls, by function (cProfile, one more pass, own time)", ""]
+        for method in methods:
+            profile = cProfile.Profile()
+            profile.enable()
+            for index, prompt in enumerate(prompts):
+                method.decode(prompt, index)
+            profile.disable()
+            lines.append(f"- {method_label(method.fields)}: " + "; ".join(
+                f"`{name}` {own * 1e3:.1f} ms / {calls} calls" for name, own, calls in engine_functions(profile, 6)
+            ))  # fmt: skip
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.record:
+        previous = args.record.read_text() if args.record.is_file() else "# Engine overhead\n\n"
+        args.record.write_text(previous.rstrip("\n") + "\n\n" + text)
+
+
+def git_head() -> str:
+    return subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+
+
+if __name__ == "__main__":
+    main()
