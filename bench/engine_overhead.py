@@ -33,6 +33,7 @@ import pstats
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -63,7 +64,9 @@ def kept(fields: dict, pair: str) -> bool:
 
 
 def prefill_seconds(method_fields: dict, loaded, prompt: torch.Tensor) -> float:
-    """The first call of each model the method runs, on the whole prompt, on fresh caches."""
+    """The first call on the whole prompt, on fresh caches, of the target and (`sd`, `rsd_s`) the drafter.
+    For `eesd` and `eagle3` the target's call stands for their own first call (the early exit's shared
+    layers are the target's; the EAGLE-3 head's first step is not counted): an estimate, not their clock."""
     total = 0.0
     models = [loaded.target]
     drafter = next((d for d in loaded.drafters if d.source.name == method_fields.get("drafter")), None)
@@ -122,13 +125,12 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--record", type=Path)
     args = parser.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
 
     recipe = load_recipe(args.recipe)
     inputs = MeasureInputs.of(recipe, resolve_target(recipe.target, recipe.data, build=False))
     upstream = {s: args.run_dir / s for s in UPSTREAM if (args.run_dir / s).is_dir()}
-    latency_path = Path("/tmp/engine_overhead_latency.json")
-    loaded = load(inputs, upstream, latency_path)
+    with tempfile.TemporaryDirectory() as folder:  # measure writes the probes' latencies beside its rows
+        loaded = load(inputs, upstream, Path(folder) / "latency.json")
     cfg = inputs.measure
     eval_set = next(s for s in loaded.eval_sets if s.name == args.eval_set)
     sampling = Sampling(0.0, 1.0)

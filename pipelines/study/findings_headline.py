@@ -8,6 +8,7 @@ and App. Tables 1-8), the best tree per length and decoder; seed 003's P-F draft
 from __future__ import annotations
 
 from polydraft.pipelines.study.arms import PromptMetric, prompt_values
+from polydraft.pipelines.study.findings_trees import best_tree
 from polydraft.pipelines.study.model import (
     DEPTH_FACTORS,
     DEPTHS_COMPARE,
@@ -138,25 +139,6 @@ EXP1_NUMBERS = (
 )
 
 
-def _best_at(rows: list, pair: str, decoder: str, length: int, metric: PromptMetric) -> tuple[str, ArmValues]:
-    """(label, per-prompt values) of the tree (or K) of `decoder` at draft length `length` with the highest
-    mean `metric`, the drafter of `pair` on its own pair (the seed's Fig. 4 shows 'the best results across
-    all tree structures for each L and algorithm')."""
-    found: dict[str, ArmValues] = {}
-    for r in rows:
-        own = r.decoder == decoder and r.drafter == pair and r.dataset == pair
-        if own and tree_length(r.decoder, r.tree, r.draft_length) == length:
-            label = r.tree or f"K={r.draft_length}"
-            if label not in found:
-                fields = {"decoder": decoder, "drafter": pair, "dataset": pair, "tree": r.tree, "draft_length": r.draft_length, "temperature": r.temperature}  # fmt: skip
-                found[label] = {0: prompt_values(rows, metric, **fields)}
-    means = {label: s.mean for label, v in found.items() if (s := arm_stat(v)) is not None}
-    if not means:
-        return "-", {}
-    label = max(means, key=lambda k: means[k])
-    return label, found[label]
-
-
 def trees_lengths(runs: Runs, pairs: list[str]) -> Finding:
     def build() -> tuple[list[Check], str, list[Panel]]:
         checks, panels = [], []
@@ -166,7 +148,11 @@ def trees_lengths(runs: Runs, pairs: list[str]) -> Finding:
             for pair in sorted({r.dataset for r in rows if r.decoder != "ar"}):
                 curves: dict[str, list[float]] = {"sd": [], "rsd_c": [], "rsd_s": []}
                 for length in sorted(LENGTH_TREES):
-                    best = {(d, m): _best_at(rows, pair, d, length, m) for d in curves for m in EXP1_METRICS}
+                    best = {
+                        (d, m): best_tree(rows, pair, d, m, tree_length, length)
+                        for d in curves
+                        for m in EXP1_METRICS
+                    }
                     seed = SEED_TABLE_6_BY_LENGTH[length]
                     for tree in ("rsd_c", "rsd_s"):
                         name = tree.upper().replace("_", "-")

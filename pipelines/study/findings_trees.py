@@ -5,6 +5,8 @@ decoders on one trained drafter (training seed 0), paired by prompt."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from polydraft.pipelines.study.arms import PromptMetric, prompt_values
 from polydraft.pipelines.study.model import (
     BUDGET_TREES,
@@ -78,17 +80,20 @@ def trees(runs: Runs, pairs: list[str]) -> Finding:
     )
 
 
-def _best(rows: list, pair: str, decoder: str, budget: int, metric: PromptMetric) -> tuple[str, ArmValues]:
-    """(label, per-prompt values) of the tree (or K) of `decoder` with the drafter of `pair` on its own
-    pair at target budget `budget` with the highest mean `metric` (the seed shows 'the best results across
-    all tree structures for each B and algorithm')."""
+def best_tree(
+    rows: list, pair: str, decoder: str, metric: PromptMetric, size: Callable[..., int], at: int
+) -> tuple[str, ArmValues]:
+    """(label, per-prompt values) of the tree (or K) of `decoder` with the drafter of `pair` on its own pair
+    whose `size(decoder, tree, draft_length)` is `at` (`tree_budget`: the target budget; `tree_length`: the
+    draft length) with the highest mean `metric` (seed 002 shows 'the best results across all tree
+    structures' for each budget or length and algorithm)."""
     found: dict[str, ArmValues] = {}
     for r in rows:
         own = r.decoder == decoder and r.drafter == pair and r.dataset == pair
-        if own and tree_budget(r.decoder, r.tree, r.draft_length) == budget:
+        if own and size(r.decoder, r.tree, r.draft_length) == at:
             label = r.tree or f"K={r.draft_length}"
             if label not in found:
-                fields = {"decoder": decoder, "drafter": pair, "dataset": pair, "tree": r.tree, "draft_length": r.draft_length}  # fmt: skip
+                fields = {"decoder": decoder, "drafter": pair, "dataset": pair, "tree": r.tree, "draft_length": r.draft_length, "temperature": r.temperature}  # fmt: skip
                 found[label] = {0: prompt_values(rows, metric, **fields)}
     means = {label: s.mean for label, v in found.items() if (s := arm_stat(v)) is not None}
     if not means:
@@ -124,13 +129,19 @@ def rsd_budget(runs: Runs, pairs: list[str]) -> Finding:
         rows, checks, series = _budget_rows(runs), [], []
         for pair in _budget_pairs(rows):
             for b in BUDGETS:
-                best = {(d, m): _best(rows, pair, d, b, m) for d in ("sd", "rsd_s") for m in METRICS}
+                best = {
+                    (d, m): best_tree(rows, pair, d, m, tree_budget, b)
+                    for d in ("sd", "rsd_s")
+                    for m in METRICS
+                }
                 if b in HIGH:
                     for m in ("block_efficiency", "mbsu"):
                         checks.append(compare(f"{pair}, B={b}: {METRICS[m]} RSD-S > SD", ">", *_side(best, "rsd_s", m), *_side(best, "sd", m)))  # fmt: skip
                 checks.append(compare(f"{pair}, B={b}: token rate RSD-S > SD", ">", *_side(best, "rsd_s", "token_rate"), *_side(best, "sd", "token_rate")))  # fmt: skip
             for d in ("sd", "rsd_c", "rsd_s"):
-                means = [arm_stat(_best(rows, pair, d, b, "block_efficiency")[1]) for b in BUDGETS]
+                means = [
+                    arm_stat(best_tree(rows, pair, d, "block_efficiency", tree_budget, b)[1]) for b in BUDGETS
+                ]
                 series.append(Series(label=f"{d} ({pair})", x=[float(b) for b in BUDGETS],
                                      y=[m.mean if m else 0.0 for m in means], yerr=[m.std if m else 0.0 for m in means]))  # fmt: skip
         panel = Panel(title="best tree per target budget (T>0)", xlabel="target budget B", ylabel="block efficiency", series=series)  # fmt: skip
@@ -160,7 +171,7 @@ def rsd_budget_low(runs: Runs, pairs: list[str]) -> Finding:
         for pair in _budget_pairs(rows):
             for b in LOW:
                 best = {
-                    (d, "block_efficiency"): _best(rows, pair, d, b, "block_efficiency")
+                    (d, "block_efficiency"): best_tree(rows, pair, d, "block_efficiency", tree_budget, b)
                     for d in ("sd", "rsd_c")
                 }
                 checks.append(compare(f"{pair}, B={b}: block efficiency SD > RSD-C", ">", *_side(best, "sd", "block_efficiency"), *_side(best, "rsd_c", "block_efficiency")))  # fmt: skip
