@@ -423,3 +423,26 @@ def test_no_shipped_gpu_recipe_is_planned_with_a_warning(path):
     assert len(GPU_RECIPES) >= 20
     plan = estimate(load_recipe(path), parse_gpus("8xA100-80GB"))
     assert plan.warnings == [], plan.warnings
+
+
+def test_every_control_that_runs_is_planned_and_cali_ts_only_where_a_calibration_model_is(tmp_path):
+    """The study's controls count like the others (`measure_methods.controls_for`): Beta-TS as written for
+    every chain decoder, the EAGLE-3 heads included; the Cali-TS ones only for drafters with a calibration
+    model (`calibrate.drafters: all` for the finetuned ones), never for the heads."""
+    data, gpus = TWO_PAIRS, parse_gpus("2xA100-80GB")
+    tokens = {}
+    for name, controls, calibrate in [
+        ("fixed", ["fixed"], {"enabled": False}),
+        ("beta", ["fixed", "beta_ts", "beta_ts_literal"], {"enabled": False}),
+        ("cali_off", ["fixed", "cali_ts", "cali_ts_model", "cali_ts_sampling"], {"enabled": False}),
+        ("cali_all", ["fixed", "cali_ts", "cali_ts_model", "cali_ts_sampling"], {"enabled": True, "drafters": "all"}),
+    ]:  # fmt: skip
+        (tmp_path / name).mkdir()
+        measure = {**SD_OWN_PAIR, "decoders": ["ar", "sd", "eagle3"], "controls": controls}
+        recipe = small_recipe(tmp_path / name, data=data, eagle3={"enabled": True}, calibrate=calibrate,
+                              measure=measure)  # fmt: skip
+        tokens[name] = {s.name: s for s in estimate(recipe, gpus, distill_engines=1).stages}["measure"].tokens
+    per_method = tokens["fixed"] / (2 * 3)  # 2 sets x (ar, sd with the set's drafter, the set's head)
+    assert tokens["beta"] == pytest.approx(tokens["fixed"] + 2 * 2 * 2 * per_method)  # sd and head, 2 each
+    assert tokens["cali_off"] == pytest.approx(tokens["fixed"])
+    assert tokens["cali_all"] == pytest.approx(tokens["fixed"] + 2 * 3 * per_method)  # sd only
