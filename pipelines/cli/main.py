@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--node-timeout", type=float, default=600.0, metavar="SECONDS",
         help="several nodes: how long to wait for the other nodes to be seen in the shared run directory",
     )  # fmt: skip
+    run.add_argument(
+        "--in-process", action="store_true",
+        help="train in this process instead of `accelerate launch` (one plain process only): no subprocess "
+        "start, and a debugger reaches the training code",
+    )  # fmt: skip
 
     status = commands.add_parser(
         "status", help="what a rerun would do to each stage of a run directory, and why (runs nothing)"
@@ -150,7 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="one run directory per variant, report.md and plots (default: runs/study)",
     )  # fmt: skip
     study.add_argument(
-        "--quick", action="store_true", help="tiny models and data: every part of the report, in a minute"
+        "--quick",
+        action="store_true",
+        help="tiny models and data, trained in this process (`run --in-process`): every part of the report",
     )
     study.add_argument(
         "--only", action="append", default=[], metavar="VARIANT",
@@ -281,6 +288,7 @@ def _run(args: argparse.Namespace) -> int:
             quiet=args.quiet,
             verbose=args.verbose,
             leader=leader,
+            in_process=args.in_process,
         )
     except BaseException as err:
         if leader is not None:

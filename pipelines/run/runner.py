@@ -166,9 +166,11 @@ def run_pipeline(
     quiet: bool = False,
     verbose: bool = False,
     leader: NodeLeader | None = None,
+    in_process: bool = False,
 ) -> list[StageOutcome]:
     """Run the recipe's enabled stages in order, skipping those whose manifest matches (and, unless
-    `rerun_stale`, those made by other code, with a warning)."""
+    `rerun_stale`, those made by other code, with a warning). `in_process`: one-process training launches
+    run in this process (`StageContext.in_process`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     enabled = [s for s in stages if _enabled(recipe, s.name)]
     selected = _select(enabled, only, start)
@@ -236,6 +238,7 @@ def run_pipeline(
             quiet=quiet,
             verbose=verbose,
             leader=leader,
+            in_process=in_process,
         )
         started = datetime.datetime.now(datetime.timezone.utc)
         clock = time.perf_counter()

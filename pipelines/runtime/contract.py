@@ -58,6 +58,9 @@ class StageContext:
     leader: NodeLeader | None = None
     """Node 0 of several (`pipelines/runtime/nodes.py`): training launches, distillation engines and measure
     processes are announced to the other nodes."""
+    in_process: bool = False
+    """Run a one-process training launch inside this process (`pipelines.runtime.launch.run_in_process`)
+    instead of starting `accelerate launch` (`polydraft run --in-process`, `polydraft study --quick`)."""
 
     def progress(self, total: int, verb: str, unit: str, initial: int = 0) -> ProgressLine:
         """A line of progress every 5% of `total` units, with the rate and the time left (none with

@@ -140,40 +140,88 @@ def launch_training(
     On a machine without a GPU (or with `launch.cpu`), ACCELERATE_USE_CPU=true turns a multi-process
     config into real gloo DDP ranks (`accelerate launch --cpu --num_processes 2` would silently run
     one process). The subprocess's output goes to the console and to `<work_dir>/<stage>.log`. A failed
-    subprocess raises StageFailed with the reason it wrote (see `run_training_process`).
+    subprocess raises StageFailed with the reason it wrote (see `run_training_process`). With
+    `ctx.in_process`, a one-process launch runs in this process instead (`run_in_process`).
     """
     timeout, why = collective_timeout(launch, ctx.upstream)
     log.info("[%s] collective timeout %.0f s: %s", ctx.name, timeout, why)
     spec_path = spec_for(inputs, ctx, timeout).write(ctx.work_dir / "spec.json")
     config_file = resolve_accelerate_config(launch.accelerate_config)
     machines = ctx.leader.machines if ctx.leader is not None else None
-    total = launch.num_processes
-    if machines is not None:  # accelerate counts processes over all nodes: each node starts its share
-        total = processes_per_node(config_file, launch.num_processes) * machines.nodes
-    command = accelerate_command(config_file, total, module, [str(spec_path)], machines)
     error_file = ctx.work_dir / TRAINING_ERROR
     error_file.unlink(missing_ok=True)
     env = training_env(launch.cpu, launch.env, config_file, ctx.name)
-    if ctx.leader is not None:  # the other nodes start the same launch with their machine rank
-        ctx.leader.announce(
-            {"kind": "launch", "stage": ctx.name, "module": module,
-             "spec": spec_path.relative_to(ctx.run_dir).as_posix(), "config": launch.accelerate_config,
-             "num_processes": total, "main_ip": machines.main_ip, "main_port": machines.main_port,
-             "cpu": launch.cpu, "env": launch.env}
-        )  # fmt: skip
-    log.info("[%s] launching: %s", ctx.name, " ".join(command))
     log_path = ctx.work_dir / f"{ctx.name}.log"
-    code = run_logged(command, env, log_path, ctx.quiet)
+    if ctx.in_process:
+        refuse_in_process(config_file, launch.num_processes, machines)
+        log.info("[%s] training in this process (--in-process): %s", ctx.name, module)
+        code = run_in_process(module, spec_path, env)
+    else:
+        total = launch.num_processes
+        if machines is not None:  # accelerate counts processes over all nodes: each node starts its share
+            total = processes_per_node(config_file, launch.num_processes) * machines.nodes
+        command = accelerate_command(config_file, total, module, [str(spec_path)], machines)
+        if ctx.leader is not None:  # the other nodes start the same launch with their machine rank
+            ctx.leader.announce(
+                {"kind": "launch", "stage": ctx.name, "module": module,
+                 "spec": spec_path.relative_to(ctx.run_dir).as_posix(), "config": launch.accelerate_config,
+                 "num_processes": total, "main_ip": machines.main_ip, "main_port": machines.main_port,
+                 "cpu": launch.cpu, "env": launch.env}
+            )  # fmt: skip
+        log.info("[%s] launching: %s", ctx.name, " ".join(command))
+        code = run_logged(command, env, log_path, ctx.quiet)
+    where = "its log is this process's" if ctx.in_process else f"log: {log_path}"
     if code != 0:
         if error_file.is_file():
-            raise StageFailed(
-                f"{ctx.name}: {error_file.read_text(encoding='utf-8').strip()} (log: {log_path})"
-            )
-        raise StageFailed(f"{ctx.name}: training exited with status {code}; see {log_path}")
+            raise StageFailed(f"{ctx.name}: {error_file.read_text(encoding='utf-8').strip()} ({where})")
+        raise StageFailed(f"{ctx.name}: training exited with status {code} ({where})")
     metrics = ctx.work_dir / TRAINING_METRICS
     if not metrics.is_file():
-        raise StageFailed(f"{ctx.name}: training ended without writing {metrics.name}; see {log_path}")
+        raise StageFailed(f"{ctx.name}: training ended without writing {metrics.name} ({where})")
     return json.loads(metrics.read_text(encoding="utf-8"))
+
+
+def refuse_in_process(config_file: Path, num_processes: int | None, machines: Machines | None) -> None:
+    """StageFailed unless the launch is one plain process on one node (a DDP config at one process is
+    one): `run_in_process` starts no process group, DeepSpeed or FSDP (those need `accelerate launch`)."""
+    kind = (yaml.safe_load(config_file.read_text(encoding="utf-8")) or {}).get("distributed_type", "NO")
+    processes = processes_per_node(config_file, num_processes)
+    if machines is not None or processes != 1 or kind not in ("NO", "MULTI_CPU", "MULTI_GPU"):
+        raise StageFailed(
+            f"--in-process trains in the runner's own process, so only one plain process on one node; this "
+            f"launch asks for {processes} process(es) a node on {machines.nodes if machines else 1} node(s) "
+            f"with distributed_type {kind} ({config_file.name}): run without --in-process"
+        )
+
+
+def run_in_process(module: str, spec_path: Path, env: dict[str, str]) -> int:
+    """Run the stage module's `main([SPEC])` in this process, `env` as the environment meanwhile, as
+    `accelerate launch` would in a subprocess; returns 0, or 1 when it raised (its reason is in the error
+    file it left, as a subprocess leaves it). No subprocess start (about 5 s of imports a stage on a CPU:
+    `polydraft study --quick` trains some 40 tiny stages); the training's log lines go to this process's
+    log, and accelerate's process state is reset afterwards for the next stage's Accelerator."""
+    import importlib
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        importlib.import_module(module).main([str(spec_path)])
+        return 0
+    except Exception as err:
+        log.debug("in-process training of %s failed", module, exc_info=True)
+        error = spec_path.parent / TRAINING_ERROR  # a failure before the job: no reason written yet
+        if not error.is_file():
+            error.write_text(f"{type(err).__name__}: {err}\n", encoding="utf-8")
+        return 1
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        # accelerate keeps one process state per process; its own tests reset it between Accelerators
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
 
 
 def join_launch(event: dict[str, Any], run_dir: Path, machines: Machines, quiet: bool) -> None:

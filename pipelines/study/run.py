@@ -143,7 +143,7 @@ def _variant(
     try:
         outcomes = run_pipeline(
             recipe, run_dir, stages, target, command=f"{options.command}  # variant {variant.name}",
-            quiet=options.quiet, verbose=options.verbose,
+            quiet=options.quiet, verbose=options.verbose, in_process=options.quick,
         )  # fmt: skip
     except StageFailed as err:
         record.status = f"failed: {str(err).splitlines()[0]}"

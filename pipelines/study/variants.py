@@ -332,7 +332,8 @@ def variants(recipe: Recipe, study_dir: Path) -> list[Variant]:
 
 def quick_overrides(study_dir: Path) -> list[str]:
     """`--quick`: tiny models and data for a demo-shaped recipe (a bootstrap target, offline data), so that
-    the whole study runs in the test suite. Its numbers say nothing; its report has every part."""
+    the whole study runs in the test suite (its stages trained in the study's process: `run_in_process`).
+    Its numbers say nothing; its report has every part."""
     tiny = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
     loop = {"max_steps": 2, "per_device_batch_size": 2, "grad_accum_steps": 1, "max_length": 160}
     loop_eval = loop | {"eval_every": 0, "eval_batches": 1}
