@@ -8,12 +8,11 @@
 #   make docs   build the documentation site (MkDocs, docs/ and the docstrings) into site/, strict:
 #               a broken link or reference fails; make docs ARGS=serve serves it on localhost:8000
 #   make study  variants of the demo recipe reproducing the seeds' findings, report in runs/study/report.md
-#               (recipes/demo/study.yaml: 44 minutes of stages on 2 cores, bench/results/study.md)
+#               (recipes/demo/study.yaml: 51 minutes of stages on 2 cores, bench/results/study.md)
 #   make study-full  the study plus the seeds' headline tables that do not fit its 60 minutes (seed 001
 #               Tables 1-4 and Fig. 5, seed 002 Exp1 at draft lengths 2-5, seed 003 Table 1, Table 5 and
 #               Fig. 5; docs/study.md): `--only full`, in the same study directory, so what `make study`
-#               made is reused (not yet timed as a whole: about 45 more minutes of stages estimated from
-#               the recorded study's per-variant times and one piece, docs/study.md)
+#               made is reused: 42 more minutes of stages (bench/results/study.md)
 # torch is installed first and pinned, so nothing later pulls another build. Here pip finds torch 2.13.0
 # as a local CPU wheel; elsewhere on a CPU: make demo TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 # (with TORCH=torch==<a version that index has>). On a GPU machine: make demo TORCH=torch.

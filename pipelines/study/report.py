@@ -172,7 +172,8 @@ def label(finding: Finding) -> str:
     return "" if finding.seed_claim else " (**not a seed claim**)"
 
 
-def _summary(findings: list[Finding], first: int) -> list[str]:
+def summary_table(findings: list[Finding], first: int) -> list[str]:
+    """The summary's rows, numbered from `first`: the report's and docs/study.md's (`bench/study_docs.py`)."""
     lines = [
         "| # | finding | seed | measured (mean ± std over prompts, n) | checks: holds / contradicted / open "
         "| verdict | reason |",
@@ -255,11 +256,11 @@ def write_report(
         "",
         tally(findings),
         "",
-        *_summary(findings, 1),
+        *summary_table(findings, 1),
         "",
         "Sanity checks (they cannot come out otherwise when the code is right, so they are no finding):",
         "",
-        *_summary(sanity, len(findings) + 1),
+        *summary_table(sanity, len(findings) + 1),
         "",
         "## Finding → seed claim",
         "",

@@ -21,11 +21,12 @@ from polydraft.pipelines.study.model import (
     DEPTH_FACTORS,
     HEADS,
     PF_BUDGETS,
+    Finding,
     VariantData,
     pf_variant,
     tree_budget,
 )
-from polydraft.pipelines.study.report import checks_table, headline
+from polydraft.pipelines.study.report import checks_table, headline, summary_table, tally
 from polydraft.pipelines.study.verdicts import (
     VERDICTS,
     Check,
@@ -100,12 +101,12 @@ def test_the_report_has_every_finding_with_a_verdict_and_numbers_with_std_and_n(
     assert report.startswith(
         f"# polydraft study: {headline(json.loads((quick / 'study.json').read_text())['findings'])}"
     )
-    for number, key, (_, title, seed, measured, tally, verdict, reason) in zip(
+    for number, key, (_, title, seed, measured, checked, verdict, reason) in zip(
         range(1, len(keys) + 1), keys, rows
     ):
         assert ("not a seed claim" in title) == (key in NOT_SEED_CLAIMS), key
         assert ("side remark" in title) == (key in SIDE_REMARKS), key
-        assert re.fullmatch(r"\d+ / \d+ / \d+", tally), (key, tally)
+        assert re.fullmatch(r"\d+ / \d+ / \d+", checked), (key, checked)
         allowed = ("passed",) if key in SANITY else [v for v in VERDICTS if v != "not run"]
         assert verdict.strip("*") in allowed, (key, verdict)
         assert reason and "seed" in seed, key
@@ -407,10 +408,16 @@ def test_the_checks_table_shows_the_interval_and_the_detectable_effect_beside_th
 
 def test_the_docs_heading_is_the_recorded_studys_counts():
     study = json.loads((ROOT / "bench" / "results" / "study.json").read_text())
-    heading = (ROOT / "docs" / "study.md").read_text().splitlines()[0]
-    assert heading == f"# Study: {headline(study['findings'])}", (
-        "docs/study.md's first line must be that heading"
+    docs = (ROOT / "docs" / "study.md").read_text()
+    assert docs.splitlines()[0] == f"# Study: {headline(study['findings'])}", (
+        "docs/study.md's first line must be that heading (python -m bench.study_docs writes it)"
     )
+    recorded = [Finding.model_validate(f) for f in study["findings"]]
+    table = "\n".join([tally(recorded), "", *summary_table(recorded, 1)])
+    assert f"\n{table}\n" in docs, (
+        "docs/study.md's summary must be the recorded one (python -m bench.study_docs)"
+    )
+    assert f": {headline(study['findings'])} |" in (ROOT / "README.md").read_text()
     findings = [{"verdict": v, "seed_claim": True} for v in ("reproduced", "not reproduced", "inconclusive")]
     findings.append({"verdict": "reproduced", "seed_claim": False})
     assert headline(findings) == "1 of the seeds' 3 findings reproduced, 1 contradicted, 1 open"
