@@ -1,7 +1,6 @@
 """`polydraft plan`: per enabled stage, the tokens it generates or trains on, the estimated hours, GPU-hours
 and peak memory per GPU on a given cluster, with warnings for idle GPUs and memory that will not fit. Every
-constant comes from `pipelines/runtime/cluster.py`; nothing is loaded or run.
-"""
+constant comes from `pipelines/runtime/cluster.py`; nothing is loaded or run."""
 
 from __future__ import annotations
 
@@ -414,20 +413,16 @@ def _measure(recipe: Recipe, plan: Plan, target: Shape, drafter: Shape) -> Stage
     drafters = languages + generic + len(paired) - paired.count(None)
     per_set = m.num_prompts * (len(m.seeds) if m.disjoint_prompts else 1)
     # decodings per drafter (each chain/tree decoder, sd's other controls and K sweep) and of the target's
-    # own early exit (once per set and control); the Cali-TS controls only for a drafter with a calibration
-    # model (`measure_methods.controls_for`), the EAGLE-3 heads never
-    calibrate = recipe.calibrate.enabled
-    cali = sum(c.startswith("cali_ts") for c in m.controls)
-    beta = len(m.controls) - ("fixed" in m.controls) - cali
-    sd_controls = beta + cali * (calibrate and recipe.calibrate.drafters == "all")
-    spec = sum(d in SPEC_DECODERS for d in m.decoders) + ("sd" in m.decoders) * (sd_controls + len(m.k_sweep))
-    eesd = ("eesd" in m.decoders and recipe.early_exit.enabled) * (
-        ("fixed" in m.controls) + beta + cali * calibrate
-    )
+    # own early exit (per set and control); Cali-TS's only with a calibration model (`controls_for`)
+    fixed, cali, calibrate = "fixed" in m.controls, sum("cali_ts" in c for c in m.controls), recipe.calibrate
+    beta = len(m.controls) - fixed - cali
+    sd_controls = beta + cali * (calibrate.enabled and calibrate.drafters == "all") + len(m.k_sweep)
+    spec = sum(d in SPEC_DECODERS for d in m.decoders) + ("sd" in m.decoders) * sd_controls
+    eesd = ("eesd" in m.decoders and recipe.early_exit.enabled) * (fixed + beta + cali * calibrate.enabled)
     # EAGLE-3 heads (a pair's each, and the multilingual one): fixed K, the K sweep, the Beta-TS controls
     head_languages = len(recipe.data.pairs) if recipe.eagle3.enabled and "eagle3" in m.decoders else 0
     head_multilingual = int(head_languages > 0 and recipe.eagle3.multilingual)
-    head_methods = ("fixed" in m.controls) + len(m.k_sweep) + beta
+    head_methods = fixed + len(m.k_sweep) + beta
     ar_seconds = decode_latency(target, cluster)
     generated = seconds = 0.0
     for source in recipe.data.eval:
