@@ -129,12 +129,19 @@ def date_entry(lang: str, rng: random.Random, into: str = "en") -> Entry:
 def number_entry(lang: str, rng: random.Random, into: str = "en") -> Entry | None:
     if "zh" in (lang, into):
         return None
+    value = rng.choice([rng.randrange(10, 100), rng.randrange(100, 10_000), rng.randrange(10_000, 1_000_000)])
+    return Entry(_spelled(value, lang), _spelled(value, into), "number")
+
+
+@functools.lru_cache(maxsize=2**18)
+def _spelled(value: int, lang: str) -> str:
+    """`value` in words (num2words is most of the corpus' generation time; a value recurs across splits,
+    pairs and the stages of one process)."""
     try:
         from num2words import num2words
     except ImportError as err:
         raise _missing("num2words") from err
-    value = rng.choice([rng.randrange(10, 100), rng.randrange(100, 10_000), rng.randrange(10_000, 1_000_000)])
-    return Entry(num2words(value, lang=lang), num2words(value, lang=into), "number")
+    return num2words(value, lang=lang)
 
 
 def _entry(kind: str, lang: str, into: str, rng: random.Random) -> Entry | None:
@@ -180,7 +187,24 @@ def offline_pairs(
     one per line.
 
     `kind_weights` (catalog, name, date, number; default all 1) sets how often each kind of entry is drawn.
+    The samples are generated once per process for each set of arguments (stages read the same split
+    several times: a distill source, the open rows, the eval set) and returned as new dicts each call.
     """
+    weights = tuple(sorted((kind_weights or {}).items()))
+    samples = _generated(pair, split, num_samples, tuple(entries_per_sample), test_fraction, seed, weights)
+    return [dict(sample) for sample in samples]
+
+
+@functools.lru_cache(maxsize=32)
+def _generated(
+    pair: str,
+    split: str,
+    num_samples: int,
+    entries_per_sample: tuple[int, int],
+    test_fraction: float,
+    seed: int,
+    kind_weights: tuple[tuple[str, float], ...],
+) -> tuple[dict[str, str], ...]:
     lang, _, into = pair.partition("-")
     languages = [*LOCALE_DIRS, "en"]
     if lang not in languages or into not in languages or lang == into:
@@ -192,7 +216,7 @@ def offline_pairs(
         raise ValueError(f"offline split must be `train` or `test`, not {split!r}")
     rng = random.Random(f"{pair}/{split}/{seed}")
     low, high = entries_per_sample
-    weights = [(kind_weights or {}).get(kind, 1.0) for kind in KINDS]
+    weights = [dict(kind_weights).get(kind, 1.0) for kind in KINDS]
     samples = []
     for index in range(num_samples):
         entries = [
@@ -205,7 +229,7 @@ def offline_pairs(
                 "target": "\n".join(e.target for e in entries),
             }
         )
-    return samples
+    return tuple(samples)
 
 
 def offline_texts(langs: list[str], num_documents: int, seed: int = 0) -> list[dict[str, str]]:
