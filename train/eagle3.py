@@ -127,6 +127,44 @@ def target_pass(
     return features, out.last_hidden_state.to(ids.device), embeds.to(ids.device)
 
 
+class FeatureCache:
+    """The frozen target's outputs per row (features, final hidden states), kept on the CPU up to
+    `limit_bytes`: heads trained one after another on the same rows (the multilingual head on every pair's,
+    each head's evaluations) run the target once per row. A row is keyed by its token ids. A batch whose rows
+    are all kept is assembled from them, padding positions zero: the collated rows are right-padded, so no
+    position of a row attends to its padding, and no loss reads it."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit, self.used = limit_bytes, 0
+        self.rows: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.hits = self.misses = 0
+
+    def target_pass(
+        self, target: nn.Module, batch: dict[str, torch.Tensor], aux_layers: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`target_pass` of the batch, from the kept rows when every row is kept."""
+        ids = batch["input_ids"]
+        lengths = batch["attention_mask"].sum(1).tolist()
+        keys = [ids[i, :n].cpu().numpy().tobytes() for i, n in enumerate(lengths)]
+        if all(key in self.rows for key in keys):
+            self.hits += len(keys)
+            kept = [self.rows[key] for key in keys]
+            features = kept[0][0].new_zeros(ids.shape[0], ids.shape[1], kept[0][0].shape[-1])
+            last = kept[0][1].new_zeros(ids.shape[0], ids.shape[1], kept[0][1].shape[-1])
+            for i, (n, (row_features, row_last)) in enumerate(zip(lengths, kept, strict=True)):
+                features[i, :n], last[i, :n] = row_features, row_last
+            embeds = target.get_input_embeddings()(ids.to(target.get_input_embeddings().weight.device))
+            return features.to(ids.device), last.to(ids.device), embeds.to(ids.device)
+        self.misses += len(keys)
+        features, last, embeds = target_pass(target, batch, aux_layers)
+        for i, (n, key) in enumerate(zip(lengths, keys, strict=True)):
+            size = n * (features.shape[-1] * features.element_size() + last.shape[-1] * last.element_size())
+            if key not in self.rows and self.used + size <= self.limit:
+                self.rows[key] = (features[i, :n].cpu().clone(), last[i, :n].cpu().clone())
+                self.used += size
+        return features, last, embeds
+
+
 def _chunk_kl(
     rows: torch.Tensor, weight: torch.Tensor | None, p: torch.Tensor, inside: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,11 +221,16 @@ def ttt_losses(
     target: nn.Module,
     batch: dict[str, torch.Tensor],
     chunk_tokens: int | None,
+    cache: FeatureCache | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed KL per step [S] (fp32, with autograd), statistics per step [S, 3] (float64): rows in the
-    draft vocabulary, hits, rows) of one batch. `unroll` is the prepared module, `bare` the same unwrapped."""
+    draft vocabulary, hits, rows) of one batch. `unroll` is the prepared module, `bare` the same unwrapped;
+    `cache` keeps the target's outputs of the rows it has seen."""
     head = bare.head
-    features, last, embeds = target_pass(target, batch, head.aux_layers)
+    if cache is None:
+        features, last, embeds = target_pass(target, batch, head.aux_layers)
+    else:
+        features, last, embeds = cache.target_pass(target, batch, head.aux_layers)
     rows = [step_rows(batch["labels"], j) for j in range(bare.steps)]
     chunked = chunk_tokens is not None
     outputs = unroll(features, embeds, rows, project=not chunked)
@@ -217,6 +260,7 @@ def evaluate(
     unroll: nn.Module,
     evals: list[dict[str, torch.Tensor]],
     settings: Eagle3Settings,
+    cache: FeatureCache | None = None,
 ) -> Eagle3Eval:
     """Held-out KL, top-1 agreement with the target's greedy token and draft-vocabulary share, per step."""
     unroll.eval()
@@ -226,7 +270,7 @@ def evaluate(
     totals = torch.zeros(settings.ttt_steps, 4, dtype=torch.float64, device=device)
     for batch in evals:
         batch = {k: v.to(device) for k, v in batch.items()}
-        sums, stats = ttt_losses(unroll, bare, teacher, target, batch, None)
+        sums, stats = ttt_losses(unroll, bare, teacher, target, batch, None, cache)
         totals += torch.cat([sums.double().unsqueeze(1), stats], dim=1)
     totals = accelerator.reduce(totals, "sum")
     unroll.train()
@@ -269,10 +313,11 @@ def fit(
     loop: LoopSettings,
     settings: Eagle3Settings,
     job: TrainJob,
+    cache: FeatureCache | None = None,
 ) -> tuple[LoopResult, Eagle3Eval | None, Eagle3Eval | None]:
     """Train one head through the shared loop (`train.loop.run_with_evals`). `optimization`: (optimizer,
-    scheduler, max_grad_norm). Returns the loop's result and the held-out metrics of the initial and final
-    head."""
+    scheduler, max_grad_norm); `cache` (FeatureCache) keeps the target's outputs across heads. Returns the
+    loop's result and the held-out metrics of the initial and final head."""
     optimizer, scheduler, max_grad_norm = optimization
     device, main_process = accelerator.device, accelerator.is_main_process
     bare = unwrap(accelerator, unroll)
@@ -282,7 +327,7 @@ def fit(
     current: dict[str, torch.Tensor] = {}
 
     def loss_sum(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        sums, _ = ttt_losses(unroll, bare, teacher, target, batch, chunk_tokens)
+        sums, _ = ttt_losses(unroll, bare, teacher, target, batch, chunk_tokens, cache)
         current["sums"] = current["sums"] + sums.detach().double()
         return (sums * current["factors"].to(sums.dtype)).sum()
 
@@ -307,7 +352,7 @@ def fit(
     held_out = None
     if evals:
         held_out = HeldOut(
-            lambda: evaluate(accelerator, target, unroll, evals, settings), eval_log, Eagle3Eval
+            lambda: evaluate(accelerator, target, unroll, evals, settings, cache), eval_log, Eagle3Eval
         )
     # the target runs forward only, the head forward and backward once per unrolled step
     frozen = sum(p.numel() for p in target.parameters())

@@ -59,6 +59,11 @@ class Eagle3Config(StrictModel):
     """Also train on the mix's open-source rows (`data.open`). Off: the target's own answers only, as the
     reference trains EAGLE-3 on answers the target regenerated: at inference the head drafts after the
     target's text, and a full target forward per row is this stage's cost."""
+    feature_cache_gib: float = Field(default=0.0, ge=0)
+    """Keep the frozen target's outputs of each training and held-out row in CPU memory, up to this many GiB
+    per process, so that a later head on the same rows (the multilingual head reads every pair's) does not
+    run the target on them again. A row costs its length x (len(aux_layers) + 1) x hidden size values (the
+    demo's rows: about 230 KB). 0: off, the target runs on every batch of every head."""
     optim: Eagle3Optim = Field(default_factory=Eagle3Optim)
     loop: Eagle3Loop = Field(default_factory=Eagle3Loop)
 

@@ -47,7 +47,7 @@ from polydraft.pipelines.stages.mix_training import (
     write_output,
 )
 from polydraft.train.data import pad_id_of
-from polydraft.train.eagle3 import Eagle3Settings, Unroll, fit
+from polydraft.train.eagle3 import Eagle3Settings, FeatureCache, Unroll, fit
 from polydraft.train.evaluation import eval_set
 from polydraft.train.loop import TrainJob
 from polydraft.train.mix_cache import MixExamples, balanced_union, load_examples
@@ -166,6 +166,8 @@ class Job:
             for split in ("train", "eval")
         }
         self.mixes: dict[str, MixExamples] = {}
+        gib = self.block.feature_cache_gib
+        self.cache = FeatureCache(int(gib * 2**30)) if gib > 0 else None
 
     def mix(self, pair: str) -> MixExamples:
         """The pair's encoded training rows (StageFailed naming the pair when there are none)."""
@@ -247,8 +249,13 @@ class Job:
         )
         result, initial, final = fit(
             accelerator, self.target, unroll, (optimizer, scheduler, optim.max_grad_norm), batches, evals,
-            loop_settings(loop, total_steps), Eagle3Settings(block.ttt_steps, block.step_decay), job,
+            loop_settings(loop, total_steps), Eagle3Settings(block.ttt_steps, block.step_decay), job, self.cache,
         )  # fmt: skip
+        if self.cache is not None:
+            log.info(
+                "[eagle3 %s] feature cache: %d rows read, %d computed, %.2f GiB kept",
+                name, self.cache.hits, self.cache.misses, self.cache.used / 2**30,
+            )  # fmt: skip
         metrics = Eagle3HeadMetrics(
             steps=result.steps, tokens=result.tokens, train_loss=result.train_loss, initial=initial, final=final,
             vocab=vocab,

@@ -116,3 +116,44 @@ def test_killed_run_resumes_with_the_same_losses(tmp_path, tiny_target_dir):
     got = [json.loads(line)["loss"] for line in (killed / log_name).read_text().splitlines()]
     assert got == pytest.approx(expected, rel=1e-5)
     assert (killed / "de-en" / "model.safetensors").is_file()
+
+
+def test_the_feature_cache_runs_the_target_once_per_row_and_trains_the_same_heads(
+    tmp_path, tiny_target_dir, monkeypatch
+):
+    import polydraft.train.eagle3 as trainer
+
+    distill = write_tiny_mix(tmp_path / "distill", ["de-en", "fr-en"], train_rows=16, eval_rows=4)
+    passes = {"rows": 0}
+    computed = trainer.target_pass
+
+    def counted(target, batch, aux_layers):
+        passes["rows"] += batch["input_ids"].shape[0]
+        return computed(target, batch, aux_layers)
+
+    monkeypatch.setattr(trainer, "target_pass", counted)
+    finals, losses, rows = {}, {}, {}
+    for gib in (0.0, 1.0):
+        name = f"cache{gib:g}"
+        spec, inputs = job(
+            tmp_path, tiny_target_dir, distill, name, multilingual=True, feature_cache_gib=gib,
+            loop={"max_steps": 4},
+        )  # fmt: skip
+        passes["rows"] = 0
+        train(spec, inputs)
+        rows[gib] = passes["rows"]
+        finals[gib] = {
+            head: json.loads((Path(spec.work_dir) / f"{head}.metrics.json").read_text())["final"]
+            for head in ("de-en", "fr-en", "multilingual")
+        }
+        log = (Path(spec.work_dir) / "multilingual.train_log.jsonl").read_text().splitlines()
+        losses[gib] = [json.loads(line)["loss"] for line in log]
+    # every pair head saw each of its rows: the multilingual head (4 steps of 8 rows) and its evaluations
+    # read them all from the cache, so the target ran on at least 32 + 2 x 8 fewer rows
+    assert rows[1.0] <= rows[0.0] - 48
+    assert losses[1.0] == pytest.approx(losses[0.0], rel=1e-5)
+    for head, final in finals[0.0].items():
+        cached = finals[1.0][head]
+        assert cached["eval_loss"] == pytest.approx(final["eval_loss"], rel=1e-5), head
+        for step, step_cached in zip(final["steps"], cached["steps"], strict=True):
+            assert step_cached["top1"] == pytest.approx(step["top1"], abs=1e-6), head
