@@ -71,11 +71,25 @@ def main() -> None:
             for _ in range(args.steps):
                 run()
             times[name].append(1000 * (time.perf_counter() - clock) / args.steps)
+    sizes = [2, 4, 8, 16, 32]
+    per_row: dict[int, list[float]] = {n: [] for n in sizes}
+    rows = torch.randint(5, target.config.vocab_size, (max(sizes), args.length))
+    for _ in range(args.repeats):
+        for n in sizes:
+            part = {"input_ids": rows[:n], "attention_mask": torch.ones_like(rows[:n])}
+            calls = max(1, 2 * args.steps // n)
+            clock = time.perf_counter()
+            for _ in range(calls):
+                target_pass(target, part, head.aux_layers)
+            per_row[n].append(1000 * (time.perf_counter() - clock) / (calls * n))
     whole = statistics.mean(times["whole step"])
     lines = ["| part | ms per step | share of the step |", "| --- | ---: | ---: |"]
     for name, values in times.items():
         mean, std = statistics.mean(values), statistics.stdev(values)
         lines.append(f"| {name} | {mean:.1f} ± {std:.1f} | {mean / whole:.0%} |")
+    lines += ["", "| rows a target forward | ms per row |", "| ---: | ---: |"]
+    for n, values in per_row.items():
+        lines.append(f"| {n} | {statistics.mean(values):.1f} ± {statistics.stdev(values):.1f} |")
     setting = (
         f"Demo target, {args.rows} rows of {args.length} tokens a step, {torch.get_num_threads()} threads; "
         f"{args.repeats} interleaved rounds of {args.steps} steps each, mean ± std over the rounds."

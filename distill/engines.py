@@ -1,5 +1,7 @@
-"""Data-parallel vLLM engines: one process per group of `tensor_parallel_size` GPUs, each answering its
-share of the pending requests and appending its records to the shared record folder chunk by chunk.
+"""Data-parallel engines: one vLLM process per group of `tensor_parallel_size` GPUs (or, for the `hf`
+backend with `distill.hf.processes`, one transformers `generate` process per share of this machine's
+cores), each answering its share of the pending requests and appending its records to the shared record
+folder chunk by chunk.
 
 Each engine is a process of its own (`python -m polydraft.distill.engines SPEC`) that sees only its GPUs
 (`CUDA_VISIBLE_DEVICES`; on the CPU build, its own cores through `VLLM_CPU_OMP_THREADS_BIND`). It writes
@@ -82,6 +84,9 @@ class EngineSpec:
     submit_size: int
     meta: dict[str, str]
     seed: int
+    backend: str = "vllm"
+    """`vllm`, or `hf`: `engine` then holds `distill.hf_backend.load_model`'s arguments and `max_length`, and
+    the process generates with transformers, `batch_size` rows a call."""
 
 
 @dataclass(frozen=True)
@@ -296,7 +301,6 @@ def die_with_parent() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     from polydraft.distill.store import RecordStore, RecordWriter
-    from polydraft.distill.vllm_backend import engine_kwargs, generate_vllm, import_vllm, on_cpu
 
     die_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -307,30 +311,55 @@ def main(argv: list[str] | None = None) -> None:
         for line in handle:
             row = json.loads(line)
             requests.append(Request(PromptItem(**row["item"]), row["temperature"], row["samples"]))
-    vllm = import_vllm()
-    kwargs = engine_kwargs(**spec.engine, cpu_kv_cache_gib=spec.cpu_kv_cache_gib if on_cpu() else None)
-    llm = vllm.LLM(**kwargs)
     store = RecordStore(Path(spec.work_dir), spec.shard_index, spec.records_per_file, engine=spec.index)
     writer = RecordWriter(
         store, spec.meta, spec.seed, spec.batch_size, set(), _ProgressFile(paths["progress"]), lambda m: None
     )
     try:
-        generate_vllm(
-            llm,
-            requests,
-            submit_size=spec.submit_size,
-            emit=writer.emit,
-            fail=writer.fail,
-            show_progress=False,
-            after_chunk=writer.flush,
-            **spec.sampling,
-        )
+        if spec.backend == "hf":
+            _generate_hf(spec, requests, writer)
+        else:
+            _generate_vllm(spec, requests, writer)
     finally:
         writer.flush()
         store.close()
     failures = [[*key, why] for key, why in writer.failures.items()]
     result = {"written": writer.written, "response_tokens": writer.response_tokens, "failures": failures}
     write_atomic(paths["result.json"], json.dumps(result))
+
+
+def _generate_vllm(spec: EngineSpec, requests: list[Request], writer: Any) -> None:
+    from polydraft.distill.vllm_backend import engine_kwargs, generate_vllm, import_vllm, on_cpu
+
+    vllm = import_vllm()
+    kwargs = engine_kwargs(**spec.engine, cpu_kv_cache_gib=spec.cpu_kv_cache_gib if on_cpu() else None)
+    generate_vllm(
+        vllm.LLM(**kwargs),
+        requests,
+        submit_size=spec.submit_size,
+        emit=writer.emit,
+        fail=writer.fail,
+        show_progress=False,
+        after_chunk=writer.flush,
+        **spec.sampling,
+    )
+
+
+def _generate_hf(spec: EngineSpec, requests: list[Request], writer: Any) -> None:
+    import torch
+
+    from polydraft.distill.hf_backend import generate_hf, load_model
+    from polydraft.models.loading import load_tokenizer
+
+    engine = dict(spec.engine)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    tokenizer = load_tokenizer(engine["path"], engine["revision"], engine["trust_remote_code"])
+    max_length = engine.pop("max_length")
+    model = load_model(**engine)
+    generate_hf(
+        model, tokenizer, requests, batch_size=spec.batch_size, emit=writer.emit, max_length=max_length,
+        after_batch=writer.flush, **spec.sampling,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

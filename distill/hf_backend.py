@@ -6,6 +6,7 @@ For small targets, the demo and the tests; big targets go through vLLM (offline 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -110,12 +111,14 @@ def generate_hf(
     batch_size: int,
     emit: Emit,
     max_length: int | None = None,
+    after_batch: Callable[[], None] | None = None,
 ) -> None:
     """Answer every pending sample, `batch_size` rows per `generate` call, one temperature at a time.
 
     Rows of similar prompt length share a batch (less padding). Each batch seeds torch from its first
     row's key, so an uninterrupted run is reproducible. `max_length` (the model's context) caps
     prompt + answer, as vLLM's max_model_len does: an answer cut there finishes with `length`.
+    `after_batch` runs after each batch's rows are emitted (an engine process flushes its records there).
     """
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = stop_token_ids
@@ -158,3 +161,5 @@ def generate_hf(
                     response_tokens=len(ids),
                 )
                 emit(request, sample_index, generation)
+            if after_batch is not None:
+                after_batch()

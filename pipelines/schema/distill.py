@@ -14,6 +14,12 @@ class HFGenerateConfig(StrictModel):
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """`auto`: the first CUDA GPU when there is one, else the CPU."""
+    processes: int = Field(default=1, ge=1)
+    """Generating processes on this machine (`distill/engines.py`), each with its own copy of the model,
+    an equal share of the cores (`OMP_NUM_THREADS`) and the requests dealt round robin; each writes its
+    records as it goes, so a rerun generates only the missing ones. On a CPU, two one-thread processes of
+    half the batch each finish before one two-thread process of the whole batch
+    (bench/results/cpu_processes.md). 1: generate in the stage's own process."""
 
 
 class VLLMConfig(StrictModel):

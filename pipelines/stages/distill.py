@@ -248,6 +248,8 @@ def generate(
         "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens, "stop": cfg.stop,
         "stop_token_ids": eos + extra, "seed": cfg.seed,
     }  # fmt: skip
+    if cfg.backend == "hf" and cfg.hf.processes > 1:
+        return generate_with_hf_processes(inputs, ctx, requests, writer, sampling, limit)
     if cfg.backend == "hf":
         from polydraft.distill.hf_backend import generate_hf, load_model
 
@@ -284,6 +286,75 @@ def generate(
     sampling["stop_token_ids"] = extra
     stats = generate_openai(requests, settings, emit=writer.emit, fail=writer.fail, **sampling)
     return dict(stats)
+
+
+def generate_with_hf_processes(
+    inputs: DistillInputs,
+    ctx: StageContext,
+    requests: list[Request],
+    writer: RecordWriter,
+    sampling: dict[str, Any],
+    limit: int | None,
+) -> dict[str, int]:
+    """The hf backend in `distill.hf.processes` processes of this machine (`distill/engines.py`), each with
+    its share of the cores and of the requests; what they write is counted into `writer`."""
+    cfg, target = inputs.distill, inputs.target
+    processes = cfg.hf.processes
+    threads = max(1, len(os.sched_getaffinity(0)) // processes)
+    engine = {
+        "path": target.path, "revision": target.revision, "dtype": target.dtype,
+        "trust_remote_code": target.trust_remote_code, "device": cfg.hf.device, "max_length": limit,
+    }  # fmt: skip
+    specs = [
+        EngineSpec(
+            index=i,
+            work_dir=str(ctx.work_dir),
+            shard_index=cfg.shard_index,
+            records_per_file=cfg.records_per_file,
+            batch_size=cfg.batch_size,
+            engine=engine,
+            cpu_kv_cache_gib=0.0,
+            sampling=sampling,
+            submit_size=0,
+            meta=writer.meta,
+            seed=cfg.seed,
+            backend="hf",
+        )  # fmt: skip
+        for i in range(processes)
+    ]
+    log.info("distill: %d hf processes of %d thread(s) each", processes, threads)
+    return engine_results(specs, requests, [{"OMP_NUM_THREADS": str(threads)}] * processes, writer, ctx)
+
+
+def engine_results(
+    specs: list[EngineSpec],
+    requests: list[Request],
+    envs: list[dict[str, str]],
+    writer: RecordWriter,
+    ctx: StageContext,
+) -> dict[str, int]:
+    """Run the engine processes of `specs` over `requests` (`run_engines`), count what they wrote into
+    `writer`; StageFailed, with every record written kept, when one fails."""
+    leader = ctx.leader if len(specs) > len(envs) else None
+    try:
+        results = run_engines(
+            specs, deal(requests, len(specs)), envs, writer.bar.update,
+            leader.announce if leader is not None else None, leader.timeout if leader is not None else 600.0,
+        )  # fmt: skip
+    except EngineError as err:
+        writer.absorb(writer.store.keys(), {}, 0, 0)
+        raise StageFailed(
+            f"distill: {err}\nThe records written are kept: rerun `polydraft run RECIPE --only distill` "
+            "to generate the missing ones."
+        ) from err
+    failures = {key: why for result in results for key, why in result.failures.items()}
+    writer.absorb(
+        writer.store.keys(),
+        failures,
+        sum(r.written for r in results),
+        sum(r.response_tokens for r in results),
+    )
+    return {"engines": len(specs)}
 
 
 def generate_with_engines(
@@ -331,26 +402,7 @@ def generate_with_engines(
         "distill: %d vLLM engine(s) of %d GPU(s) each on each of %d node(s)",
         engines, v.tensor_parallel_size if gpus else 0, nodes,
     )  # fmt: skip
-    leader = ctx.leader
-    try:
-        results = run_engines(
-            specs, deal(requests, len(specs)), envs, writer.bar.update,
-            leader.announce if leader is not None else None, leader.timeout if leader is not None else 600.0,
-        )  # fmt: skip
-    except EngineError as err:
-        writer.absorb(writer.store.keys(), {}, 0, 0)
-        raise StageFailed(
-            f"distill: {err}\nThe records written are kept: rerun `polydraft run RECIPE --only distill` "
-            "to generate the missing ones."
-        ) from err
-    failures = {key: why for result in results for key, why in result.failures.items()}
-    writer.absorb(
-        writer.store.keys(),
-        failures,
-        sum(r.written for r in results),
-        sum(r.response_tokens for r in results),
-    )
-    return {"engines": len(specs)}
+    return engine_results(specs, requests, envs, writer, ctx)
 
 
 def run(inputs: DistillInputs, ctx: StageContext) -> StageResult:

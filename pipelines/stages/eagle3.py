@@ -244,6 +244,8 @@ class Job:
         evals = eval_set(
             self.held_out(pairs), loop.per_device_batch_size, loop.eval_batches, accelerator, pad_id
         )
+        if self.cache is not None and accelerator.num_processes == 1:  # a process of several reads a share
+            self.cache.fill(self.target, examples, self.aux_layers, pad_id, accelerator.device)
         job = TrainJob.beside(
             work_dir / name, f"eagle3 {name}", self.tracker, self.spec.quiet, f"{name}/", step_offset
         )

@@ -330,3 +330,27 @@ def test_a_target_that_ends_its_turn_with_end_of_turn_stops_there(tmp_path, tiny
     assert auto["token_ids"] == [end] and auto["finish_reason"] == "stop"
     (none,) = distill(target, "none", [])
     assert none["token_ids"][0] == end and len(none["token_ids"]) > 1
+
+
+def test_hf_processes_answer_their_share_each_and_every_sample_once(tmp_path, tiny_target_dir):
+    """`distill.hf.processes: 2`: two generating processes of one thread each, the requests dealt between
+    them, every (prompt, temperature, sample) written once, by the process it was dealt to."""
+    data = translation_file(tmp_path, 6)
+    one = run_distill(
+        make_recipe(tiny_target_dir, [local_source(data)]), tiny_target_dir, tmp_path / "one" / "distill"
+    )
+    work = tmp_path / "two" / "distill"
+    two = run_distill(
+        make_recipe(tiny_target_dir, [local_source(data)], hf={"processes": 2}), tiny_target_dir, work
+    )
+    keys = keys_of(work)
+    assert len(keys) == len(set(keys)) == 6 * 3 and set(keys) == set(keys_of(tmp_path / "one" / "distill"))
+    assert two.metrics["records"] == one.metrics["records"] == 18 and two.metrics["failures"] == 0
+    for engine in (0, 1):
+        written = [r for f in record_files(work) if f"-engine{engine:02d}-" in f.name for r in iter_records_of(f)]
+        assert len(written) == 9  # 3 of the 6 prompts, each greedy once and sampled twice
+    assert {r["backend"] for r in iter_records(work)} == {"hf"}
+
+
+def iter_records_of(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
