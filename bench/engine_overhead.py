@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 from polydraft.decoding.lm import CachedLM  # noqa: E402
 from polydraft.decoding.measurement.eval_inputs import repetition_prompts  # noqa: E402
 from polydraft.decoding.measurement.groups import method_label  # noqa: E402
+from polydraft.decoding.measurement.latency import predicted_speedup  # noqa: E402
 from polydraft.decoding.sampling import Sampling  # noqa: E402
 from polydraft.pipelines.run.recipe import load_recipe  # noqa: E402
 from polydraft.pipelines.runtime.target import resolve_target  # noqa: E402
@@ -166,9 +167,10 @@ def main() -> None:
             if method.fields["decoder"] == "ar":
                 ar_rate = rate
             assert ar_rate is not None, "ar is built first"
-            be = row["tokens"] / row["rounds"]
             t_ar = loaded.latencies.target.chain[1]
-            predicted = be * t_ar * 1e3 / row["probe_ms"] if row["probe_ms"] else None
+            predicted = None
+            if method.cost is not None:  # the measure stage's prediction, prompt extras included
+                predicted = predicted_speedup(method.generations, t_ar, method.cost, method.prefill, methods[0].prefill)  # fmt: skip
             speedups[label].append((rate / ar_rate, predicted))
         last = (methods, prompts)
 
@@ -205,6 +207,11 @@ def main() -> None:
             f"{f'{statistics.mean(excess):+.2f}' if excess else '-'} | {statistics.mean(measured):.2f} | "
             f"{f'{statistics.mean(predicted):.2f}' if predicted else '-'} | {err} |"
         )
+    extras = ", ".join(f"{name} {1e3 * f:.2f}" for name, f in loaded.latencies.prefill.items())
+    lines += [
+        "",
+        f"The probe's prompt extras F, ms (`latency.json`'s `prefill`, charged once a generation): {extras}.",
+    ]
     if args.profile and last is not None:
         methods, prompts = last
         lines += ["", "### Between the forward calls, by function (cProfile, one more pass, own time)", ""]

@@ -57,6 +57,9 @@ class Method:
     decode: Callable[[torch.Tensor, int], Generation]
     cost: RoundCost | None = None
     """A round's cost from measured forward latencies (`decoding.measurement.latency`); None: no prediction."""
+    prefill: float = 0.0
+    """The extra seconds of its models' first calls on a prompt (`RunLatencies.method_prefill`), charged
+    once per generation by the prediction."""
     generations: list[Generation] = field(default_factory=list)
 
 
@@ -273,7 +276,9 @@ def group_rows(
                 **metrics,
                 speedup=rate / ar_rate if rate and ar_rate else None,
                 batch_rates=None,
-                predicted_speedup=predicted_speedup(method.generations, target_step, method.cost)
+                predicted_speedup=predicted_speedup(
+                    method.generations, target_step, method.cost, method.prefill, ar.prefill
+                )
                 if method.cost and target_step
                 else None,
                 matches_ar=matches,

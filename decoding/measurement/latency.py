@@ -6,11 +6,15 @@ t_D,i the drafter's i-th step of a round:
 - a chain round (`sd`, `eesd`) with k drafts costs t_T(k + 1) + t_D,1 + ... + t_D,k;
 - a tree round (`rsd_c`, `rsd_s`) of depth L and N nodes costs t_T(N + 1) with the tree mask, plus
   t_D(1) on the root and one masked drafter call per level but the last, on that level's nodes.
-Over the rounds of a set of generations, the predicted speedup is what these latencies allow when nothing
-else costs time: tokens x t_T(1) / sum of the rounds' costs, which for a fixed K is
-BE x t_T(1) / (t_T(K + 1) + K t_D). The measured speedup is lower by what the formula leaves out:
-the engine's own work (acceptance, sampling, cache edits, controllers) and the first call of each
-model on the whole prompt.
+Each generation also starts with the first call of each of its models on the whole prompt, which costs
+more than the round's call it stands for: the prompt's extra, F = t(prompt) - t(1 token) per model, timed
+on the prompt the probes start from (`prompt`; F_T for the target, F_D for a standalone drafter, for
+`eesd` and `eagle3` their whole prefill less their first round's calls). Over a set of generations, the
+predicted speedup is what these latencies allow when nothing else costs time:
+(generations x F_T + tokens x t_T(1)) / (generations x F + sum of the rounds' costs), F the method's
+prefill extra (F_T + F_D for `sd`, `rsd_c` and `rsd_s`), which for a fixed K and long answers is
+BE x t_T(1) / (t_T(K + 1) + K t_D). The measured speedup is lower by what the formula leaves out: the
+engine's own work (acceptance, sampling, cache edits, controllers).
 
 Chain rounds are timed as the decoders make them, one round after the other: the drafter's steps
 right after the target's previous verification, then the verification. On a CPU a model's call is
@@ -44,6 +48,7 @@ measured once per repeat, interleaved, so a slow spell of the machine hits them 
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -314,13 +319,22 @@ def tree_cost(target: Latencies, drafter: Latencies, shape: TreeShape) -> RoundC
     return cost
 
 
-def predicted_speedup(generations: Sequence[Generation], target_step: float, cost: RoundCost) -> float | None:
-    """tokens x t_T(1) / sum of the rounds' costs over these generations (None without rounds)."""
+def predicted_speedup(
+    generations: Sequence[Generation],
+    target_step: float,
+    cost: RoundCost,
+    prefill: float = 0.0,
+    ar_prefill: float = 0.0,
+) -> float | None:
+    """(generations x `ar_prefill` + tokens x t_T(1)) / (generations x `prefill` + sum of the rounds'
+    costs) over these generations (None without rounds): `prefill` is the method's extra for its first
+    calls on a prompt, `ar_prefill` the target's (F_T)."""
     rounds = [r for g in generations for r in g.rounds]
     if not rounds:
         return None
     tokens = sum(len(g.tokens) for g in generations)
-    return tokens * target_step / sum(cost(r) for r in rounds)
+    count = len(generations)
+    return (count * ar_prefill + tokens * target_step) / (count * prefill + sum(cost(r) for r in rounds))
 
 
 @dataclass(frozen=True)
@@ -334,12 +348,26 @@ class RunLatencies:
     rounds: dict[str, ChainRounds]
     """Chain rounds by drafter name: `sd`'s for a standalone drafter, `eesd`'s for an early-exit one,
     `eagle3`'s for an EAGLE-3 head."""
+    prefill: dict[str, float] = field(default_factory=dict)
+    """The prompt's extra of each model's first call (F), `target` and by drafter name: a standalone
+    drafter's alone, an early-exit drafter's and an EAGLE-3 head's with their target calls. Empty when the
+    probes had no prompt."""
+
+    def method_prefill(self, drafter: str | None = None, standalone: bool = False) -> float:
+        """F of a method: the target's (`ar`, drafter None), the target's and a standalone drafter's, or
+        an early-exit drafter's or EAGLE-3 head's own (0 when not timed)."""
+        if drafter is None:
+            return self.prefill.get("target", 0.0)
+        if standalone:
+            return self.prefill.get("target", 0.0) + self.prefill.get(drafter, 0.0)
+        return self.prefill.get(drafter, 0.0)
 
     def as_json(self) -> dict:
         return {
             "target": self.target.as_json(),
             "drafters": {name: lat.as_json() for name, lat in self.drafters.items()},
             "rounds": {name: rounds.as_json() for name, rounds in self.rounds.items()},
+            "prefill": dict(self.prefill),
         }
 
 
@@ -353,13 +381,15 @@ def run_latencies(
     max_draft_length: int,
     shapes: Sequence[TreeShape],
     repeats: int,
+    prompt: Tensor | None = None,
 ) -> RunLatencies:
     """Every latency the run's decoders need: the target's step (and every tree size), each standalone
     drafter's step (and every tree level), the chain rounds of up to max_draft_length drafts of each
     standalone and early-exit drafter and EAGLE-3 head (`eagle3`: name -> (the target with the head's
     feature layers, the head's `Eagle3Drafter`)). Each model takes the context once; then every probe runs once per
     repeat, in turn, so that a slow spell of the machine hits the `ar` step and the rounds it is
-    compared with alike; medians over the repeats."""
+    compared with alike; medians over the repeats. With `prompt` [1, p], then each model's prompt extra F
+    (`prefill_extras`), `repeats` times each."""
     max_nodes = max((shape.max_nodes for shape in shapes), default=0)
     levels = sorted({size for shape in shapes for size in shape.level_sizes(shape.depth)[:-1]})
     all_levels = list(range(1, max(levels) + 1)) if levels else []
@@ -389,6 +419,10 @@ def run_latencies(
         for name, (featured, head) in eagle3.items():
             head_tokens = tokens.to(featured.device)
             round_samples[name].append(_eagle3_once(featured, head, head_tokens, length, max_draft_length))
+    rounds = {name: _median_rounds(samples) for name, samples in round_samples.items()}
+    prefill = {}
+    if prompt is not None:
+        prefill = prefill_extras(target, drafters, self_speculative, eagle3, rounds, prompt, repeats)
     for lm in [
         target,
         *drafters.values(),
@@ -399,5 +433,44 @@ def run_latencies(
     return RunLatencies(
         target=_median_latencies(target_samples),
         drafters={name: _median_latencies(samples) for name, samples in drafter_samples.items()},
-        rounds={name: _median_rounds(samples) for name, samples in round_samples.items()},
+        rounds=rounds,
+        prefill=prefill,
     )
+
+
+def _first_call_extra(lm: CachedLM, prompt: Tensor) -> float:
+    """t(prompt) - t(1 token) of `lm` from an empty cache: its first call, then a step after it."""
+    lm.reset()
+    first = _timed(lm, prompt)
+    return first - _timed(lm, prompt[:, -1:])
+
+
+def prefill_extras(
+    target: CachedLM,
+    drafters: dict[str, CachedLM],
+    self_speculative: dict[str, object],
+    eagle3: dict[str, tuple[CachedLM, object]],
+    rounds: dict[str, ChainRounds],
+    prompt: Tensor,
+    repeats: int,
+) -> dict[str, float]:
+    """F per model (medians over `repeats`, every model once per repeat): the target's and each
+    standalone drafter's first call on `prompt` less a step; an early-exit drafter's and an EAGLE-3 head's
+    whole prefill (as `_prefill_self_speculative` and `_prefill_eagle3` make it) less their round of one
+    draft (their first round's draft step and verification of 2 positions stand in the rounds' costs)."""
+    samples: dict[str, list[float]] = {"target": []}
+    for _ in range(repeats):
+        samples["target"].append(_first_call_extra(target, prompt.to(target.device)))
+        for name, lm in drafters.items():
+            samples.setdefault(name, []).append(_first_call_extra(lm, prompt.to(lm.device)))
+        for name, model in self_speculative.items():
+            clock = time.perf_counter()
+            _prefill_self_speculative(model, prompt.to(model.device))
+            whole = time.perf_counter() - clock
+            samples.setdefault(name, []).append(whole - rounds[name].verify[2] - rounds[name].draft[0])
+        for name, (featured, head) in eagle3.items():
+            clock = time.perf_counter()
+            _prefill_eagle3(featured, head, prompt.to(featured.device))
+            whole = time.perf_counter() - clock
+            samples.setdefault(name, []).append(whole - rounds[name].verify[2] - rounds[name].draft[0])
+    return {name: statistics.median(values) for name, values in samples.items()}

@@ -147,6 +147,7 @@ def build_methods(
             {"decoder": "ar"},
             lambda p, i: autoregressive(target_lm, p, new, sampling, generator(i), eos_ids),
             ar_cost(latencies.target),
+            latencies.method_prefill(),
         )
     ]
     standalone = []
@@ -173,6 +174,7 @@ def build_methods(
                                 d.featured, d.eagle3, p, new, sampling, c, generator(i), eos_ids
                             ),
                             chain_cost(latencies.rounds[d.source.name]),
+                            latencies.method_prefill(d.source.name),
                         )
                     )
             continue
@@ -188,6 +190,7 @@ def build_methods(
                                 d.self_speculative, p, new, sampling, c, generator(i), eos_ids
                             ),
                             chain_cost(latencies.rounds[d.source.name]),
+                            latencies.method_prefill(d.source.name),
                         )
                     )
             continue
@@ -200,6 +203,7 @@ def build_methods(
                             target_lm, d.lm, p, new, sampling, c, generator(i), eos_ids
                         ),
                         chain_cost(latencies.rounds[d.source.name]),
+                        latencies.method_prefill(d.source.name, standalone=True),
                     )
                 )
         for decoder, shape, label in tree_shapes(cfg):
@@ -210,6 +214,7 @@ def build_methods(
                         target_lm, d.lm, p, new, sampling, s, generator(i), eos_ids
                     ),
                     tree_cost(latencies.target, latencies.drafters[d.source.name], shape),
+                    latencies.method_prefill(d.source.name, standalone=True),
                 )
             )
         if "assisted" in cfg.decoders:
@@ -268,6 +273,7 @@ def measure_latencies(
             max(lengths),
             shapes,
             cfg.latency_repeats,
+            prompt.view(1, -1),
         )
     except NotImplementedError as err:  # trees past a sliding window
         trees = " and ".join(f"`{d}`" for d in ("rsd_c", "rsd_s") if d in cfg.decoders)

@@ -52,6 +52,16 @@ def test_predicted_speedup_sums_the_cost_of_every_round_and_is_one_for_ar():
     assert predicted_speedup([generation(0, [])], 10.0, chain_cost(ROUNDS)) is None
 
 
+def test_the_prediction_charges_each_generation_its_prompt_extra_once():
+    # two generations of sd against ar: each pays the method's extra F once, ar pays the target's
+    gens = [generation(7, [Round(4, 4, 4), Round(4, 4, 1)]), generation(3, [Round(4, 4, 2)])]
+    costs = 3 * (14.0 + 4.0 + 3 * 2.0)
+    predicted = predicted_speedup(gens, 10.0, chain_cost(ROUNDS), prefill=9.0, ar_prefill=6.0)
+    assert predicted == pytest.approx((2 * 6.0 + 10 * 10.0) / (2 * 9.0 + costs))
+    ar = [generation(5, [Round(0, 0, 0)] * 5), generation(2, [Round(0, 0, 0)] * 2)]
+    assert predicted_speedup(ar, 10.0, ar_cost(TARGET), prefill=6.0, ar_prefill=6.0) == pytest.approx(1.0)
+
+
 def test_tree_rounds_cost_the_masked_verification_the_root_call_and_every_level_but_the_last():
     beam = TreeShape.beam(
         2, 2
@@ -103,8 +113,9 @@ def test_run_latencies_cover_every_round_the_decoders_can_make(tiny_lm):
     eagle3 = {"e3": (CachedLM(target, aux_layers=[1, 2, 3]), head)}
     shapes = [TreeShape.constant([2, 2, 1]), TreeShape.beam(3, 3)]
     run = run_latencies(
-        CachedLM(target), {"d": tiny_lm}, {"ee": eesd}, eagle3, torch.arange(3, 23).view(1, -1), 5, shapes, 1
-    )
+        CachedLM(target), {"d": tiny_lm}, {"ee": eesd}, eagle3, torch.arange(3, 23).view(1, -1), 5, shapes, 1,
+        torch.arange(3, 15).view(1, -1),
+    )  # fmt: skip
     assert sorted(run.target.chain) == [1]
     assert sorted(run.target.tree) == list(range(2, 12))  # trees of up to 10 nodes (2 + 4 + 4)
     assert sorted(run.drafters["d"].chain) == [1] and sorted(run.drafters["d"].tree) == [1, 2, 3, 4]
@@ -114,7 +125,12 @@ def test_run_latencies_cover_every_round_the_decoders_can_make(tiny_lm):
         "e3",
     ):  # sd's rounds with the drafter, eesd's with the exit, eagle3's with the head
         assert sorted(run.rounds[name].verify) == list(range(1, 7)) and len(run.rounds[name].draft) == 5
-    assert set(run.as_json()) == {"target", "drafters", "rounds"}
+    assert set(run.as_json()) == {"target", "drafters", "rounds", "prefill"}
+    # each model's prompt extra, once per generation: sd pays the target's and its drafter's
+    assert set(run.prefill) == {"target", "d", "ee", "e3"}
+    assert run.method_prefill() == run.prefill["target"]
+    assert run.method_prefill("d", standalone=True) == run.prefill["target"] + run.prefill["d"]
+    assert run.method_prefill("e3") == run.prefill["e3"]
 
 
 def record_forward_calls(monkeypatch, **lms: CachedLM) -> list[tuple[str, int, int]]:

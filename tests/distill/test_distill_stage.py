@@ -347,7 +347,9 @@ def test_hf_processes_answer_their_share_each_and_every_sample_once(tmp_path, ti
     assert len(keys) == len(set(keys)) == 6 * 3 and set(keys) == set(keys_of(tmp_path / "one" / "distill"))
     assert two.metrics["records"] == one.metrics["records"] == 18 and two.metrics["failures"] == 0
     for engine in (0, 1):
-        written = [r for f in record_files(work) if f"-engine{engine:02d}-" in f.name for r in iter_records_of(f)]
+        written = [
+            r for f in record_files(work) if f"-engine{engine:02d}-" in f.name for r in iter_records_of(f)
+        ]
         assert len(written) == 9  # 3 of the 6 prompts, each greedy once and sampled twice
     assert {r["backend"] for r in iter_records(work)} == {"hf"}
 
