@@ -37,6 +37,19 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("pipelines", "data", "distill", "train", "models", "decoding")
 
 
+def stage_table(records: list[dict]) -> str:
+    """Seconds of each stage that ran, per run, and their sum."""
+    names = [n for n in records[0]["stages"] if any(r["stages"].get(n) for r in records)]
+    lines = [
+        "| stage | " + " | ".join(f"run {i} s" for i in range(1, len(records) + 1)) + " |",
+        "| --- | " + " | ".join("---:" for _ in records) + " |",
+    ]
+    for name in names:
+        lines.append(f"| {name} | " + " | ".join(f"{r['stages'].get(name, 0):.0f}" for r in records) + " |")
+    totals = " | ".join(f"**{sum(r['stages'].values()):.0f}**" for r in records)
+    return "\n".join([*lines, f"| **all stages** | {totals} |"])
+
+
 def clone_and_run(index: int, recipe: str, out: Path) -> dict:
     """One fresh clone of HEAD, the whole demo in it; returns what the run recorded."""
     work = Path(tempfile.mkdtemp(prefix=f"polydraft-demo-run{index}-"))
@@ -246,6 +259,8 @@ def main() -> int:
             "model's prediction from the forward latencies the run measured, and the median error of the "
             "measured speedup against it (measured / predicted - 1). Each run's `summary.md` and `results.jsonl` "
             f"are in `{args.out}/run-<i>/`.",
+            "",
+            stage_table(records),
             "",
             table(runs),
             "",
