@@ -63,7 +63,7 @@ class Eagle3Config(StrictModel):
     """Keep the frozen target's outputs of each training and held-out row in CPU memory, up to this many GiB
     per process, so that a later head on the same rows (the multilingual head reads every pair's) does not
     run the target on them again. A row costs its length x (len(aux_layers) + 1) x hidden size values (the
-    demo's rows: about 230 KB). 0: off, the target runs on every batch of every head."""
+    values in the target's dtype). 0: off, the target runs on every batch of every head."""
     optim: Eagle3Optim = Field(default_factory=Eagle3Optim)
     loop: Eagle3Loop = Field(default_factory=Eagle3Loop)
 
