@@ -1,6 +1,8 @@
 """Where an EAGLE-3 training step's time goes on the demo target: the frozen target's forward pass that
 computes the features (`train.eagle3.target_pass`), the unrolled head's forward with the loss
-(`train.eagle3.ttt_losses`, which includes that pass) and the whole step (with backward and the AdamW update).
+(`train.eagle3.ttt_losses`, which includes that pass) and the whole step (with backward and the AdamW update);
+then the whole step with the features kept (`train.eagle3.FeatureCache`, as the demo trains), the loss in
+chunks of 256 rows (recomputed in backward) against unchunked (`loop.loss_chunk_tokens: null`).
 
 The demo's setting: the committed demo target (24 layers, hidden 128), feature layers 2, 12 and 21, a
 1024-token draft vocabulary, 3 unrolled steps, the loss in chunks of 256 rows, batches of `--rows` random
@@ -22,7 +24,7 @@ import torch
 from bench.held_out import record
 from polydraft.models.eagle3 import head_for_target
 from polydraft.train.chunked_loss import model_head
-from polydraft.train.eagle3 import Unroll, target_pass, ttt_losses
+from polydraft.train.eagle3 import FeatureCache, Unroll, target_pass, ttt_losses
 from polydraft.train.losses import IGNORE_INDEX
 
 TARGET = Path(__file__).resolve().parent.parent / "recipes/demo/target/659066c489eb7c49"
@@ -61,7 +63,22 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    parts = {"target forward (features)": features, "head forward + loss (with the target)": forward, "whole step": step}  # fmt: skip
+    cache = FeatureCache(2**30)
+    cache.target_pass(target, batch, head.aux_layers)
+
+    def cached_step(chunk_tokens: int | None) -> None:
+        sums, _ = ttt_losses(unroll, unroll, teacher, target, batch, chunk_tokens, cache)
+        sums.sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    parts = {
+        "target forward (features)": features,
+        "head forward + loss (with the target)": forward,
+        "whole step": step,
+        "whole step, features kept, loss in chunks of 256": lambda: cached_step(256),
+        "whole step, features kept, loss unchunked": lambda: cached_step(None),
+    }
     for run in parts.values():
         run()
     times: dict[str, list[float]] = {name: [] for name in parts}

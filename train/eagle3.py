@@ -196,13 +196,17 @@ class FeatureCache:
 
 
 def _chunk_kl(
-    rows: torch.Tensor, weight: torch.Tensor | None, p: torch.Tensor, inside: torch.Tensor
+    rows: torch.Tensor,
+    weight: torch.Tensor | None,
+    p: torch.Tensor,
+    p_log_p: torch.Tensor,
+    inside: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed KL(p || q) over the rows `inside`, q's argmax) of draft logits `rows @ weight.T` (or `rows`
-    already logits when `weight` is None)."""
+    already logits when `weight` is None); `p_log_p` [N] is sum(p log p) per row, p's negative entropy."""
     logits = (rows if weight is None else F.linear(rows.to(weight.dtype), weight)).float()
     log_q = F.log_softmax(logits, dim=-1)
-    kl = (torch.special.xlogy(p, p) - p * log_q).sum(-1)
+    kl = p_log_p - (p * log_q).sum(-1)
     return (kl * inside).sum(), log_q.argmax(-1)
 
 
@@ -230,8 +234,11 @@ def restricted_kl(
             logits = teacher.logits(teacher_rows[start:end]).float().to(rows.device)
             best = logits.argmax(-1)
             inside = t2d[best]
-            p = F.softmax(logits[:, draft_ids], dim=-1)
-        args = (rows[start:end], weight, p, inside)
+            # the target's side of the KL, once and outside the checkpoint (its backward recomputes the rest)
+            log_p = F.log_softmax(logits[:, draft_ids], dim=-1)
+            p = log_p.exp()
+            p_log_p = (p * log_p).sum(-1)
+        args = (rows[start:end], weight, p, p_log_p, inside)
         if weight is not None:
             kl, guess = checkpoint(_chunk_kl, *args, use_reentrant=False)
         else:

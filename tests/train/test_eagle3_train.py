@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from polydraft.models.eagle3 import load_eagle3, read_info
 from polydraft.pipelines.runtime.contract import PROJECT_ROOT, spec_for
 from polydraft.pipelines.runtime.tracking import Tracker
 from polydraft.pipelines.stages.eagle3 import train_heads
-from polydraft.train.eagle3 import step_rows, ttt_mask
+from polydraft.train.chunked_loss import OutputHead
+from polydraft.train.eagle3 import restricted_kl, step_rows, ttt_mask
 from polydraft.train.losses import IGNORE_INDEX
 from polydraft.train.runtime import make_accelerator
 from tests.drafter_setup import context, stage_inputs, tiny_recipe, write_tiny_mix
@@ -157,3 +159,33 @@ def test_the_feature_cache_runs_the_target_once_per_row_and_trains_the_same_head
         assert cached["eval_loss"] == pytest.approx(final["eval_loss"], rel=1e-5), head
         for step, step_cached in zip(final["steps"], cached["steps"], strict=True):
             assert step_cached["top1"] == pytest.approx(step["top1"], abs=1e-6), head
+
+
+def test_the_loss_is_the_kl_from_the_target_restricted_to_the_draft_vocabulary_chunked_or_not():
+    """KL(p || q), p the target's softmax over the draft vocabulary's logits, on the rows whose target argmax
+    is a draft token: as `F.kl_div` computes it, with its gradient, projected at once or 7 rows at a time."""
+    torch.manual_seed(0)
+    rows, hidden, vocab = 30, 8, 50
+    draft_ids = torch.arange(0, 40, 2)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[draft_ids] = True
+    teacher = OutputHead(torch.randn(vocab, hidden))
+    teacher_rows = torch.randn(rows, hidden)
+    states = torch.randn(rows, hidden)
+    weight = torch.randn(len(draft_ids), hidden, requires_grad=True)
+    logits = teacher.logits(teacher_rows)
+    inside = t2d[logits.argmax(-1)]
+    assert 0 < inside.sum() < rows  # some rows count, some do not
+    p = F.softmax(logits[:, draft_ids], dim=-1)
+    log_q = F.log_softmax(states @ weight.T, dim=-1)
+    expected = F.kl_div(log_q, p, reduction="none").sum(-1)[inside].sum()
+    (expected_grad,) = torch.autograd.grad(expected, weight)
+    hits = (draft_ids[log_q.argmax(-1)] == logits.argmax(-1)).sum()
+    for projected, chunk in ((states @ weight.T, None), (states, 7)):
+        total, stats = restricted_kl(
+            projected, teacher_rows, None if chunk is None else weight, teacher, draft_ids, t2d, chunk
+        )
+        (grad,) = torch.autograd.grad(total, weight)
+        assert torch.allclose(total, expected, rtol=1e-5), (chunk, float(total), float(expected))
+        assert torch.allclose(grad, expected_grad, rtol=1e-4, atol=1e-6)
+        assert stats.tolist() == [float(inside.sum()), float(hits), float(rows)]
