@@ -199,7 +199,9 @@ def stochastic_beam_step(
     vocab = scores.shape[-1]
     k = min(width, keys.numel())
     values, flat = torch.topk(keys.reshape(-1), k)
-    keep = values > float("-inf")
-    flat, values = flat[keep], values[keep]
+    # sorted: the pairs of probability zero (key -inf) come last
+    count = sum(value > float("-inf") for value in values.tolist())
+    flat, values = flat[:count], values[:count]
     parents, tokens = flat // vocab, flat % vocab
-    return parents, tokens, scores.reshape(-1)[flat], values
+    # without noise the keys are the scores
+    return parents, tokens, values if generator is None else scores.reshape(-1)[flat], values

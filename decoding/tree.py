@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from polydraft.decoding.engine import Output, Round, next_token
-from polydraft.decoding.lm import CachedLM, additive_mask
+from polydraft.decoding.lm import CachedLM
 from polydraft.decoding.sampling import (
     Sampling,
     gumbel_topk,
@@ -70,10 +70,9 @@ def extend_ancestors(ancestors: Tensor, start: int, parents: Tensor) -> None:
     A node's row is its parent's row plus itself; children of the root (-1) start from an empty row.
     """
     count = parents.numel()
-    rows = torch.arange(start, start + count, device=ancestors.device)
     has_parent = parents >= 0
-    ancestors[rows] = ancestors[parents.clamp(min=0)] & has_parent.view(-1, 1)
-    ancestors[rows, rows] = True
+    ancestors[start : start + count] = ancestors[parents.clamp(min=0)] & has_parent.view(-1, 1)
+    ancestors[start : start + count, start : start + count].fill_diagonal_(True)
 
 
 def tree_attention(num_cached: int, num_pending: int, tree_rows: Tensor, dtype: torch.dtype) -> Tensor:
@@ -84,14 +83,14 @@ def tree_attention(num_cached: int, num_pending: int, tree_rows: Tensor, dtype: 
     """
     rows, nodes = tree_rows.shape
     prefix = num_cached + num_pending
-    allowed = torch.zeros(num_pending + rows, prefix + nodes, dtype=torch.bool, device=tree_rows.device)
-    if num_pending:
-        allowed[:num_pending, :prefix] = torch.ones(
-            num_pending, prefix, dtype=torch.bool, device=tree_rows.device
-        ).tril(diagonal=num_cached)
-    allowed[num_pending:, :prefix] = True
-    allowed[num_pending:, prefix:] = tree_rows
-    return additive_mask(allowed, dtype)
+    device, low = tree_rows.device, torch.finfo(dtype).min
+    # built additive in place, in few calls: a round builds one for every tree level
+    mask = torch.zeros(num_pending + rows, prefix + nodes, dtype=dtype, device=device)
+    if num_pending:  # pending token i sees the cache and pending tokens 0..i, no tree node
+        later = torch.ones(num_pending, num_pending + nodes, dtype=torch.bool, device=device).triu(1)
+        mask[:num_pending, num_cached:].masked_fill_(later, low)
+    mask[num_pending:, prefix:].masked_fill_(~tree_rows, low)
+    return mask.view(1, 1, *mask.shape)
 
 
 def check_window(models: list[CachedLM], length: int, nodes: int) -> None:
@@ -105,19 +104,39 @@ def check_window(models: list[CachedLM], length: int, nodes: int) -> None:
         )
 
 
-def tree_inputs(target: CachedLM, pending: Tensor, length: int, tree: Tree) -> tuple[Tensor, Tensor, Tensor]:
-    """(input ids, position ids, attention mask) scoring the pending tokens and every node in one forward.
+def target_order(tree: Tree) -> list[int]:
+    """The order the target reads the nodes in (input slot -> node): first the chain of first children
+    from the root (each node's first draw: its likeliest child, which verification tries first), then
+    every other node level by level. An accepted path is most often a prefix of that chain, and the
+    target's cache then keeps it by a crop, which on a deep target costs a quarter of moving the path's
+    positions into place (`CachedLM.keep`). A path leaving the chain still has increasing slots: the
+    chain's first, then the other nodes by depth."""
+    children = tree.children()
+    chain, node = [], -1
+    while node in children:
+        node = children[node][0]
+        chain.append(node)
+    on_chain = set(chain)
+    return chain + [node for node in range(len(tree)) if node not in on_chain]
+
+
+def tree_inputs(
+    target: CachedLM, pending: Tensor, length: int, tree: Tree, order: list[int]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(input ids, position ids, attention mask) scoring the pending tokens and every node in one forward,
+    the nodes in `order` (slot -> node, `target_order`).
 
     `length` is the committed length; node i sits at position length - 1 + depth (the root is the last
     committed token).
     """
     device, cached = target.device, target.length
     assert tree.ancestors is not None
-    mask = tree_attention(cached, pending.shape[1], tree.ancestors, target.dtype)
-    positions = torch.cat(
-        [torch.arange(cached, length, device=device), torch.tensor(tree.depths, device=device) + (length - 1)]
-    ).view(1, -1)
-    nodes = torch.tensor(tree.tokens, device=device).view(1, -1)
+    slots = torch.tensor(order, device=device)
+    rows = tree.ancestors.index_select(0, slots).index_select(1, slots)
+    mask = tree_attention(cached, pending.shape[1], rows, target.dtype)
+    depths = torch.tensor([tree.depths[node] for node in order], device=device)
+    positions = torch.cat([torch.arange(cached, length, device=device), depths + (length - 1)]).view(1, -1)
+    nodes = torch.tensor([tree.tokens[node] for node in order], device=device).view(1, -1)
     return torch.cat([pending, nodes], dim=1), positions, mask
 
 
@@ -318,12 +337,21 @@ def tree_decode(
             rounds.append(Round(0, 0, 0))
             continue
         tree, draft_probs = proposer.draft(out, depth)
-        inputs, positions, mask = tree_inputs(target, pending, n, tree)
+        order = target_order(tree)
+        inputs, positions, mask = tree_inputs(target, pending, n, tree, order)
         logits, hidden = target.forward(inputs, len(tree) + 1, positions, mask)
+        slot = [0] * len(tree)
+        for index, node in enumerate(order):
+            slot[node] = index
+        if order != list(
+            range(len(tree))
+        ):  # the rows back in node order: row 0 at the root, row i + 1 at node i
+            rows = torch.tensor([0] + [1 + index for index in slot], device=logits.device)
+            logits, hidden = logits.index_select(0, rows), hidden.index_select(0, rows)
         path, token = verify_tree(
             tree, draft_probs, verify_rows(tree, logits, sampling), sampling.greedy, generator
         )
-        target.keep(n, path)
+        target.keep(n, [slot[node] for node in path])
         proposer.keep(n, tree, path, hidden)
         kept = out.commit([tree.tokens[node] for node in path] + [token])
         rounds.append(Round(depth, len(tree), min(len(path), kept)))

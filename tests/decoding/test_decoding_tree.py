@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from polydraft.decoding.lm import additive_mask
-from polydraft.decoding.tree import Tree, TreeShape, extend_ancestors, tree_attention
+from polydraft.decoding.tree import Tree, TreeShape, extend_ancestors, target_order, tree_attention
 
 
 def random_tree(rng: random.Random, levels: int) -> Tree:
@@ -90,3 +90,20 @@ def test_tree_shapes_and_their_sizes():
 def test_children_keep_draw_order():
     tree = Tree(tokens=[5, 9, 4, 1, 2], parents=[-1, -1, 1, 0, 1], depths=[1, 1, 2, 2, 2])
     assert tree.children() == {-1: [0, 1], 1: [2, 4], 0: [3]}
+
+
+def test_the_target_reads_the_chain_of_first_children_first_and_every_path_in_increasing_slots():
+    tree = Tree(tokens=[5, 9, 4, 1, 2, 7], parents=[-1, -1, 1, 0, 1, 3], depths=[1, 1, 2, 2, 2, 3])
+    assert target_order(tree) == [0, 3, 5, 1, 2, 4]  # 0 -> 3 -> 5 first, then the rest level by level
+    rng = random.Random(0)
+    for _ in range(50):
+        tree = random_tree(rng, rng.randint(1, 5))
+        order = target_order(tree)
+        assert sorted(order) == list(range(len(tree)))
+        slot = {node: index for index, node in enumerate(order)}
+        for leaf in range(len(tree)):  # the path to every node: the cache keeps it with sorted slots
+            path, node = [], leaf
+            while node >= 0:
+                path.append(slot[node])
+                node = tree.parents[node]
+            assert path[::-1] == sorted(path)

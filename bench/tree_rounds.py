@@ -1,0 +1,132 @@
+"""The tree round's time between forward calls: this checkout's `decoding.tree` and `decoding.sampling`
+against another commit's, interleaved prompt by prompt in one process.
+
+Loads a finished demo run's target and drafters as its measure stage does (`pipelines.stages.measure.load`),
+builds the `rsd_s` row of one drafter on one eval set, and decodes every repetition's prompts at T=0 twice
+per prompt, once with each version of the two modules (the order alternating), `--repeats` times. Prints
+per version the wall time, the time inside the models' forward calls (the engine's own clocks) and the time
+between them per round, and checks that both versions wrote the same tokens.
+
+    python -m bench.tree_rounds --run-dir runs/demo --against 2b5ab8a [--drafter de-en] [--eval-set de-en]
+        [--repeats 2] [--record bench/results/engine_overhead.md]
+
+Run it with nothing else on the machine (one thread: OMP_NUM_THREADS=1, as the demo's measure processes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import polydraft.decoding.rsd as rsd  # noqa: E402
+import polydraft.decoding.tree as tree  # noqa: E402
+from bench.engine_overhead import UPSTREAM  # noqa: E402
+from polydraft.decoding.measurement.eval_inputs import repetition_prompts  # noqa: E402
+from polydraft.decoding.measurement.groups import method_label  # noqa: E402
+from polydraft.decoding.sampling import Sampling  # noqa: E402
+from polydraft.pipelines.run.recipe import load_recipe  # noqa: E402
+from polydraft.pipelines.runtime.target import resolve_target  # noqa: E402
+from polydraft.pipelines.schema.inputs import MeasureInputs  # noqa: E402
+from polydraft.pipelines.stages.measure import load  # noqa: E402
+from polydraft.pipelines.stages.measure_methods import build_methods  # noqa: E402
+
+
+def module_at(commit: str, path: str, name: str, folder: Path) -> ModuleType:
+    """`path` of the repository at `commit`, imported as module `name`."""
+    source = subprocess.run(
+        ["git", "show", f"{commit}:{path}"], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    file = folder / f"{name.rsplit('.', 1)[-1]}.py"
+    file.write_text(source.stdout)
+    spec = importlib.util.spec_from_file_location(name, file)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "demo")
+    parser.add_argument("--recipe", default=str(ROOT / "recipes" / "demo" / "demo.yaml"))
+    parser.add_argument("--against", required=True, help="the commit whose tree round to compare with")
+    parser.add_argument("--drafter", default="de-en")
+    parser.add_argument("--eval-set", default="de-en")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--record", type=Path)
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as folder:
+        other_sampling = module_at(
+            args.against, "decoding/sampling.py", "polydraft.decoding.sampling_then", Path(folder)
+        )
+        other = module_at(args.against, "decoding/tree.py", "polydraft.decoding.tree_then", Path(folder))
+    other.stochastic_beam_step = other_sampling.stochastic_beam_step  # the tree round of that commit, whole
+    versions = {args.against: other, "this checkout": tree}
+
+    recipe = load_recipe(args.recipe)
+    inputs = MeasureInputs.of(recipe, resolve_target(recipe.target, recipe.data, build=False))
+    upstream = {s: args.run_dir / s for s in UPSTREAM if (args.run_dir / s).is_dir()}
+    with tempfile.TemporaryDirectory() as folder:
+        loaded = load(inputs, upstream, Path(folder) / "latency.json")
+    cfg = inputs.measure
+    eval_set = next(s for s in loaded.eval_sets if s.name == args.eval_set)
+    label = f"rsd_s[{args.drafter}]"
+    results: dict[str, list] = {name: [] for name in versions}
+    for seed in cfg.seeds:
+        prompts = repetition_prompts(eval_set.prompts, cfg.seeds, seed, cfg.num_prompts, cfg.disjoint_prompts)
+        methods = build_methods(
+            cfg, eval_set, Sampling(0.0, 1.0), seed, loaded.target, loaded.target_lm, loaded.drafters,
+            loaded.eos_ids, loaded.latencies,
+        )  # fmt: skip
+        method = next(m for m in methods if method_label(m.fields).startswith(label))
+        method.decode(prompts[0], 0)  # warm-up
+        for repeat in range(args.repeats):
+            for index, prompt in enumerate(prompts):
+                order = list(versions) if (index + repeat) % 2 == 0 else list(versions)[::-1]
+                for name in order:
+                    rsd.tree_decode, rsd.draft_tree = versions[name].tree_decode, versions[name].draft_tree
+                    results[name].append(method.decode(prompt, index))
+    rsd.tree_decode, rsd.draft_tree = tree.tree_decode, tree.draft_tree
+    same = [g.tokens for g in results[args.against]] == [g.tokens for g in results["this checkout"]]
+
+    lines = [
+        f"`OMP_NUM_THREADS={torch.get_num_threads()} python -m bench.tree_rounds --against {args.against} "
+        f"--drafter {args.drafter} --eval-set {args.eval_set} --repeats {args.repeats}` ({label} on "
+        f"{args.eval_set}, T=0, {len(cfg.seeds)} repetitions of {cfg.num_prompts} prompts x "
+        f"{cfg.max_new_tokens} new tokens, each prompt decoded {args.repeats} times with each version, "
+        f"interleaved; the same tokens from both: {same})",
+        "",
+        "| tree round | wall s | forward s | rounds | between the forward calls, ms a round |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for name, generations in results.items():
+        wall = sum(g.wall_seconds for g in generations)
+        forward = sum(g.target_seconds + g.draft_seconds for g in generations)
+        rounds = sum(g.target_calls for g in generations)
+        lines.append(
+            f"| {name} | {wall:.2f} | {forward:.2f} | {rounds} | {1e3 * (wall - forward) / rounds:.3f} |"
+        )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if not same:
+        raise SystemExit("the two versions wrote different tokens")
+    if args.record:
+        args.record.write_text(args.record.read_text().rstrip("\n") + "\n\n" + text)
+
+
+if __name__ == "__main__":
+    main()
