@@ -16,6 +16,7 @@ Run it with nothing else on the machine (one thread: OMP_NUM_THREADS=1, as the d
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib.util
 import subprocess
 import sys
@@ -104,6 +105,8 @@ def main() -> None:
     same = [g.tokens for g in results[args.against]] == [g.tokens for g in results["this checkout"]]
 
     lines = [
+        f"## {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%MZ} - the tree round against {args.against}",
+        "",
         f"`OMP_NUM_THREADS={torch.get_num_threads()} python -m bench.tree_rounds --against {args.against} "
         f"--drafter {args.drafter} --eval-set {args.eval_set} --repeats {args.repeats}` ({label} on "
         f"{args.eval_set}, T=0, {len(cfg.seeds)} repetitions of {cfg.num_prompts} prompts x "
