@@ -41,8 +41,11 @@ from polydraft.train.throughput import train_flops_per_token
 
 SPEC_DECODERS = ("sd", "rsd_c", "rsd_s", "assisted")
 """Measure decoders run once per standalone drafter (and eval set it is measured on)."""
-
-
+MIX_TRAINED = ("finetune", "early_exit", "heads", "eagle3")
+LAUNCHED = ("pretrain", "finetune", "early_exit", "heads", "eagle3", "calibrate")
+"""Stages that train in an `accelerate launch` of their own."""
+WITH_TARGET = ("early_exit", "heads", "eagle3", "calibrate")
+"""Launches that load the frozen target (finetune too with the kd loss)."""
 IDLE_WARNING_HOURS = 0.05
 """Idle GPUs are reported for stages that last at least this long (not for a minute of smoke checks)."""
 
@@ -190,9 +193,6 @@ def estimate(recipe: Recipe, cluster: Cluster, distill_engines: int | None = Non
     return plan
 
 
-MIX_TRAINED = ("finetune", "early_exit", "heads", "eagle3")
-
-
 def _tokenizing(plan: Plan, mix_tokens: float) -> None:
     """Each stage that trains on the mix first tokenizes it on rank 0 while the other ranks wait
     (`train.mix_cache`): its bytes at TOKENIZE_BYTES_PER_S a process (TOKENIZE_PROCESSES of them for a
@@ -205,12 +205,6 @@ def _tokenizing(plan: Plan, mix_tokens: float) -> None:
         if first is not None and hours > 0:
             first.hours += hours
             first.note += f" + {hours * 60:.1f} min tokenizing the mix ({processes} process(es) of rank 0)"
-
-
-LAUNCHED = ("pretrain", "finetune", "early_exit", "heads", "eagle3", "calibrate")
-"""Stages that train in an `accelerate launch` of their own."""
-WITH_TARGET = ("early_exit", "heads", "eagle3", "calibrate")
-"""Launches that load the frozen target (finetune too with the kd loss)."""
 
 
 def _launches(plan: Plan, target: Shape, kd: bool) -> None:
@@ -315,15 +309,15 @@ def _distill(
 
 def _train(
     name: str, plan: Plan, trainable: Shape, frozen: int, tokens: float, row_tokens: float, loop: MemoryLoop,
-    gpus: int, kd_vocab: int, frozen_layers: int = 0, frozen_shape: Shape | None = None,
+    gpus: int, kd_vocab: int, frozen_layers: int = 0, frozen_shape: Shape | None = None, passes: float = 1.0,
 ) -> StagePlan:  # fmt: skip
-    """A data-parallel trainer: 6N FLOPs per token for the trainable part, 2N for frozen parameters,
-    each step paying STEP_OVERHEAD_S on top; memory of one process."""
+    """A data-parallel trainer: 6N FLOPs per token for the trainable part, 2N for frozen parameters (times
+    the frozen forward `passes` a token), each step paying STEP_OVERHEAD_S on top; memory of one process."""
     length = min(row_tokens, loop.max_length)
     flops_token = train_flops_per_token(
         trainable.matmul_params(), trainable.layers, trainable.hidden, int(length)
     )
-    flops_token += 2.0 * frozen
+    flops_token += 2.0 * frozen * passes
     micro_tokens = loop.per_device_batch_size * length
     rates = plan.cluster.rates
     compute = micro_tokens * flops_token / rates.train_flops
@@ -358,11 +352,13 @@ def _eagle3(
 ) -> list[StagePlan]:
     """One trainer per head: the whole frozen target forward over each row (its features), the head's
     layer and draft-vocabulary lm head forward and backward once per unrolled step (counted as
-    `ttt_steps` layers and lm heads)."""
+    `ttt_steps` layers and lm heads). With `eagle3.feature_cache_gib`, the share of its rows a process keeps
+    (features and final states, 4 hidden sizes a token) runs the target once: in the pair's head's first
+    epoch, not in its later ones nor in the multilingual head, which trains after them on the same rows."""
     e, d = recipe.eagle3, recipe.distill
     steps, vocab = e.ttt_steps, min(e.draft_vocab_size, target.vocab)
-    # the distilled rows at the temperatures the heads keep (the plan counts no open row)
 
+    # the distilled rows at the temperatures the heads keep (the plan counts no open row)
     def answers(temperatures: list[float]) -> int:
         return (0.0 in temperatures) + d.samples_per_prompt * sum(t > 0 for t in temperatures)
 
@@ -370,14 +366,18 @@ def _eagle3(
     mix_tokens *= answers(list(e.temperatures or d.temperatures)) / max(1, answers(list(d.temperatures)))
     unrolled = Shape(target.hidden, steps, vocab * steps, e.intermediate_size or target.intermediate,
                      target.heads, target.kv_heads, target.head_dim, False)  # fmt: skip
+    kept_bytes = mix_tokens / gpus * 4 * target.hidden * plan.cluster.rates.bytes_per_param
+    kept = min(1.0, e.feature_cache_gib * GIB / kept_bytes) if kept_bytes else 0.0
+    epochs = e.loop.epochs  # the target's forward passes a token: in a pair's head, in the multilingual one
+    pair_passes = (min(epochs, 1.0) + max(epochs - 1.0, 0.0) * (1 - kept)) / epochs
     pairs = recipe.data.pairs or ["all"]
-    heads = [(pair, mix_tokens / len(pairs)) for pair in pairs]
+    heads = [(pair, mix_tokens / len(pairs), pair_passes) for pair in pairs]
     if e.multilingual:  # the union balanced by pair: about every pair's tokens per epoch
-        heads.append(("multilingual", mix_tokens))
+        heads.append(("multilingual", mix_tokens, 1 - kept))
     return [
-        _train(f"eagle3 {name}", plan, unrolled, target.params(), tokens * e.loop.epochs,
-               row_tokens, e.loop, gpus, 0, frozen_layers=target.layers, frozen_shape=target)
-        for name, tokens in heads
+        _train(f"eagle3 {name}", plan, unrolled, target.params(), tokens * epochs, row_tokens, e.loop, gpus, 0,
+               frozen_layers=target.layers, frozen_shape=target, passes=passes)
+        for name, tokens, passes in heads
     ]  # fmt: skip
 
 

@@ -390,6 +390,30 @@ def test_eagle3_heads_are_planned_with_the_whole_target_in_each_trainer_and_meas
     assert mixed["measure"].tokens == pytest.approx(2 * (1 + 6 + 6) * per_method)
 
 
+def test_eagle3_feature_cache_runs_the_target_once_per_kept_row(tmp_path):
+    """`eagle3.feature_cache_gib` holding every row: the target runs in each pair's head's first epoch only
+    (of 6), never in the multilingual head's; a cache too small for a row changes nothing."""
+    data, gpus = TWO_PAIRS, parse_gpus("2xA100-80GB")
+    hours = {}
+    for name, gib in (("none", 0.0), ("tiny", 1e-9), ("all", 1000.0)):
+        (tmp_path / name).mkdir()
+        eagle3 = {"enabled": True, "multilingual": True, "feature_cache_gib": gib}
+        recipe = small_recipe(tmp_path / name, data=data, eagle3=eagle3)
+        big = {"hidden_size": 4096, "num_hidden_layers": 32, "vocab_size": 32000, "intermediate_size": 11008,
+               "num_attention_heads": 32}  # a 7B target: its forward pass is most of a step  # fmt: skip
+        (tmp_path / name / "target" / "config.json").write_text(json.dumps(big))
+        stages = estimate(recipe, gpus, distill_engines=1).stages
+        hours[name] = {s.name: s.hours for s in stages if s.name.startswith("eagle3")}
+    assert hours["tiny"] == pytest.approx(hours["none"], rel=1e-6)
+    # hours are linear in the target's passes a token: the multilingual head gives both ends (0 and 1), and
+    # a pair's head has half its rows
+    head_only, target = hours["all"]["eagle3 multilingual"], hours["none"]["eagle3 multilingual"]
+    assert head_only < 0.8 * target
+    # (fr-en: the first head's row also carries the time tokenizing the mix)
+    assert hours["none"]["eagle3 fr-en"] == pytest.approx(target / 2)
+    assert hours["all"]["eagle3 fr-en"] == pytest.approx(head_only / 2 + (target - head_only) / 2 / 6)
+
+
 def test_eagle3_keeps_the_distilled_rows_of_its_temperatures_at_their_length(tmp_path):
     data, gpus = TWO_PAIRS, parse_gpus("2xA100-80GB")
     stages = {}
