@@ -45,7 +45,26 @@ def generate_with_hf_processes(
         "path": target.path, "revision": target.revision, "dtype": target.dtype,
         "trust_remote_code": target.trust_remote_code, "device": cfg.hf.device, "max_length": limit,
     }  # fmt: skip
-    specs = [
+    specs = engine_specs(inputs, ctx, writer, sampling, engine, processes, backend="hf")
+    log.info("distill: %d hf processes of %d thread(s) each", processes, threads)
+    return engine_results(specs, requests, [{"OMP_NUM_THREADS": str(threads)}] * processes, writer, ctx)
+
+
+def engine_specs(
+    inputs: DistillInputs,
+    ctx: StageContext,
+    writer: RecordWriter,
+    sampling: dict[str, Any],
+    engine: dict[str, Any],
+    count: int,
+    backend: str = "vllm",
+    cpu_kv_cache_gib: float = 0.0,
+    submit_size: int = 0,
+) -> list[EngineSpec]:
+    """`count` engine processes' specs, alike but for their index: the recipe's distill settings, the
+    backend's `engine` arguments, the writer's record metadata."""
+    cfg = inputs.distill
+    return [
         EngineSpec(
             index=i,
             work_dir=str(ctx.work_dir),
@@ -53,17 +72,15 @@ def generate_with_hf_processes(
             records_per_file=cfg.records_per_file,
             batch_size=cfg.batch_size,
             engine=engine,
-            cpu_kv_cache_gib=0.0,
+            cpu_kv_cache_gib=cpu_kv_cache_gib,
             sampling=sampling,
-            submit_size=0,
+            submit_size=submit_size,
             meta=writer.meta,
             seed=cfg.seed,
-            backend="hf",
+            backend=backend,
         )  # fmt: skip
-        for i in range(processes)
+        for i in range(count)
     ]
-    log.info("distill: %d hf processes of %d thread(s) each", processes, threads)
-    return engine_results(specs, requests, [{"OMP_NUM_THREADS": str(threads)}] * processes, writer, ctx)
 
 
 def engine_results(
@@ -122,22 +139,10 @@ def generate_with_engines(
         "trust_remote_code": target.trust_remote_code, "tensor_parallel_size": v.tensor_parallel_size,
         "max_model_len": v.max_model_len, "gpu_memory_utilization": v.gpu_memory_utilization, "seed": cfg.seed,
     }  # fmt: skip
-    specs = [
-        EngineSpec(
-            index=i,
-            work_dir=str(ctx.work_dir),
-            shard_index=cfg.shard_index,
-            records_per_file=cfg.records_per_file,
-            batch_size=cfg.batch_size,
-            engine=engine,
-            cpu_kv_cache_gib=v.cpu_kv_cache_gib,
-            sampling=sampling,
-            submit_size=v.submit_size,
-            meta=writer.meta,
-            seed=cfg.seed,
-        )  # fmt: skip
-        for i in range(engines * nodes)
-    ]
+    specs = engine_specs(
+        inputs, ctx, writer, sampling, engine, engines * nodes,
+        cpu_kv_cache_gib=v.cpu_kv_cache_gib, submit_size=v.submit_size,
+    )  # fmt: skip
     log.info(
         "distill: %d vLLM engine(s) of %d GPU(s) each on each of %d node(s)",
         engines, v.tensor_parallel_size if gpus else 0, nodes,
