@@ -187,49 +187,72 @@ def offline_pairs(
     one per line.
 
     `kind_weights` (catalog, name, date, number; default all 1) sets how often each kind of entry is drawn.
-    The samples are generated once per process for each set of arguments (stages read the same split
-    several times: a distill source, the open rows, the eval set) and returned as new dicts each call.
+    The samples are drawn one after the other from one generator per set of the other arguments, so the
+    first n samples are the same whatever `num_samples` asks for more; each is drawn once per process
+    (stages read the same split several times: a distill source, the open rows, the eval set) and returned
+    as a new dict each call.
     """
     weights = tuple(sorted((kind_weights or {}).items()))
-    samples = _generated(pair, split, num_samples, tuple(entries_per_sample), test_fraction, seed, weights)
+    samples = _stream(pair, split, tuple(entries_per_sample), test_fraction, seed, weights).first(num_samples)
     return [dict(sample) for sample in samples]
 
 
+class _Samples:
+    """The samples of one pair and split drawn so far, and the generator that draws the next ones."""
+
+    def __init__(
+        self,
+        pair: str,
+        split: str,
+        entries_per_sample: tuple[int, int],
+        test_fraction: float,
+        seed: int,
+        kind_weights: tuple[tuple[str, float], ...],
+    ) -> None:
+        lang, _, into = pair.partition("-")
+        languages = [*LOCALE_DIRS, "en"]
+        if lang not in languages or into not in languages or lang == into:
+            raise ValueError(
+                f"the offline corpus has pairs between two different languages of {sorted(languages)} "
+                f"(e.g. de-en, en-de, de-fr), not {pair!r}"
+            )
+        if split not in ("train", "test"):
+            raise ValueError(f"offline split must be `train` or `test`, not {split!r}")
+        self.pair, self.split, self.lang, self.into = pair, split, lang, into
+        self.entries_per_sample, self.test_fraction = entries_per_sample, test_fraction
+        self.weights = [dict(kind_weights).get(kind, 1.0) for kind in KINDS]
+        self.rng = random.Random(f"{pair}/{split}/{seed}")
+        self.samples: list[dict[str, str]] = []
+
+    def first(self, count: int) -> list[dict[str, str]]:
+        """The first `count` samples, drawing those not drawn yet (a held-out split keeps about one entry
+        in ten it draws, so drawing only what is read saves most of the time)."""
+        low, high = self.entries_per_sample
+        while len(self.samples) < count:
+            entries = [
+                _pick(self.lang, self.split, self.test_fraction, self.rng, self.weights, self.into)
+                for _ in range(self.rng.randint(low, high))
+            ]
+            self.samples.append(
+                {
+                    "id": f"offline/{self.pair}/{self.split}/{len(self.samples)}",
+                    "source": "\n".join(e.source for e in entries),
+                    "target": "\n".join(e.target for e in entries),
+                }
+            )
+        return self.samples[:count]
+
+
 @functools.lru_cache(maxsize=32)
-def _generated(
+def _stream(
     pair: str,
     split: str,
-    num_samples: int,
     entries_per_sample: tuple[int, int],
     test_fraction: float,
     seed: int,
     kind_weights: tuple[tuple[str, float], ...],
-) -> tuple[dict[str, str], ...]:
-    lang, _, into = pair.partition("-")
-    languages = [*LOCALE_DIRS, "en"]
-    if lang not in languages or into not in languages or lang == into:
-        raise ValueError(
-            f"the offline corpus has pairs between two different languages of {sorted(languages)} "
-            f"(e.g. de-en, en-de, de-fr), not {pair!r}"
-        )
-    if split not in ("train", "test"):
-        raise ValueError(f"offline split must be `train` or `test`, not {split!r}")
-    rng = random.Random(f"{pair}/{split}/{seed}")
-    low, high = entries_per_sample
-    weights = [dict(kind_weights).get(kind, 1.0) for kind in KINDS]
-    samples = []
-    for index in range(num_samples):
-        entries = [
-            _pick(lang, split, test_fraction, rng, weights, into) for _ in range(rng.randint(low, high))
-        ]
-        samples.append(
-            {
-                "id": f"offline/{pair}/{split}/{index}",
-                "source": "\n".join(e.source for e in entries),
-                "target": "\n".join(e.target for e in entries),
-            }
-        )
-    return tuple(samples)
+) -> _Samples:
+    return _Samples(pair, split, entries_per_sample, test_fraction, seed, kind_weights)
 
 
 def offline_texts(langs: list[str], num_documents: int, seed: int = 0) -> list[dict[str, str]]:

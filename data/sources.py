@@ -212,6 +212,7 @@ def read_source(
     if kind == "offline":
         if format == "translation":
             count = offline_samples if split == "train" else max(1, offline_samples // 10)
+            count = count if limit is None else min(count, limit)  # a prefix: the same first rows
             raw: Any = offline_pairs(
                 pair or "",
                 split,
@@ -222,7 +223,8 @@ def read_source(
                 offline_kind_weights,
             )
         elif format == "text":
-            raw = offline_texts(["de", "fr", "ru", "ja", "zh"], offline_samples, seed)
+            count = offline_samples if limit is None else min(offline_samples, limit)
+            raw = offline_texts(["de", "fr", "ru", "ja", "zh"], count, seed)
         else:
             raise SourceError(
                 f"{description}: the offline corpus has `translation` and `text` rows, not {format!r}"

@@ -19,6 +19,24 @@ def test_offline_pairs_are_deterministic_and_split_disjoint():
     assert all(row["source"].count("\n") == row["target"].count("\n") for row in train)
 
 
+def test_a_source_with_a_limit_draws_only_the_samples_it_reads_and_the_same_first_ones():
+    """A held-out split keeps about one entry in ten it draws: reading 12 rows draws 12 samples, not the
+    split's 400, and those are the first 12 of the whole split however they are asked for."""
+    from polydraft.data import offline
+    from polydraft.data.sources import read_source
+
+    args = {"kind": "offline", "format": "translation", "pair": "fr-en", "split": "test", "seed": 5}
+    offline._stream.cache_clear()
+    few = read_source(**args, limit=12).rows
+    (stream,) = [offline._stream(*key) for key in [("fr-en", "test", (2, 4), 0.1, 5, ())]]
+    assert len(stream.samples) == 12
+    every = read_source(**args).rows
+    assert len(stream.samples) == 400 and len(every) == 400
+    assert few == every[:12]
+    offline._stream.cache_clear()  # drawn afresh, all at once: the same rows
+    assert read_source(**args).rows == every
+
+
 def test_vicuna_prompt_matches_chat_template(tiny_tokenizer):
     messages = [
         {"role": "user", "content": task_prefix("fr-en") + "Bonjour"},
