@@ -31,24 +31,25 @@ TARGET = sorted((ROOT / "recipes" / "demo" / "target").glob("*/config.json"))[0]
 WORKER = """
 import json, sys, time, torch
 from transformers import AutoModelForCausalLM, DynamicCache
+from polydraft.models.decoder_layers import cache_kwargs
 torch.manual_seed(0)
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
 steps = int(sys.argv[2])
 ids = torch.randint(5, 2000, (1, 80))
 with torch.inference_mode():
     cache = DynamicCache()
-    model(ids, past_key_values=cache, use_cache=True)
+    model(ids, **cache_kwargs(model, cache), use_cache=True)
     for _ in range(10):
-        model(ids[:, -1:], past_key_values=cache, use_cache=True)
+        model(ids[:, -1:], **cache_kwargs(model, cache), use_cache=True)
     cache.crop(-10)
     clock = time.perf_counter()
     for _ in range(steps):
-        model(ids[:, -1:], past_key_values=cache, use_cache=True)
+        model(ids[:, -1:], **cache_kwargs(model, cache), use_cache=True)
     one = (time.perf_counter() - clock) / steps
     cache.crop(-steps)
     clock = time.perf_counter()
     for _ in range(steps):
-        model(ids[:, :5], past_key_values=cache, use_cache=True)
+        model(ids[:, :5], **cache_kwargs(model, cache), use_cache=True)
         cache.crop(-5)
     five = (time.perf_counter() - clock) / steps
 print(json.dumps({"one": one, "five": five, "threads": torch.get_num_threads()}))

@@ -126,6 +126,11 @@ def _timed(lm: CachedLM, input_ids: Tensor) -> float:
     return lm.seconds - before
 
 
+AR_STEPS = 8
+"""Consecutive `ar` steps a probe of the target's step averages: one step timed right after an untimed one
+still cost 13-18% more than `ar`'s own steps in decoding, on two machines (bench/results/engine_overhead.md)."""
+
+
 def _lm_once(
     lm: CachedLM,
     tokens: Tensor,
@@ -135,15 +140,17 @@ def _lm_once(
     warm: bool = False,
 ) -> Latencies:
     """One timing of each size after the `length` cached positions (cropped back after each). With
-    `warm`, each chain call is timed right after an untimed call of its size, the way `ar` makes its
-    steps: one after the other, never right after another model."""
+    `warm`, each chain size is timed the way `ar` makes its steps, one after the other and never right
+    after another model: an untimed call, then the mean of `AR_STEPS` calls each appending to the cache
+    (the tokens' values do not change a call's time)."""
     chain: dict[int, float] = {}
     tree: dict[int, float] = {}
     for n in chain_sizes:
         if warm:
             lm.forward(tokens[:, :n].to(lm.device), num_logits=n)
-            lm.crop(length)
-        chain[n] = _timed(lm, tokens[:, :n])
+            chain[n] = sum(_timed(lm, tokens[:, :n]) for _ in range(AR_STEPS)) / AR_STEPS
+        else:
+            chain[n] = _timed(lm, tokens[:, :n])
         lm.crop(length)
     for n in tree_sizes:
         rows = torch.ones(n, n, dtype=torch.bool, device=lm.device).tril()

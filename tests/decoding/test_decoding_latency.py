@@ -166,7 +166,8 @@ def test_run_latencies_prefill_each_model_once_then_interleave_every_probe_per_r
     # each model takes the 12-token context once
     assert calls[:4] == [("T", 0, 12), ("D", 0, 12), ("E", "draft_step"), ("E", "verify")]
     one_repeat = [
-        ("T", 12, 1), ("T", 12, 1),  # the ar step, timed right after an untimed one
+        # the ar step: an untimed one, then 8 timed ones, each appending to the cache
+        *[("T", n, 1) for n in range(12, 21)],
         ("D", 12, 1),  # the drafter's step alone
         ("T", 12, 1), ("D", 12, 1), ("T", 12, 2),  # sd's rounds of 0 and 1 drafts
         ("E", "verify"), ("E", "draft_step"), ("E", "verify"),  # eesd's
@@ -242,10 +243,11 @@ def test_a_round_step_costs_its_mean_over_the_rounds_that_take_it(tiny_lm, monke
     assert rounds.draft == pytest.approx([2.0, 5.0], abs=0.01)  # step 0: (1 + 3) / 2; step 1: 5
 
 
-def test_the_ar_step_is_timed_right_after_an_untimed_target_step(monkeypatch):
-    # `ar` makes its steps one after the other: the probe's step follows one of the same model, and
-    # only the second one counts (the context's call, the untimed step, the timed step)
+def test_the_ar_step_is_the_mean_of_consecutive_steps_after_an_untimed_one(monkeypatch):
+    # `ar` makes its steps one after the other: the probe's steps follow one of the same model, which
+    # does not count, and the step is their mean (the context's call, the untimed step, 8 timed steps)
     target = CachedLM(build_llama(64, 32, 3, 4, 64, seed=3))
-    add_to_clock(monkeypatch, target, [0.0, 100.0, 1.0])
+    add_to_clock(monkeypatch, target, [0.0, 100.0, *range(1, 9)])
     run = run_latencies(target, {}, {}, {}, torch.arange(3, 15).view(1, -1), 1, [], repeats=1)
-    assert run.target.chain[1] == pytest.approx(1.0, abs=0.01)
+    assert run.target.chain[1] == pytest.approx(4.5, abs=0.01)
+    assert target.length == 0
