@@ -90,3 +90,49 @@ def test_no_two_modules_share_a_file_name_but_a_stage_s_and_none_is_over_500_lin
         if (n := len((ROOT / path).read_text().splitlines())) > 500
     }
     assert long == {}
+
+
+def module_level_imports(path: Path) -> set[str]:
+    """The top-level names a module imports when it is imported (not inside a function, a class body's
+    method or an `if TYPE_CHECKING:` block), relative imports left out."""
+    import ast
+
+    names: set[str] = set()
+
+    def visit(statements: list[ast.stmt]) -> None:
+        for node in statements:
+            if isinstance(node, ast.Import):
+                names.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+            elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
+                visit(node.body + node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body + node.orelse + node.finalbody)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")).body)
+    return names
+
+
+def test_every_package_imported_at_module_level_is_a_core_dependency():
+    """`make demo` installs the core dependencies and the offline extra only: a package a module imports
+    when it is imported (scipy in the measurement harness) must be a core dependency, or the import moved
+    into the function that needs it. The dev extra's packages are only in the test environment."""
+    import importlib.metadata
+    import re
+
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    declared = {
+        re.split(r"[\[<>=;! ]", spec, maxsplit=1)[0].lower().replace("_", "-")
+        for spec in project["dependencies"]
+    }
+    providers = importlib.metadata.packages_distributions()
+    missing = {}
+    for folder in FOLDERS:
+        for module in (ROOT / folder).rglob("*.py"):
+            for name in module_level_imports(module) - set(sys.stdlib_module_names) - {"polydraft"}:
+                distributions = {d.lower().replace("_", "-") for d in providers.get(name, [name])}
+                if not distributions & declared:
+                    missing.setdefault(name, []).append(module.relative_to(ROOT).as_posix())
+    assert missing == {}
