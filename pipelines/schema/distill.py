@@ -10,7 +10,8 @@ from polydraft.pipelines.schema.common import FieldError, StrictModel, Temperatu
 
 
 class HFGenerateConfig(StrictModel):
-    """Options of the `hf` backend (local transformers `generate`, batched with left padding)."""
+    """Options of the `hf` backend (a local transformers model, batched with left padding:
+    `distill.hf_backend.generate_rows`)."""
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """`auto`: the first CUDA GPU when there is one, else the CPU."""
@@ -89,7 +90,7 @@ class DistillConfig(StrictModel):
 
     enabled: bool = True
     backend: Literal["hf", "vllm", "openai"] = "hf"
-    """`hf`: local transformers generate; `vllm`: the offline vLLM engine (GPU); `openai`: any
+    """`hf`: a local transformers model (`distill.hf_backend`); `vllm`: the offline vLLM engine (GPU); `openai`: any
     OpenAI-compatible server (vllm serve, transformers serve, SGLang)."""
     prompt_format: Literal["vicuna", "chat_template", "raw"] = "vicuna"
     """`vicuna`: the Vicuna v1.1 system prompt and `USER: ... ASSISTANT:` (seed 003 F.2);
@@ -118,7 +119,7 @@ class DistillConfig(StrictModel):
     """Seed of the sampling; each request gets its own seed derived from this, the prompt id, the
     temperature and the sample index."""
     batch_size: int = Field(default=32, ge=1)
-    """Prompts per generate call (hf) and records per flushed batch (every backend)."""
+    """Prompts per batch (hf) and records per flushed batch (every backend)."""
     max_prompt_tokens: int | None = Field(default=None, ge=1)
     """Skip (and count as `long_prompts`) prompts longer than this many target tokens. The hf and
     vllm backends also skip prompts that do not fit the model's context."""
