@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -36,7 +37,7 @@ def _make(name: str):
 
 def fake_stages() -> list[Stage]:
     """The real pipeline's stages (names, inputs, upstream edges) with stand-in functions."""
-    return [Stage(s.name, _make(s.name), s.inputs, s.upstream) for s in default_stages()]
+    return [dataclasses.replace(s, run=_make(s.name)) for s in default_stages()]
 
 
 TOPOLOGY = [s.name for s in fake_stages()]

@@ -40,7 +40,7 @@ EXIT_CRASH = 3
 EXIT_INTERRUPTED = 130
 
 STAGE_NAMES = (
-    "distill", "pretrain", "finetune", "early_exit", "heads", "eagle3", "calibrate", "measure", "export",
+    "distill", "pretrain", "finetune", "heads", "eagle3", "early_exit", "calibrate", "measure", "export",
 )  # fmt: skip
 
 

@@ -23,17 +23,19 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import shutil
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from polydraft.pipelines.run.fingerprint import CodeFingerprint, code_changes, code_fingerprint
 from polydraft.pipelines.run.recipe import dump_recipe
 from polydraft.pipelines.run.rundir import move_aside
-from polydraft.pipelines.runtime.contract import PROJECT_ROOT, Stage, StageContext, StageFailed
+from polydraft.pipelines.run.side_by_side import parallel_stages, run_side_by_side
+from polydraft.pipelines.runtime.contract import PROJECT_ROOT, Stage, StageContext, StageFailed, StageResult
 from polydraft.pipelines.runtime.manifest import (
     MANIFEST,
     ManifestError,
@@ -152,6 +154,22 @@ def stage_key(config: dict[str, Any], upstream_hashes: dict[str, str]) -> str:
     return canonical_hash({"config": canonical_hash(config), "upstream": upstream_hashes})
 
 
+@dataclass
+class _Job:
+    """A stage about to run: what its manifest will record, and its context."""
+
+    stage: Stage
+    inputs: Any
+    config: dict[str, Any]
+    key: str
+    upstream_hashes: dict[str, str]
+    code: CodeFingerprint
+    rerun_for_code: bool
+    ctx: StageContext
+    started: datetime.datetime = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc))
+    clock: float = field(default_factory=time.perf_counter)
+
+
 def run_pipeline(
     recipe: Recipe,
     run_dir: Path,
@@ -168,9 +186,12 @@ def run_pipeline(
     leader: NodeLeader | None = None,
     in_process: bool = False,
 ) -> list[StageOutcome]:
-    """Run the recipe's enabled stages in order, skipping those whose manifest matches (and, unless
-    `rerun_stale`, those made by other code, with a warning). `in_process`: one-process training launches
-    run in this process (`StageContext.in_process`)."""
+    """Run the recipe's enabled stages, skipping those whose manifest matches (and, unless `rerun_stale`,
+    those made by other code, with a warning). A stage starts once its upstream stages are done, in pipeline
+    order; with `runner.parallel_stages` N > 1 up to N run at once, each in a thread of its own with its
+    share of the CPU cores, and when one fails the others still running finish (and are kept) before the
+    failure is raised. `in_process`: one-process training launches run in this process
+    (`StageContext.in_process`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     enabled = [s for s in stages if _enabled(recipe, s.name)]
     selected = _select(enabled, only, start)
@@ -179,8 +200,11 @@ def run_pipeline(
     fresh: dict[str, bool] = {}  # stage name -> its folder is complete and up to date
     outcomes = [StageOutcome(s.name, "disabled", {}) for s in stages if s.name not in enabled_names]
     environment = {"git": git_state(PROJECT_ROOT), "packages": package_versions(), "host": host_info()}
+    parallel = parallel_stages(recipe, leader, in_process)
+    cores = max(1, (os.cpu_count() or 1) // parallel) if parallel > 1 else None
 
-    for stage in enabled:
+    def plan(stage: Stage) -> _Job | None:
+        """The job that runs `stage`, or None when it is skipped (its outcome recorded)."""
         final_dir = run_dir / stage.name
         upstream = [u for u in stage.upstream if u in enabled_names]
         missing = [u for u in upstream if not fresh.get(u)]
@@ -206,14 +230,13 @@ def run_pipeline(
             elif up_to_date or stage.name not in selected:
                 log.info("%-10s %s", stage.name, status)
             outcomes.append(StageOutcome(stage.name, status, (manifest or {}).get("metrics", {})))
-            continue
+            return None
         if missing:
             raise StageFailed(
                 f"{stage.name} needs {', '.join(missing)}, which "
                 f"{'is' if len(missing) == 1 else 'are'} not complete and up to date; "
                 "run without --only/--from (or include them) first"
             )
-
         work_dir = run_dir / f"{stage.name}.partial"
         _prepare_work_dir(work_dir, key, force)
         tracking = recipe.tracking
@@ -239,48 +262,30 @@ def run_pipeline(
             verbose=verbose,
             leader=leader,
             in_process=in_process,
+            cpu_cores=cores,
         )
-        started = datetime.datetime.now(datetime.timezone.utc)
-        clock = time.perf_counter()
         log.info("%-10s running (work dir %s)", stage.name, work_dir)
-        try:
-            result = stage.run(inputs, ctx)
-        except BaseException as err:
-            tracker.finish(failed=True)
-            stage_log = work_dir / f"{stage.name}.log"
-            with open(stage_log, "a", encoding="utf-8") as handle:
-                handle.write(f"\n--- {stage.name} failed ---\n{traceback.format_exc()}")
-            write_json_atomic(
-                work_dir / "failure.json",
-                {
-                    "stage": stage.name,
-                    "status": "failed",
-                    "error": f"{type(err).__name__}: {err}",
-                    "traceback": traceback.format_exc(),
-                    "started_at": started.isoformat(),
-                    "failed_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                },
-            )
-            if isinstance(err, StageFailed) and str(stage_log) not in str(err):
-                raise StageFailed(f"{err}\n  details: {stage_log}") from err
-            raise
-        tracker.finish()
-        duration = time.perf_counter() - clock
+        return _Job(stage, inputs, config, key, upstream_hashes, code, rerun_for_code, ctx)
+
+    def complete(job: _Job, result: StageResult) -> None:
+        """The manifest of a job that returned, and its folder moved into place."""
+        name, work_dir = job.stage.name, job.ctx.work_dir
+        duration = time.perf_counter() - job.clock
         write_json_atomic(
             work_dir / MANIFEST,
             {
-                "stage": stage.name,
+                "stage": name,
                 "status": "completed",
-                "key": key,
-                "config_hash": canonical_hash(config),
-                "config": config,
-                "upstream": upstream_hashes,
+                "key": job.key,
+                "config_hash": canonical_hash(job.config),
+                "config": job.config,
+                "upstream": job.upstream_hashes,
                 "command": command,
-                "started_at": started.isoformat(),
+                "started_at": job.started.isoformat(),
                 "finished_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                 "duration_s": round(duration, 3),
                 "metrics": result.metrics,
-                "code": code.record(),
+                "code": job.code.record(),
                 **environment,
             },
         )
@@ -288,11 +293,19 @@ def run_pipeline(
         failure = work_dir / "failure.json"
         if failure.exists():
             failure.unlink()
-        why = "was made by other code" if rerun_for_code else "was made with another config"
-        _swap_into_place(work_dir, final_dir, delete_old=force, why=why)
-        fresh[stage.name] = True
-        log.info("%-10s done in %.1f s", stage.name, duration)
-        outcomes.append(StageOutcome(stage.name, "ran", result.metrics, duration))
+        why = "was made by other code" if job.rerun_for_code else "was made with another config"
+        _swap_into_place(work_dir, run_dir / name, delete_old=force, why=why)
+        fresh[name] = True
+        log.info("%-10s done in %.1f s", name, duration)
+        outcomes.append(StageOutcome(name, "ran", result.metrics, duration))
+
+    if parallel == 1:
+        for stage in enabled:
+            job = plan(stage)
+            if job is not None:
+                complete(job, _execute(job))
+    else:
+        run_side_by_side(enabled, enabled_names, parallel, plan, _execute, complete)
 
     order = {s.name: i for i, s in enumerate(stages)}
     outcomes.sort(key=lambda o: order[o.name])
@@ -308,6 +321,34 @@ def run_pipeline(
         },
     )
     return outcomes
+
+
+def _execute(job: _Job) -> StageResult:
+    """Run the job's stage; on failure, its traceback in the stage's log and `failure.json`, then raise."""
+    stage, ctx = job.stage, job.ctx
+    try:
+        result = stage.run(job.inputs, ctx)
+    except BaseException as err:
+        ctx.tracker.finish(failed=True)
+        stage_log = ctx.work_dir / f"{stage.name}.log"
+        with open(stage_log, "a", encoding="utf-8") as handle:
+            handle.write(f"\n--- {stage.name} failed ---\n{traceback.format_exc()}")
+        write_json_atomic(
+            ctx.work_dir / "failure.json",
+            {
+                "stage": stage.name,
+                "status": "failed",
+                "error": f"{type(err).__name__}: {err}",
+                "traceback": traceback.format_exc(),
+                "started_at": job.started.isoformat(),
+                "failed_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            },
+        )
+        if isinstance(err, StageFailed) and str(stage_log) not in str(err):
+            raise StageFailed(f"{err}\n  details: {stage_log}") from err
+        raise
+    ctx.tracker.finish()
+    return result
 
 
 def _complete_key(stage_dir: Path) -> str | None:

@@ -61,6 +61,10 @@ class StageContext:
     in_process: bool = False
     """Run a one-process training launch inside this process (`pipelines.runtime.launch.run_in_process`)
     instead of starting `accelerate launch` (`polydraft run --in-process`, `polydraft study --quick`)."""
+    cpu_cores: int | None = None
+    """CPU cores this stage's training processes share (`--num_cpu_threads_per_process` is this divided by
+    the processes of a node); None: the machine's. Fewer while stages run side by side
+    (`runner.parallel_stages`)."""
 
     def progress(self, total: int, verb: str, unit: str, initial: int = 0) -> ProgressLine:
         """A line of progress every 5% of `total` units, with the rate and the time left (none with
@@ -84,6 +88,10 @@ class Stage:
     """Builds the stage's frozen inputs object from the recipe; its content is the stage's key."""
     upstream: tuple[str, ...] = ()
     """Stages whose outputs it consumes, when they are enabled."""
+    side_by_side: bool = False
+    """May run beside other such stages (`runner.parallel_stages`): the training stages, whose launches take
+    the share of the cores they are given. The others (distill's engines, measure's processes, export's
+    checks) spread their work over the whole machine themselves and run alone."""
 
 
 # ----------------------------------------------------------------------------- training subprocesses

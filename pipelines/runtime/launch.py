@@ -82,11 +82,13 @@ def accelerate_command(
     module: str,
     args: list[str],
     machines: Machines | None = None,
+    cores: int | None = None,
 ) -> list[str]:
     """`accelerate launch` of `module`: `num_processes` over all nodes (None: the config's); on several
     nodes, this node's rank among them and node 0's address (else the config's). Each process gets its
-    share of this node's cores (`--num_cpu_threads_per_process`; accelerate would set OMP_NUM_THREADS=1,
-    which on a CPU machine left every training step on one core), unless OMP_NUM_THREADS is set."""
+    share of `cores` (None: this node's; `--num_cpu_threads_per_process`: accelerate would set
+    OMP_NUM_THREADS=1, which on a CPU machine left every training step on one core), unless
+    OMP_NUM_THREADS is set."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file)]
     if num_processes is not None:
         command += ["--num_processes", str(num_processes)]
@@ -101,7 +103,7 @@ def accelerate_command(
         per_node = (
             num_processes // nodes if num_processes is not None else processes_per_node(config_file, None)
         )
-        threads = max(1, (os.cpu_count() or 1) // max(1, per_node))
+        threads = max(1, (cores or os.cpu_count() or 1) // max(1, per_node))
         command += ["--num_cpu_threads_per_process", str(threads)]
     return [*command, "-m", module, *args]
 
@@ -165,7 +167,7 @@ def launch_training(
         total = launch.num_processes
         if machines is not None:  # accelerate counts processes over all nodes: each node starts its share
             total = processes_per_node(config_file, launch.num_processes) * machines.nodes
-        command = accelerate_command(config_file, total, module, [str(spec_path)], machines)
+        command = accelerate_command(config_file, total, module, [str(spec_path)], machines, ctx.cpu_cores)
         if ctx.leader is not None:  # the other nodes start the same launch with their machine rank
             ctx.leader.announce(
                 {"kind": "launch", "stage": ctx.name, "module": module,

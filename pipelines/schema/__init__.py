@@ -10,6 +10,7 @@ from polydraft.pipelines.schema.common import (
     FieldError,
     LaunchConfig,
     ResolvedTarget,
+    RunnerConfig,
     SourceConfig,
     StrictModel,
     TargetConfig,
@@ -48,6 +49,7 @@ class Recipe(StrictModel):
     export: ExportConfig = Field(default_factory=ExportConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    runner: RunnerConfig = Field(default_factory=RunnerConfig)
 
     @model_validator(mode="after")
     def _resolve(self) -> Recipe:
@@ -181,6 +183,7 @@ __all__ = [
     "PretrainConfig",
     "Recipe",
     "ResolvedTarget",
+    "RunnerConfig",
     "SourceConfig",
     "StrictModel",
     "TargetConfig",

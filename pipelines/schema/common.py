@@ -297,6 +297,18 @@ class LaunchConfig(StrictModel):
     """Extra environment variables for the training processes."""
 
 
+class RunnerConfig(StrictModel):
+    """How the runner schedules the stages (it changes no stage's output, so no stage's key)."""
+
+    parallel_stages: int = Field(default=1, ge=1)
+    """Training stages that do not depend on each other run side by side, up to this many at once (on the
+    demo's DAG: eagle3 beside pretrain -> finetune -> early_exit -> calibrate), the machine's CPU cores
+    shared among them (`--num_cpu_threads_per_process`). For small models on a few CPU cores: one-thread
+    processes side by side get more done than one on every core (bench/results/parallel_stages.md). 1: one
+    stage at a time, as on a GPU node, where each training launch takes every GPU. Stages run one at a
+    time whatever this says with `--in-process` or on several nodes."""
+
+
 class TrackingConfig(StrictModel):
     """Weights & Biases tracking: one run per stage, grouped per pipeline run."""
 

@@ -22,7 +22,12 @@ from polydraft.pipelines.schema.inputs import (
 
 
 def default_stages() -> list[Stage]:
-    """distill -> pretrain -> finetune -> early_exit -> heads -> eagle3 -> calibrate -> measure -> export."""
+    """distill -> pretrain -> finetune -> heads -> eagle3 -> early_exit -> calibrate -> measure -> export.
+
+    Any order in which every stage follows its upstream ones would do; in this one the stages that read the
+    whole target (heads, eagle3) come before early_exit, so that with `runner.parallel_stages` 2 the longest
+    of them starts beside pretrain, and the chain pretrain -> finetune -> early_exit -> calibrate runs beside
+    it (bench/results/parallel_stages.md)."""
     from polydraft.pipelines.stages import (
         calibrate,
         distill,
@@ -37,16 +42,19 @@ def default_stages() -> list[Stage]:
 
     return [
         Stage("distill", distill.run, DistillInputs.of),
-        Stage("pretrain", pretrain.run, PretrainInputs.of),
-        Stage("finetune", finetune.run, FinetuneInputs.of, upstream=("distill", "pretrain")),
-        Stage("early_exit", early_exit.run, EarlyExitInputs.of, upstream=("distill",)),
-        Stage("heads", heads.run, HeadsInputs.of, upstream=("distill",)),
-        Stage("eagle3", eagle3.run, Eagle3Inputs.of, upstream=("distill",)),
+        Stage("pretrain", pretrain.run, PretrainInputs.of, side_by_side=True),
+        Stage(
+            "finetune", finetune.run, FinetuneInputs.of, upstream=("distill", "pretrain"), side_by_side=True
+        ),
+        Stage("heads", heads.run, HeadsInputs.of, upstream=("distill",), side_by_side=True),
+        Stage("eagle3", eagle3.run, Eagle3Inputs.of, upstream=("distill",), side_by_side=True),
+        Stage("early_exit", early_exit.run, EarlyExitInputs.of, upstream=("distill",), side_by_side=True),
         Stage(
             "calibrate",
             calibrate.run,
             CalibrateInputs.of,
             upstream=("distill", "early_exit", "finetune"),
+            side_by_side=True,
         ),
         Stage(
             "measure",

@@ -106,7 +106,7 @@ def test_config_change_reruns_that_stage_and_downstream_only(setup):
 
 
 DOWNSTREAM = {
-    "distill": ["distill", "finetune", "early_exit", "heads", "eagle3", "calibrate", "measure", "export"],
+    "distill": ["distill", "finetune", "heads", "eagle3", "early_exit", "calibrate", "measure", "export"],
     "pretrain": ["pretrain", "finetune", "calibrate", "measure", "export"],
     "finetune": ["finetune", "calibrate", "measure", "export"],
     "early_exit": ["early_exit", "calibrate", "measure", "export"],
@@ -134,11 +134,12 @@ RERUNS = [
     ("export.license=mit", DOWNSTREAM["export"]),
     (
         "launch.num_processes=2",
-        ["pretrain", "finetune", "early_exit", "heads", "eagle3", "calibrate", "measure", "export"],
+        ["pretrain", "finetune", "heads", "eagle3", "early_exit", "calibrate", "measure", "export"],
     ),
     # values a stage does not read leave it alone (calibrate runs as one process whatever launch says)
     ("tracking.project=elsewhere", []),
     ("tracking.model_artifacts=true", []),
+    ("runner.parallel_stages=2", []),  # when stages run, not what they compute
     ("data.open=[{kind: offline, format: translation, pair: de-en}]", []),  # open_fraction is 0
     ("data.offline.samples_per_pair=10", []),  # no source reads the offline corpus
 ]
@@ -212,9 +213,9 @@ def test_failed_stage_leaves_no_complete_folder_and_rerun_resumes(setup, monkeyp
     run(recipe_path, run_dir)
     assert ran(log) == [
         "finetune",
-        "early_exit",
         "heads",
         "eagle3",
+        "early_exit",
         "calibrate",
         "measure",
         "export",
@@ -246,7 +247,7 @@ def test_killed_stage_leaves_no_manifest_and_rerun_resumes_from_partial(setup):
     assert (run_dir / "distill" / "manifest.json").exists()  # completed before the kill, kept
     ran(log)
     outcomes = run(recipe_path, run_dir)
-    assert ran(log) == ["early_exit", "heads", "eagle3", "calibrate", "measure", "export"]
+    assert ran(log) == ["early_exit", "calibrate", "measure", "export"]
     assert [o.metrics["resumed"] for o in outcomes if o.name == "early_exit"] == [True]
 
 
@@ -330,13 +331,13 @@ def test_reuse_takes_each_stage_from_the_donor_that_has_its_key(setup):
     first, second = run_dir.with_name("first"), run_dir.with_name("second")
     run(recipe_path, first)
     assert reuse(recipe_path, second, [first], "finetune.kd_weight=0.5", "measure.num_prompts=7") == [
-        "distill", "pretrain", "early_exit", "heads", "eagle3"
+        "distill", "pretrain", "heads", "eagle3", "early_exit"
     ]  # fmt: skip
     run(recipe_path, second, "finetune.kd_weight=0.5", "measure.num_prompts=7")
     ran(log)
     # finetune as in `second`, measure as in neither: everything but measure and export is copied
     copied = reuse(recipe_path, run_dir, [first, second], "finetune.kd_weight=0.5")
-    assert copied == ["distill", "pretrain", "finetune", "early_exit", "heads", "eagle3", "calibrate"]
+    assert copied == ["distill", "pretrain", "finetune", "heads", "eagle3", "early_exit", "calibrate"]
     run(recipe_path, run_dir, "finetune.kd_weight=0.5")
     assert ran(log) == ["measure", "export"]
 
@@ -347,8 +348,8 @@ def test_reuse_needs_the_very_upstream_folders_a_donor_stage_was_made_from(setup
     run(recipe_path, first)
     run(recipe_path, second, "finetune.kd_weight=0.5")  # its own distill: same key, another manifest
     # distill comes from `first`, so `second`'s finetune (keyed on its own distill manifest) does not match
-    assert reuse(recipe_path, run_dir, [first, second], "finetune.kd_weight=0.5")[:3] == [
-        "distill", "pretrain", "early_exit"
+    assert reuse(recipe_path, run_dir, [first, second], "finetune.kd_weight=0.5")[:5] == [
+        "distill", "pretrain", "heads", "eagle3", "early_exit"
     ]  # fmt: skip
     assert not (run_dir / "finetune").exists()
 
