@@ -1,6 +1,6 @@
 """The demo's headline table from several fresh clones: each run's measure outputs kept, the table their median.
 
-    python -m bench.demo_runs [--runs 3] [--start 1] [--out bench/results/demo_runs] [--tables-only]
+    python -m bench.demo_runs [--runs 3] [--start 1] [--out bench/results/demo_runs] [--tables-only] [key=value ...]
 
 Each run clones the committed HEAD of this repository into a temporary folder and runs the demo recipe
 there (`polydraft run recipes/demo/demo.yaml`, every stage from scratch; the bootstrap target is the
@@ -38,7 +38,8 @@ PACKAGES = ("pipelines", "data", "distill", "train", "models", "decoding")
 
 
 def stage_table(records: list[dict]) -> str:
-    """Seconds of each stage that ran, per run, and their sum."""
+    """Seconds of each stage that ran, per run, their sum, and (stages side by side) the wall clock from the
+    first stage's start to the last one's end."""
     names = [n for n in records[0]["stages"] if any(r["stages"].get(n) for r in records)]
     lines = [
         "| stage | " + " | ".join(f"run {i} s" for i in range(1, len(records) + 1)) + " |",
@@ -47,10 +48,22 @@ def stage_table(records: list[dict]) -> str:
     for name in names:
         lines.append(f"| {name} | " + " | ".join(f"{r['stages'].get(name, 0):.0f}" for r in records) + " |")
     totals = " | ".join(f"**{sum(r['stages'].values()):.0f}**" for r in records)
-    return "\n".join([*lines, f"| **all stages** | {totals} |"])
+    lines.append(f"| **all stages, summed** | {totals} |")
+    if all("span_s" in r for r in records):
+        spans = " | ".join(f"**{r['span_s']:.0f}**" for r in records)
+        lines.append(f"| **all stages, wall clock** (first start to last end) | {spans} |")
+    return "\n".join(lines)
 
 
-def clone_and_run(index: int, recipe: str, out: Path) -> dict:
+def stage_span(run_dir: Path, names: list[str]) -> float:
+    """Seconds from the first of these stages' start to the last one's end (their manifests' times)."""
+    manifests = [json.loads((run_dir / name / "manifest.json").read_text()) for name in names]
+    started = min(datetime.datetime.fromisoformat(m["started_at"]) for m in manifests)
+    finished = max(datetime.datetime.fromisoformat(m["finished_at"]) for m in manifests)
+    return (finished - started).total_seconds()
+
+
+def clone_and_run(index: int, recipe: str, out: Path, overrides: list[str]) -> dict:
     """One fresh clone of HEAD, the whole demo in it; returns what the run recorded."""
     work = Path(tempfile.mkdtemp(prefix=f"polydraft-demo-run{index}-"))
     clone = work / "clone"
@@ -72,6 +85,7 @@ def clone_and_run(index: int, recipe: str, out: Path) -> dict:
         "--run-dir",
         str(run_dir),
         "--quiet",
+        *overrides,
     ]
     started = time.perf_counter()
     subprocess.run(command, cwd=clone, env={**os.environ, "PYTHONPATH": f"{shim.parent}:{clone}"}, check=True)
@@ -86,8 +100,10 @@ def clone_and_run(index: int, recipe: str, out: Path) -> dict:
     stages = json.loads((run_dir / "run.json").read_text())["stages"]
     record = {
         "commit": commit,
+        "overrides": overrides,
         "wall_s": round(wall, 1),
         "stages": {s["name"]: s["duration_s"] for s in stages},
+        "span_s": round(stage_span(run_dir, [s["name"] for s in stages if s["status"] == "ran"]), 1),
     }
     (target / "run.json").write_text(json.dumps(record, indent=2) + "\n")
     shutil.rmtree(work, ignore_errors=True)
@@ -224,6 +240,12 @@ def main() -> int:
     )
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--recipe", default="recipes/demo/demo.yaml")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        help="recipe overrides of every run, e.g. export.vllm_check=off for the export `make demo` runs "
+        "(its environment has no vLLM, so the export skips vLLM's checks)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/demo_runs"))
     parser.add_argument(
         "--tables-only",
@@ -240,11 +262,13 @@ def main() -> int:
     out = ROOT / args.out
     first = args.runs + 1 if args.tables_only else args.start
     records = [json.loads((out / f"run-{i}" / "run.json").read_text()) for i in range(1, first)]
-    records += [clone_and_run(i, args.recipe, out) for i in range(first, args.runs + 1)]
+    records += [clone_and_run(i, args.recipe, out, args.overrides) for i in range(first, args.runs + 1)]
     runs = [per_run_means(out / f"run-{i}" / "results.jsonl") for i in range(1, args.runs + 1)]
     folders = [out / f"run-{i}" for i in range(1, args.runs + 1)]
     recipe = load_recipe(ROOT / args.recipe)
-    stage_seconds = ", ".join(f"{sum(r['stages'].values()):.0f}" for r in records)
+    stage_seconds = ", ".join(f"{r.get('span_s', sum(r['stages'].values())):.0f}" for r in records)
+    overrides = sorted({o for r in records for o in r.get("overrides", [])})
+    given = f" {' '.join(overrides)}" if overrides else ""
     commits = ", ".join(dict.fromkeys(r["commit"][:7] for r in records))
     walls = ", ".join(f"{r['wall_s']:.0f}" for r in records)
     text = "\n".join(
@@ -252,8 +276,8 @@ def main() -> int:
             f"## {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}Z - `python -m bench.demo_runs "
             f"--runs {args.runs}` ({platform.machine()}, {os.cpu_count()} cores)",
             "",
-            f"{args.runs} fresh clone{'s' if args.runs > 1 else ''} of {commits}, each running `polydraft run {args.recipe}` "
-            f"from scratch: {stage_seconds} s of stages "
+            f"{args.runs} fresh clone{'s' if args.runs > 1 else ''} of {commits}, each running `polydraft run {args.recipe}{given}` "
+            f"from scratch: {stage_seconds} s of stages (wall clock from the first stage's start to the last one's end) "
             f"({walls} s wall clock). Each cell: the median over the "
             "runs of each run's mean over its repetitions (min-max over the runs), T=0; `predicted`: the latency "
             "model's prediction from the forward latencies the run measured, and the median error of the "
