@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from polydraft.decoding.sampling import Sampling, gumbel_topk, probabilities
-from polydraft.decoding.tree import Rescore, Tree, extend_ancestors
+from polydraft.decoding.tree import Rescore, Tree, ancestor_mask
 
 
 def head_log_probs(logits: Tensor, sampling: Sampling) -> Tensor:
@@ -120,7 +120,6 @@ def candidate_tree(
     """
     device = head_logp.device
     paths = shape.within(depth)
-    ancestors = torch.zeros(len(paths), len(paths), dtype=torch.bool, device=device)
     node_of: dict[tuple[int, ...], int] = {}
     tokens: list[int] = []
     parents: list[int] = []
@@ -135,7 +134,6 @@ def candidate_tree(
         rows = head_logp[level - 1].expand(len(parent_ids), -1)
         drawn, valid = gumbel_topk(rows, min(width, rows.shape[-1]), noise)
         drawn, valid = drawn.tolist(), valid.tolist()
-        start = len(tokens)
         for path in level_paths:
             parent = node_of[path[:-1]] if level > 1 else -1
             row, rank = parent_ids.index(parent), path[-1]
@@ -144,9 +142,7 @@ def candidate_tree(
                 tokens.append(drawn[row][rank])
                 parents.append(parent)
                 depths.append(level)
-        extend_ancestors(ancestors, start, torch.tensor(parents[start:], dtype=torch.long, device=device))
-    size = len(tokens)
-    tree = Tree(tokens, parents, depths, fed=0, ancestors=ancestors[:size, :size])
+    tree = Tree(tokens, parents, depths, fed=0, ancestors=ancestor_mask(parents, range(len(tokens)), device))
     if sampling.greedy:
         return tree, None
     rows = torch.tensor([0, *depths], device=device).clamp(max=head_logp.shape[0] - 1)

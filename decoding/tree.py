@@ -23,7 +23,7 @@ commit it with the target's next token.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -64,15 +64,16 @@ class Tree:
         return result
 
 
-def extend_ancestors(ancestors: Tensor, start: int, parents: Tensor) -> None:
-    """Fill rows start..start+len(parents) of the [N, N] ancestor-or-self matrix (seed 002 Alg. 5).
+def ancestor_mask(parents: list[int], rows: Iterable[int], device: torch.device) -> Tensor:
+    """[len(rows), N] bool over the N nodes of `parents` (each node's parent comes before it, -1: the root):
+    row r marks node rows[r] and its ancestors (seed 002 Alg. 5: a node's row is its parent's plus itself).
 
-    A node's row is its parent's row plus itself; children of the root (-1) start from an empty row.
-    """
-    count = parents.numel()
-    has_parent = parents >= 0
-    ancestors[start : start + count] = ancestors[parents.clamp(min=0)] & has_parent.view(-1, 1)
-    ancestors[start : start + count, start : start + count].fill_diagonal_(True)
+    Built in Python, once per call: a tree is a few nodes, and a tensor op per node would cost more."""
+    lineage: list[set[int]] = []
+    for node, parent in enumerate(parents):
+        lineage.append((lineage[parent] if parent >= 0 else set()) | {node})
+    marks = [[j in lineage[i] for j in range(len(parents))] for i in rows]
+    return torch.tensor(marks, dtype=torch.bool, device=device).reshape(len(marks), len(parents))
 
 
 def tree_attention(num_cached: int, num_pending: int, tree_rows: Tensor, dtype: torch.dtype) -> Tensor:
@@ -215,46 +216,52 @@ def draft_tree(
     log_p, probs = _log_dist(logits, sampling, 0, rescore)
     dists = [probs] if probs is not None else []
     committed = drafter.length
-    ancestors = torch.zeros(shape.max_nodes, shape.max_nodes, dtype=torch.bool, device=device)
-    frontier = torch.full((1,), -1, dtype=torch.long, device=device)  # node ids of the current level
-    sum_log_p = torch.zeros(1, device=device)
-    gamma = torch.zeros(1, device=device)
-    tokens, parents = [], []
-    size = 0
+    # the tree's structure in Python lists: a level is a few nodes, and a tensor op per edit would cost
+    # more than the lists
+    tokens: list[int] = []
+    parents: list[int] = []
+    depths: list[int] = []
+    frontier = [-1]  # node ids of the current level
+    sum_log_p = gamma = torch.zeros(1, device=device)
     for level in range(depth):
         if shape.method == "rsd_c":
             b = shape.branching[level]
             drawn, valid = gumbel_topk(log_p, min(b, log_p.shape[-1]), noise)
-            chosen_parent = frontier.repeat_interleave(drawn.shape[1])[valid.view(-1)]
-            chosen = drawn.view(-1)[valid.view(-1)]
+            chosen = [
+                (parent, token)
+                for parent, row, kept in zip(frontier, drawn.tolist(), valid.tolist(), strict=True)
+                for token, ok in zip(row, kept, strict=True)
+                if ok
+            ]
         else:
-            rows, chosen, sum_log_p, gamma = stochastic_beam_step(
+            rows, drawn, sum_log_p, gamma = stochastic_beam_step(
                 log_p, sum_log_p, gamma, shape.beam_width, noise
             )
-            chosen_parent = frontier[rows]
-        count = chosen.numel()
-        extend_ancestors(ancestors, size, chosen_parent)
-        tokens.append(chosen)
-        parents.append(chosen_parent)
-        frontier = torch.arange(size, size + count, device=device)
-        size += count
+            chosen = [
+                (frontier[row], token) for row, token in zip(rows.tolist(), drawn.tolist(), strict=True)
+            ]
+        size = len(tokens)
+        for parent, token in chosen:
+            tokens.append(token)
+            parents.append(parent)
+            depths.append(level + 1)
+        frontier = list(range(size, len(tokens)))
         if level == depth - 1:
             break
         # the new level sees the committed positions and its ancestors among the nodes so far
-        mask = tree_attention(committed, 0, ancestors[size - count : size, :size], drafter.dtype)
-        positions = torch.full((1, count), committed + level, dtype=torch.long, device=device)
-        logits, _ = drafter.forward(chosen.view(1, -1), count, positions, mask)
+        mask = tree_attention(committed, 0, ancestor_mask(parents, frontier, device), drafter.dtype)
+        positions = torch.full((1, len(frontier)), committed + level, dtype=torch.long, device=device)
+        level_tokens = torch.tensor(tokens[size:], dtype=torch.long, device=device).view(1, -1)
+        logits, _ = drafter.forward(level_tokens, len(frontier), positions, mask)
         log_p, probs = _log_dist(logits, sampling, level + 1, rescore)
         if probs is not None:
             dists.append(probs)
-    flat = torch.cat([torch.cat(tokens), torch.cat(parents)]).tolist()
-    levels = [t.numel() for t in tokens]
     tree = Tree(
-        tokens=flat[:size],
-        parents=flat[size:],
-        depths=[d + 1 for d, n in enumerate(levels) for _ in range(n)],
-        fed=size - levels[-1],
-        ancestors=ancestors[:size, :size],
+        tokens=tokens,
+        parents=parents,
+        depths=depths,
+        fed=len(tokens) - len(frontier),
+        ancestors=ancestor_mask(parents, range(len(tokens)), device),
     )
     return tree, (torch.cat(dists) if dists else None)
 

@@ -12,8 +12,7 @@ modules.
 Not here, because they are not wrong: a drafter cache not cropped or drafter position ids off by one
 change the drafter's distribution p, and the drafts are still verified against that same p, so the
 output stays the target's (only speed suffers); a sibling order or count that depends on the beam's
-values rather than its tokens (seed 002 Thm 3.2). Dropping `& has_parent` from `extend_ancestors` looks
-wrong but is inert (the rows it copies are still empty). A residual that is not renormalised is harmless
+values rather than its tokens (seed 002 Thm 3.2). A residual that is not renormalised is harmless
 where it is only sampled from (`torch.multinomial` normalises) and wrong where recursive rejection
 compares against it. Likewise for the blockwise decoders: heads that read the hidden state of the
 wrong position, or a rescoring drafter whose cache keeps the wrong nodes, draft from other rows, and the
@@ -163,8 +162,8 @@ VARIANTS: dict[str, tuple[object, str, str, str, list[str]]] = {
         ["grid:rsd_s:T1-topk2"],
     ),
     "wrong tree-mask row (a child copies the row of the node before its parent)": (
-        polydraft.decoding.tree, "extend_ancestors", "ancestors[parents.clamp(min=0)]",
-        "ancestors[(parents - 1).clamp(min=0)]", ["greedy:rsd", "grid:rsd_s:T1-topp0.8"],
+        polydraft.decoding.tree, "ancestor_mask", "lineage[parent] if parent >= 0",
+        "lineage[parent - 1] if parent >= 1", ["greedy:rsd", "grid:rsd_s:T1-topp0.8"],
     ),
     "wrong tree position ids (depth + n)": (
         polydraft.decoding.tree, "tree_inputs", "depths + (length - 1)", "depths + length", ["greedy:rsd", "grid:rsd_c:T0.7-topk2"],
@@ -215,8 +214,8 @@ VARIANTS: dict[str, tuple[object, str, str, str, list[str]]] = {
         ["exact:medusa:T0.7-topk2", "grid:medusa:T1-topk2"],
     ),
     "wrong tree mask for the medusa tree (a node does not see its ancestors)": (
-        polydraft.decoding.lattice, "candidate_tree", "torch.tensor(parents[start:], dtype=torch.long, device=device)",
-        "torch.full((len(parents) - start,), -1, dtype=torch.long, device=device)",
+        polydraft.decoding.lattice, "candidate_tree", "ancestor_mask(parents, range(len(tokens)), device)",
+        "ancestor_mask([-1] * len(parents), range(len(tokens)), device)",
         ["greedy-table:medusa", "exact:medusa:T1-topp0.8"],
     ),
     "rescored lattice rows not renormalised over the top k": (

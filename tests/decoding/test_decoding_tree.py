@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from polydraft.decoding.lm import additive_mask
-from polydraft.decoding.tree import Tree, TreeShape, extend_ancestors, target_order, tree_attention
+from polydraft.decoding.tree import Tree, TreeShape, ancestor_mask, target_order, tree_attention
 
 
 def random_tree(rng: random.Random, levels: int) -> Tree:
@@ -38,17 +38,18 @@ def brute_force_ancestors(parents: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_ancestor_matrix_built_level_by_level_matches_brute_force(seed):
+def test_ancestor_mask_matches_brute_force_for_every_node_and_for_a_level(seed):
     tree = random_tree(random.Random(seed), levels=1 + seed % 5)
     size = len(tree)
-    ancestors = torch.zeros(size + 3, size + 3, dtype=torch.bool)  # preallocated larger, as draft_tree does
-    start = 0
-    for depth in sorted(set(tree.depths)):
-        level = [i for i in range(size) if tree.depths[i] == depth]
-        extend_ancestors(ancestors, start, torch.tensor([tree.parents[i] for i in level]))
-        start += len(level)
-    assert torch.equal(ancestors[:size, :size], brute_force_ancestors(tree.parents))
-    assert not ancestors[size:].any() and not ancestors[:, size:].any()
+    expected = brute_force_ancestors(tree.parents)
+    assert torch.equal(ancestor_mask(tree.parents, range(size), torch.device("cpu")), expected)
+    last = [i for i in range(size) if tree.depths[i] == max(tree.depths)]
+    assert torch.equal(ancestor_mask(tree.parents, last, torch.device("cpu")), expected[last])
+
+
+def test_ancestor_mask_of_no_rows_or_no_nodes_has_the_shape_it_names():
+    assert ancestor_mask([-1, 0], [], torch.device("cpu")).shape == (0, 2)
+    assert ancestor_mask([], [], torch.device("cpu")).shape == (0, 0)
 
 
 @pytest.mark.parametrize(("cached", "pending"), [(0, 1), (0, 5), (4, 1), (7, 3), (5, 0)])
