@@ -208,12 +208,10 @@ class HeadsTree:
         )  # fmt: skip
 
     def keep(self, n: int, tree: Tree | None, path: list[int], hidden: Tensor) -> None:
-        if tree is None:  # a plain target step: the heads read its newest token's state
-            self.head_logp = self.heads.log_probs(hidden[-1], self.sampling)
-            return
-        if self.rescoring is not None:
+        if tree is not None and self.rescoring is not None:
             self.rescoring.drafter.keep(n, [node for node in path if node < tree.fed])
-        self.head_logp = self.heads.log_probs(hidden[path[-1] + 1 if path else 0], self.sampling)
+        # the heads read the state after the newest accepted token (after a plain step: its token's)
+        self.head_logp = self.heads.log_probs(hidden, self.sampling)
 
 
 @torch.inference_mode()

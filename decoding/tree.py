@@ -298,9 +298,14 @@ def verify_tree(
         path.append(node)
 
 
-def verify_rows(tree: Tree, logits: Tensor, sampling: Sampling) -> Tensor:
-    """What `verify_tree` reads from the target's logits [1 + N, V]."""
-    return logits.argmax(-1) if sampling.greedy else probabilities(logits, sampling)
+def verify_rows(logits: Tensor, rows: list[int], sampling: Sampling) -> Tensor:
+    """What `verify_tree` reads from the target's logits [1 + N, V], in node order: row 0 at the root, row
+    i + 1 at node i, taken from the logits' row rows[i + 1]. Greedy decoding reorders the argmax, not the
+    logits: a [1 + N] vector against 1 + N rows of the vocabulary."""
+    out = logits.argmax(-1) if sampling.greedy else probabilities(logits, sampling)
+    if rows == list(range(len(rows))):
+        return out
+    return out.index_select(0, torch.tensor(rows, device=out.device))
 
 
 class TreeProposer(Protocol):
@@ -321,8 +326,8 @@ class TreeProposer(Protocol):
 
     def keep(self, n: int, tree: Tree | None, path: list[int], hidden: Tensor) -> None:
         """After the target's call at length `n` (on `tree`, None for a plain step) accepted the nodes
-        `path`: drop the rest from the proposer's caches; `hidden` holds the call's final hidden states,
-        row 0 at the root and row i + 1 at node i (the newest token's is `hidden[-1]` after a plain step)."""
+        `path`: drop the rest from the proposer's caches; `hidden` [H] is the call's final hidden state at
+        the path's last node (at the root when the path is empty; at the newest token after a plain step)."""
         ...
 
 
@@ -339,7 +344,7 @@ def tree_decode(
         if depth <= 0:  # nothing to draft from yet, or one token left: a plain target step
             logits, hidden = target.forward(pending)
             token = next_token(logits[-1], sampling, generator)
-            proposer.keep(n, None, [], hidden)
+            proposer.keep(n, None, [], hidden[-1])
             out.commit([int(token)], token)
             rounds.append(Round(0, 0, 0))
             continue
@@ -347,19 +352,15 @@ def tree_decode(
         order = target_order(tree)
         inputs, positions, mask = tree_inputs(target, pending, n, tree, order)
         logits, hidden = target.forward(inputs, len(tree) + 1, positions, mask)
-        slot = [0] * len(tree)
+        slot = [0] * len(tree)  # node -> input slot; the call's row 0 is the root's, row 1 + slot[i] node i's
         for index, node in enumerate(order):
             slot[node] = index
-        if order != list(
-            range(len(tree))
-        ):  # the rows back in node order: row 0 at the root, row i + 1 at node i
-            rows = torch.tensor([0] + [1 + index for index in slot], device=logits.device)
-            logits, hidden = logits.index_select(0, rows), hidden.index_select(0, rows)
+        rows = [0] + [1 + index for index in slot]
         path, token = verify_tree(
-            tree, draft_probs, verify_rows(tree, logits, sampling), sampling.greedy, generator
+            tree, draft_probs, verify_rows(logits, rows, sampling), sampling.greedy, generator
         )
         target.keep(n, [slot[node] for node in path])
-        proposer.keep(n, tree, path, hidden)
+        proposer.keep(n, tree, path, hidden[rows[path[-1] + 1] if path else 0])
         kept = out.commit([tree.tokens[node] for node in path] + [token])
         rounds.append(Round(depth, len(tree), min(len(path), kept)))
     return rounds

@@ -13,10 +13,10 @@ import torch
 from polydraft.decoding.control import BetaTS, CaliTS, FixedK
 from polydraft.decoding.engine import Generation, autoregressive
 from polydraft.decoding.lm import CachedLM
-from polydraft.decoding.rsd import recursive_speculative
+from polydraft.decoding.rsd import DrafterTree, recursive_speculative
 from polydraft.decoding.sampling import Sampling, probabilities
 from polydraft.decoding.sd import speculative
-from polydraft.decoding.tree import TreeShape, draft_tree, tree_attention
+from polydraft.decoding.tree import TreeShape, draft_tree, target_order, tree_attention
 from tests.decoding_helpers import single_thread_fixture, tiny_pair
 
 single_thread = single_thread_fixture()
@@ -174,3 +174,40 @@ def test_tree_logits_equal_uncached_logits_of_each_path(pair, shape):
         assert torch.allclose(
             logits[0], full_logits(drafter.model, prompt + path_to(leaf) + nxt)[-1], atol=1e-5
         )
+
+
+def test_a_tree_proposer_gets_the_targets_state_at_the_newest_accepted_token(pair, monkeypatch):
+    """After each round `tree_decode` hands its proposer the target's final hidden state at the newest
+    accepted token (the heads of `bpd` and `medusa` draft the next tree from it): the last accepted
+    node's, the root's when none is. The target read the nodes in `target_order`, so that state sits at
+    the row of the node's input slot; the rounds here include paths that leave the chain of first
+    children, where slot and node differ. Checked against one forward of the whole output."""
+    target, drafters = pair
+    seen: list[tuple[int, torch.Tensor]] = []
+    moved = 0
+    keep = DrafterTree.keep
+
+    def record(self, n, tree, path, hidden):
+        nonlocal moved
+        if path and target_order(tree).index(path[-1]) != path[-1]:
+            moved += 1
+        seen.append((n - 1 + len(path), hidden.clone()))  # the position of the newest accepted token
+        keep(self, n, tree, path, hidden)
+
+    monkeypatch.setattr(DrafterTree, "keep", record)
+    prompts = torch.Generator().manual_seed(3)
+    for name in ("noisy", "small"):
+        for length in (2, 9):
+            seen.clear()
+            prompt = torch.randint(0, VOCAB, (length,), generator=prompts)
+            shape = TreeShape.beam(3, 3)
+            got = recursive_speculative(
+                target, drafters[name], prompt, 20, GREEDY, shape, torch.Generator(), set()
+            )
+            whole = torch.cat([prompt, torch.tensor(got.tokens)]).view(1, -1)
+            with torch.inference_mode():
+                states = target.decoder(input_ids=whole).last_hidden_state[0]
+            assert len(seen) == len(got.rounds)
+            for position, hidden in seen:
+                torch.testing.assert_close(hidden, states[position], atol=1e-4, rtol=1e-4)
+    assert moved >= 1

@@ -195,8 +195,8 @@ VARIANTS: dict[str, tuple[object, str, str, str, list[str]]] = {
     ),
     "target rows read in input order, not put back in node order": (
         polydraft.decoding.tree, "tree_decode",
-        "logits, hidden = logits.index_select(0, rows), hidden.index_select(0, rows)",
-        "logits, hidden = logits, hidden", ["greedy:rsd", "grid:rsd_s:T0.7-topk2"],
+        "rows = [0] + [1 + index for index in slot]",
+        "rows = list(range(len(tree) + 1))", ["greedy:rsd", "grid:rsd_s:T0.7-topk2"],
     ),
     "Gumbel-top-k children in increasing order": (
         SAMPLING, "gumbel_topk", 'return tokens, values > float("-inf")',
