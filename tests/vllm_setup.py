@@ -30,7 +30,7 @@ DEMO_SOURCES = [
     ("de-en", "Dreihundertvierzig"),
     ("fr-en", "Enregistrer les modifications"),
 ]
-"""The sources of the exported drafts' vLLM tests (tests/export/test_heads_vllm.py, test_eagle3_vllm.py)."""
+"""The sources of the exported drafts' vLLM tests (tests/export/test_drafts_vllm.py)."""
 
 
 def require_vllm() -> None:

@@ -116,7 +116,7 @@ def test_one_smoke_checked_folder_in_both_formats(exported, tiny_target, tiny_ta
     checks = {c["name"]: c["status"] for c in info["smoke"]["checks"]}
     assert checks == {
         "files": "pass", "attach": "pass", "vllm_medusa_format": "pass", "heads_greedy": "pass",
-        "vllm_generation": "skipped",  # export.vllm_check is off here; tests/export/test_heads_vllm.py runs vLLM
+        "vllm_generation": "skipped",  # export.vllm_check is off here; tests/export/test_drafts_vllm.py runs vLLM
     }  # fmt: skip
     names = {p.name for p in folder.iterdir()}
     assert {"heads.json", "heads.safetensors", "config.json", "README.md", "results.json"} <= names
