@@ -113,13 +113,21 @@ def remote_processes(folder: Path, names: list[str], per_node: int, timeout: flo
 
 def wait_all(processes: list[subprocess.Popen | RemoteProcess], each_poll: Callable[[], None]) -> None:
     """Poll every process, this node's and the other nodes', every POLL_SECONDS until all have ended (or
-    are lost), calling `each_poll()` after each look (the last one included)."""
+    are lost), calling `each_poll()` after each look (the last one included). Between looks it waits on
+    this node's first running process, so that its end is seen at once, not up to POLL_SECONDS later."""
     while True:
         running = [process.poll() is None for process in processes]
         each_poll()
         if not any(running):
             return
-        time.sleep(POLL_SECONDS)
+        local = [p for p, alive in zip(processes, running) if alive and isinstance(p, subprocess.Popen)]
+        if not local:
+            time.sleep(POLL_SECONDS)
+            continue
+        try:
+            local[0].wait(timeout=POLL_SECONDS)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 @contextlib.contextmanager
