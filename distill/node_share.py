@@ -124,10 +124,8 @@ def wait_all(processes: list[subprocess.Popen | RemoteProcess], each_poll: Calla
         if not local:
             time.sleep(POLL_SECONDS)
             continue
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             local[0].wait(timeout=POLL_SECONDS)
-        except subprocess.TimeoutExpired:
-            pass
 
 
 @contextlib.contextmanager
