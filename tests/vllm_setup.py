@@ -107,6 +107,14 @@ def engine_env(multiprocessing: bool = True) -> dict[str, str]:
     return env
 
 
+def node_cores(rank: int) -> dict[str, str]:
+    """Environment of loopback node (or server) `rank`'s vLLM engine: its own core and one OpenMP thread,
+    as a node of its own machine has. Left to itself every CPU engine of the machine binds to the same
+    core (vLLM's binding keeps the last one for its scheduler), two engines to one core."""
+    cores = sorted(os.sched_getaffinity(0))
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(cores[rank % len(cores)]), "OMP_NUM_THREADS": "1"}
+
+
 def stop_group(process: subprocess.Popen, sig: int = signal.SIGTERM, grace: float = 15.0) -> None:
     """Stop a process started with `start_new_session=True` and everything it spawned (vLLM's engine
     core and workers): `sig` to the whole group, SIGKILL after `grace` seconds, then wait until the

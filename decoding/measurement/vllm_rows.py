@@ -47,9 +47,15 @@ def vllm_subprocess(
     that process (VLLM_ENABLE_V1_MULTIPROCESSING=0), in a session of its own (the module kills itself
     when polydraft dies, `distill.engines.die_with_parent`), on the GPUs `device` names
     (CUDA_VISIBLE_DEVICES; None: what this process sees). subprocess.TimeoutExpired past `timeout`."""
+    import torch
+
+    from polydraft.distill.engines import cpu_threads
+
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if device is not None:
         env["CUDA_VISIBLE_DEVICES"] = device
+    elif not torch.cuda.is_available():
+        env.update(cpu_threads())  # the CPU build: its cores and as many OpenMP threads
     return subprocess.run(
         [sys.executable, "-m", module],
         input=json.dumps(request),

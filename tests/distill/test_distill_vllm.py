@@ -26,7 +26,7 @@ from polydraft.distill.vllm_backend import (
 )
 from polydraft.pipelines.runtime.contract import StageFailed
 from tests.distill_setup import local_source, make_recipe, run_distill, translation_file
-from tests.vllm_setup import PROJECT_ROOT, demo_target, engine_env, require_vllm, stop_group
+from tests.vllm_setup import PROJECT_ROOT, demo_target, engine_env, node_cores, require_vllm, stop_group
 
 
 def _item(name: str, ids: list[int] | None) -> PromptItem:
@@ -154,103 +154,6 @@ def _group_alive(group: int) -> bool:
     return False
 
 
-def _stage_process(spec_path, multiprocessing: bool) -> subprocess.Popen:
-    code = "import sys; from tests.distill_setup import run_stage_from_json; run_stage_from_json(sys.argv[1])"
-    return subprocess.Popen(
-        [sys.executable, "-c", code, str(spec_path)],
-        env=engine_env(multiprocessing),
-        cwd=PROJECT_ROOT,
-        start_new_session=True,  # its own process group: the engine core and worker die with it
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-
-
-def test_real_vllm_four_temperatures_kill_and_rerun_gives_every_record_once(tmp_path):
-    """The stage with the real engine in a subprocess (vLLM's engine core and worker in two more): once some
-    records are written, the stage's own process alone is killed with SIGKILL (not its group, as a
-    scheduler or a user's `kill -9` of polydraft does); within 30 s no process of the engine's group is
-    left (the engine core would otherwise keep its memory), and a rerun starts its engine and completes."""
-    require_vllm()
-
-    target = demo_target()
-    data = translation_file(tmp_path, 12)
-    recipe = make_recipe(
-        target,
-        [local_source(data)],
-        backend="vllm",
-        temperatures=[0.0, 0.3, 0.7, 1.0],
-        samples_per_prompt=2,
-        max_new_tokens=24,
-        batch_size=1,
-        vllm={"max_model_len": 512, "submit_size": 3, "cpu_kv_cache_gib": 0.25},
-    )
-    work = tmp_path / "run" / "distill"
-    spec = tmp_path / "spec.json"
-    spec.write_text(
-        json.dumps({"recipe": recipe.model_dump(mode="json"), "target": str(target), "work": str(work)})
-    )
-    expected = {(f"0:local:{data}/train/{i}", t, s) for i in range(12) for t, s in
-                [(0.0, 0), (0.3, 0), (0.3, 1), (0.7, 0), (0.7, 1), (1.0, 0), (1.0, 1)]}  # fmt: skip
-
-    process = _stage_process(spec, multiprocessing=True)
-    engine = work / "engines" / "engine-0.pid"
-    try:
-        deadline = time.time() + 240
-        while time.time() < deadline and process.poll() is None:
-            if sum(len(p.read_bytes().splitlines()) for p in record_files(work)) >= 6:
-                break
-            time.sleep(0.05)
-        assert process.poll() is None, "the stage ended before it could be killed"
-        group = int(engine.read_text())  # the engine leads its own process group
-        process.kill()  # the stage's process only
-        process.wait()
-        gone = time.time() + 30
-        while time.time() < gone and _group_alive(group):
-            time.sleep(0.2)
-        assert not _group_alive(group), "vLLM processes outlived the killed stage"
-    finally:
-        stop_group(process, signal.SIGKILL)
-    assert process.returncode == -signal.SIGKILL
-    RecordStore(work, 0, 1).repair()  # a torn last line, if the kill hit a write
-    before = {record_key(r) for r in iter_records(work)}
-    assert before, "nothing was written before the kill"
-    # an engine that outlives the stage goes on generating (with the planted bug it wrote all 84 records
-    # within the 30 s), so a killed stage leaves records to do
-    assert len(before) < len(expected), "the engine outlived the killed stage and finished its work"
-
-    rerun = _stage_process(spec, multiprocessing=False)
-    try:
-        assert rerun.wait(timeout=300) == 0
-    finally:
-        stop_group(rerun)
-    records = list(iter_records(work))
-    keys = [record_key(r) for r in records]
-    assert len(keys) == len(set(keys)), "a record was written twice"
-    assert set(keys) == expected, "a record is missing"
-
-    # the records of the other backends, with vLLM's token ids
-    assert all(set(r) == RECORD_FIELDS for r in records)
-    assert all(r["backend"] == "vllm" and r["model"] == str(target) for r in records)
-    assert all(r["response_tokens"] == len(r["token_ids"]) <= 24 for r in records)
-    assert {r["finish_reason"] for r in records} <= {"stop", "length"}
-    by_key = {record_key(r): r for r in records}
-    for prompt_id in {k[0] for k in keys}:
-        first, second = by_key[(prompt_id, 1.0, 0)], by_key[(prompt_id, 1.0, 1)]
-        assert first["seed"] != second["seed"]
-    assert (
-        sum(
-            by_key[(p, 1.0, 0)]["token_ids"] != by_key[(p, 1.0, 1)]["token_ids"] for p in {k[0] for k in keys}
-        )
-        >= 6
-    )
-
-    # greedy answers are the target's own greedy tokens as transformers computes them
-    greedy = [r for r in records if r["temperature"] == 0.0]
-    assert len(greedy) == 12
-    assert_transformers_greedy(target, greedy, 24)
-
-
 def assert_transformers_greedy(target, records, max_new_tokens: int) -> None:
     """Each record's tokens are the ones transformers' greedy `generate` gives its prompt."""
     import torch
@@ -288,55 +191,80 @@ def test_engines_take_every_visible_gpu_group_unless_told():
     assert [len(s) for s in shares] == [3, 2, 2]
 
 
+def test_cpu_engines_get_their_cores_and_as_many_openmp_threads(monkeypatch):
+    """On the CPU build each engine is bound to its share of the cores with OMP_NUM_THREADS to match (an
+    engine core in its engine's process otherwise keeps OpenMP's default team: `cpu_threads`); one engine
+    keeps vLLM's own binding, but for an engine core in its process; a binding the user set is kept."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    assert engine_envs(2, 1, []) == [
+        {"VLLM_CPU_OMP_THREADS_BIND": "0,1", "OMP_NUM_THREADS": "2"},
+        {"VLLM_CPU_OMP_THREADS_BIND": "2,3", "OMP_NUM_THREADS": "2"},
+    ]
+    assert engine_envs(1, 1, []) == [{}]
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    assert engine_envs(1, 1, []) == [{"VLLM_CPU_OMP_THREADS_BIND": "0,1,2", "OMP_NUM_THREADS": "3"}]
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1-2")
+    assert engine_envs(1, 1, []) == [{}] and engine_envs(2, 1, []) == [{}, {}]
+
+
 def _progress(work, index: int) -> int:
     path = work / "engines" / f"engine-{index}.progress"
     return int(path.read_text() or 0) if path.exists() else 0
 
 
-def _node(recipe: Path, run_dir: Path, config: Path, rank: int, log: Path) -> subprocess.Popen:
-    """`polydraft run RECIPE --only distill` as node `rank` of two (loopback), its output in `log`."""
+def _node(
+    recipe: Path, run_dir: Path, config: Path, rank: int, log: Path, multiprocessing: bool
+) -> subprocess.Popen:
+    """`polydraft run RECIPE --only distill` as node `rank` of two (loopback), its output in `log`; with
+    `multiprocessing` its engine runs vLLM's engine core and worker in two more processes."""
     command = [sys.executable, "-m", "polydraft.pipelines.cli.main", "run", str(recipe), "--only", "distill",
                f"launch.accelerate_config={config}", "--run-dir", str(run_dir), "--node-rank", str(rank),
                "--node-timeout", "30", "--quiet"]  # fmt: skip
+    env = {**engine_env(multiprocessing), **node_cores(rank)}
     with open(log, "w") as out:
         return subprocess.Popen(
-            command, cwd=PROJECT_ROOT, env=engine_env(False), stdout=out, stderr=out, start_new_session=True
+            command, cwd=PROJECT_ROOT, env=env, stdout=out, stderr=out, start_new_session=True
         )
 
 
-def test_two_nodes_distill_with_an_engine_each_one_node_killed_then_rerun_give_every_record_once(tmp_path):
+def test_two_nodes_four_temperatures_one_node_killed_then_rerun_give_every_record_once(tmp_path):
     """Two loopback nodes (`polydraft run --node-rank 0/1` on one shared run directory), one CPU engine
-    each, half of the requests each. Node 1's `polydraft run` is killed with SIGKILL (its process only)
-    once its engine has written records: its engine dies with it, node 0's engine finishes its share, and
-    node 0 fails saying node 1 stopped answering, keeping every record. The rerun of both nodes generates
-    exactly the missing ones, on both nodes; the greedy records equal the target's greedy answers."""
+    each, half of the requests each, at four temperatures with two samples at T > 0. Node 1's engine runs
+    vLLM's engine core and worker in two more processes; its `polydraft run` is killed with SIGKILL (its
+    process only, as a scheduler or a user's `kill -9` does) once its engine has written records: within
+    30 s no process of that engine's group is left (the engine core would otherwise keep its memory and go
+    on generating), node 0's engine finishes its share, and node 0 fails saying node 1 stopped answering,
+    keeping every record. The rerun of both nodes generates exactly the missing ones, on both nodes: the
+    records of the other backends, with vLLM's token ids, the greedy ones the target's greedy answers."""
     require_vllm()
     from polydraft.pipelines.run.recipe import dump_recipe
     from tests.distill_setup import free_port
     from tests.pipelines.test_multinode import MULTINODE
 
     target = demo_target()
-    data = translation_file(tmp_path, 10)
-    temperatures = [0.0, 0.7]
+    data = translation_file(tmp_path, 6)
     vllm = {"max_model_len": 512, "submit_size": 2, "cpu_kv_cache_gib": 0.25, "data_parallel": 1}
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(dump_recipe(make_recipe(
-        target, [local_source(data)], backend="vllm", temperatures=temperatures, samples_per_prompt=1,
+        target, [local_source(data)], backend="vllm", temperatures=[0.0, 0.3, 0.7, 1.0], samples_per_prompt=2,
         max_new_tokens=24, batch_size=1, vllm=vllm,
     )))  # fmt: skip
     config = tmp_path / "multinode.yaml"
     config.write_text(MULTINODE.format(port=free_port()))
-    expected = {(f"0:local:{data}/train/{i}", t, 0) for i in range(10) for t in temperatures}
+    expected = {(f"0:local:{data}/train/{i}", t, s) for i in range(6) for t, s in
+                [(0.0, 0), (0.3, 0), (0.3, 1), (0.7, 0), (0.7, 1), (1.0, 0), (1.0, 1)]}  # fmt: skip
     run_dir = tmp_path / "run"
     work = run_dir / "distill.partial"
 
-    nodes = [_node(recipe, run_dir, config, rank, tmp_path / f"node{rank}.log") for rank in (0, 1)]
+    nodes = [_node(recipe, run_dir, config, rank, tmp_path / f"node{rank}.log", rank == 1) for rank in (0, 1)]
     try:
         deadline = time.time() + 300
         while time.time() < deadline and nodes[0].poll() is None and _progress(work, 1) < 2:
             time.sleep(0.05)
         assert nodes[0].poll() is None and _progress(work, 1) >= 2, (tmp_path / "node0.log").read_text()
-        group = int((work / "engines" / "engine-1.pid").read_text())
+        group = int((work / "engines" / "engine-1.pid").read_text())  # the engine leads its own group
         nodes[1].kill()  # node 1's polydraft process only: its engine must go with it
         gone = time.time() + 30
         while time.time() < gone and _group_alive(group):
@@ -349,8 +277,9 @@ def test_two_nodes_distill_with_an_engine_each_one_node_killed_then_rerun_give_e
     out = (tmp_path / "node0.log").read_text()
     assert "engine 1 on node 1: the node stopped answering" in out, out
     assert "The records written are kept" in out
-    RecordStore(work, 0, 1).repair()
+    RecordStore(work, 0, 1).repair()  # a torn last line, if the kill hit a write
     before = [record_key(r) for r in iter_records(work)]
+    # an engine that outlives its node goes on generating, so a killed node leaves records to do
     assert len(before) == len(set(before)) and 0 < len(before) < len(expected)
     engine0 = {
         record_key(r) for p in record_files(work) if "-engine00-" in p.name for r in iter_records_of(p)
@@ -358,7 +287,7 @@ def test_two_nodes_distill_with_an_engine_each_one_node_killed_then_rerun_give_e
     assert len(engine0) == len(expected) // 2, "node 0's engine did not finish its share"
 
     sizes = {p.name: p.stat().st_size for p in record_files(work)}
-    nodes = [_node(recipe, run_dir, config, rank, tmp_path / f"rerun{rank}.log") for rank in (0, 1)]
+    nodes = [_node(recipe, run_dir, config, rank, tmp_path / f"rerun{rank}.log", False) for rank in (0, 1)]
     try:
         assert nodes[0].wait(timeout=300) == 0, (tmp_path / "rerun0.log").read_text()
         assert nodes[1].wait(timeout=60) == 0, (tmp_path / "rerun1.log").read_text()
@@ -366,15 +295,26 @@ def test_two_nodes_distill_with_an_engine_each_one_node_killed_then_rerun_give_e
         for node in nodes:
             stop_group(node, signal.SIGKILL)
     done = run_dir / "distill"
-    keys = [record_key(r) for r in iter_records(done)]
+    records = list(iter_records(done))
+    keys = [record_key(r) for r in records]
     assert len(keys) == len(set(keys)), "a record was written twice"
     assert set(keys) == expected, "a record is missing"
     grown = {p.name.split("-part")[0] for p in record_files(done) if p.stat().st_size > sizes.get(p.name, 0)}
     assert grown == {"shard00000-engine00", "shard00000-engine01"}, "the rerun did not use both nodes"
 
+    # the records of the other backends, with vLLM's token ids
+    assert all(set(r) == RECORD_FIELDS for r in records)
+    assert all(r["backend"] == "vllm" and r["model"] == str(target) for r in records)
+    assert all(r["response_tokens"] == len(r["token_ids"]) <= 24 for r in records)
+    assert {r["finish_reason"] for r in records} <= {"stop", "length"}
+    by_key = {record_key(r): r for r in records}
+    prompts = {k[0] for k in keys}
+    assert all(by_key[(p, 1.0, 0)]["seed"] != by_key[(p, 1.0, 1)]["seed"] for p in prompts)
+    assert sum(by_key[(p, 1.0, 0)]["token_ids"] != by_key[(p, 1.0, 1)]["token_ids"] for p in prompts) >= 3
+
     # the greedy records are the target's own greedy tokens, as one transformers process computes them
-    greedy = [r for r in iter_records(done) if r["temperature"] == 0.0]
-    assert len(greedy) == 10
+    greedy = [r for r in records if r["temperature"] == 0.0]
+    assert len(greedy) == 6
     assert_transformers_greedy(target, greedy, 24)
 
 

