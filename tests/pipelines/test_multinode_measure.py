@@ -128,21 +128,6 @@ def _part_groups(log: Path) -> int:
     return int(log.read_text().rsplit(" of 2, ", 1)[1].split(" groups")[0])
 
 
-def test_two_nodes_measure_every_group_once_as_one_node_does(recipe, one_node, tmp_path):
-    run_dir = tmp_path / "run"
-    _finish(_two_nodes(recipe, run_dir, tmp_path, timeout=300), tmp_path)
-    rows = read_rows(run_dir / "measure" / RESULTS_FILE)
-    assert len(_groups(rows)) == len(_groups(one_node)) == GROUPS
-    assert len(rows) == len(one_node)  # every group once
-    assert _decoded(rows) == _decoded(one_node)
-    # half of the groups each: node 0's process 0, node 1's process 1, both logs in the shared folder
-    for rank in (0, 1):
-        assert _part_groups(run_dir / "measure" / f"measure.part{rank}.log") == GROUPS // 2
-    # nothing left of the processes' parts and of the nodes' exit files and heartbeats
-    assert not list((run_dir / "measure").glob("results.part*"))
-    assert not list((run_dir / "measure").glob("*.exit")) + list((run_dir / "measure").glob("*.alive"))
-
-
 def _children(pid: int) -> list[int]:
     """The processes whose parent is `pid`."""
     found = []
@@ -170,8 +155,9 @@ def test_a_node_killed_mid_way_fails_the_stage_naming_it_and_the_rerun_measures_
 ):
     """Node 1's `polydraft run` is killed (SIGKILL, its process only) once its measure process has loaded:
     that process dies with it, node 0's process finishes its groups, and node 0 fails within its node
-    timeout (10 s) naming node 1, its groups kept. The rerun of both nodes measures node 1's groups only
-    (on both nodes), every group once, as one node decodes them."""
+    timeout (10 s) naming node 1, its groups kept. The rerun of both nodes measures node 1's groups only,
+    dealt over both nodes, every group once, as one node decodes them, and leaves nothing of the processes'
+    parts, exit files and heartbeats."""
     run_dir, work = tmp_path / "run", tmp_path / "run" / "measure.partial"
     nodes = _two_nodes(recipe, run_dir, tmp_path, timeout=10)
     try:
@@ -211,3 +197,7 @@ def test_a_node_killed_mid_way_fails_the_stage_naming_it_and_the_rerun_measures_
     assert {r.group: r.date for r in rows if r.group in dates} == dates  # the kept groups not measured again
     missing = GROUPS - len(dates)  # dealt round-robin again: node 1's process gets every second one
     assert _part_groups(run_dir / "measure" / "measure.part1.log") == missing // 2 > 0
+    assert _part_groups(run_dir / "measure" / "measure.part0.log") == missing - missing // 2
+    # nothing left of the processes' parts and of the nodes' exit files and heartbeats
+    assert not list((run_dir / "measure").glob("results.part*"))
+    assert not list((run_dir / "measure").glob("*.exit")) + list((run_dir / "measure").glob("*.alive"))
