@@ -332,8 +332,9 @@ def variants(recipe: Recipe, study_dir: Path) -> list[Variant]:
 
 def quick_overrides(study_dir: Path) -> list[str]:
     """`--quick`: tiny models and data for a demo-shaped recipe (a bootstrap target, offline data), so that
-    the whole study runs in the test suite (its stages trained in the study's process: `run_in_process`).
-    Its numbers say nothing; its report has every part."""
+    the whole study runs in the test suite (its stages trained in the study's process: `run_in_process`;
+    distillation and measurement in it too, one process each, not the recipe's two subprocesses). Its
+    numbers say nothing; its report has every part."""
     tiny = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
     loop = {"max_steps": 2, "per_device_batch_size": 2, "grad_accum_steps": 1, "max_length": 160}
     loop_eval = loop | {"eval_every": 0, "eval_batches": 1}
@@ -346,12 +347,14 @@ def quick_overrides(study_dir: Path) -> list[str]:
         "data.offline.entries_per_sample=[1, 2]",
         "data.offline.samples_per_pair=80",
         "distill.max_new_tokens=10",
+        "distill.hf.processes=1",
         f"pretrain={flow({'drafter': tiny, 'loop': loop | {'max_length': 128, 'eval_every': 0}})}",
         f"finetune.loop={flow(loop_eval | {'max_steps': 8})}",
         f"early_exit={flow({'num_shared_layers': 1, 'loop': loop_eval})}",
         f"heads={flow({'num_heads': 2, 'loop': loop_eval})}",
         f"calibrate={flow({'num_positions': 12, 'draft_length': 3, 'max_steps': 3, 'loop': {'max_length': 160, 'per_device_batch_size': 6}})}",
         "measure.num_prompts=2",
+        "measure.processes=1",
         "measure.max_draft_length=3",  # Cali-TS within the calibration model's 3 labelled steps
         "measure.max_new_tokens=6",
         "measure.latency_repeats=2",
