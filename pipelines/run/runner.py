@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import shutil
 import time
 import traceback
@@ -47,7 +46,7 @@ from polydraft.pipelines.runtime.manifest import (
     stage_manifest,
     write_json_atomic,
 )
-from polydraft.pipelines.runtime.nodes import NodeLeader
+from polydraft.pipelines.runtime.nodes import NodeLeader, usable_cores
 from polydraft.pipelines.runtime.tracking import start_tracking
 from polydraft.pipelines.schema import Recipe, ResolvedTarget
 
@@ -201,7 +200,7 @@ def run_pipeline(
     outcomes = [StageOutcome(s.name, "disabled", {}) for s in stages if s.name not in enabled_names]
     environment = {"git": git_state(PROJECT_ROOT), "packages": package_versions(), "host": host_info()}
     parallel = parallel_stages(recipe, leader, in_process)
-    cores = max(1, (os.cpu_count() or 1) // parallel) if parallel > 1 else None
+    cores = max(1, usable_cores() // parallel) if parallel > 1 else None
 
     def plan(stage: Stage) -> _Job | None:
         """The job that runs `stage`, or None when it is skipped (its outcome recorded)."""

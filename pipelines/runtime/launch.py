@@ -23,7 +23,7 @@ from polydraft.pipelines.runtime.contract import (
     StageFailed,
     spec_for,
 )
-from polydraft.pipelines.runtime.nodes import Machines, processes_per_node
+from polydraft.pipelines.runtime.nodes import Machines, processes_per_node, usable_cores
 from polydraft.pipelines.schema import (
     LaunchConfig,
 )
@@ -103,7 +103,7 @@ def accelerate_command(
         per_node = (
             num_processes // nodes if num_processes is not None else processes_per_node(config_file, None)
         )
-        threads = max(1, (cores or os.cpu_count() or 1) // max(1, per_node))
+        threads = max(1, (cores or usable_cores()) // max(1, per_node))
         command += ["--num_cpu_threads_per_process", str(threads)]
     return [*command, "-m", module, *args]
 

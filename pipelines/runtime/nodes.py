@@ -120,6 +120,14 @@ def slurm_machines(env: dict[str, str]) -> Machines | None:
     return Machines(nodes, int(env["SLURM_NODEID"]), hosts[0], port)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (what a SLURM allocation or a container's
+    cpuset leaves it), not the machine's count that `os.cpu_count()` gives."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def processes_per_node(config_file: Path, recipe_count: int | None) -> int:
     """Training processes on each node: `launch.num_processes`, else the accelerate config's
     `num_processes` (accelerate's total over its `num_machines`) divided by its `num_machines`."""

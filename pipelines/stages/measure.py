@@ -73,6 +73,7 @@ from polydraft.distill.node_share import (
 from polydraft.models.calibration import check_covers
 from polydraft.models.drafters import DrafterMismatch
 from polydraft.pipelines.runtime.contract import StageContext, StageFailed, StageResult, StageSpec, spec_for
+from polydraft.pipelines.runtime.nodes import usable_cores
 from polydraft.pipelines.runtime.process import setup_process_logging
 from polydraft.pipelines.runtime.target import gpus_per_copy
 from polydraft.pipelines.schema import MeasureConfig
@@ -283,7 +284,7 @@ def _start(
     """Start measure process `rank` of `processes` (`main`), the `local_rank`-th of this node's `per_node`:
     on GPUs `local_rank * per_copy` .. of this node (none: the CPU), with its share of the cores, its output
     in `measure.part<rank>.log`, leading a process group of its own."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // per_node))}
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, usable_cores() // per_node))}
     if per_copy:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(local_rank * per_copy + i) for i in range(per_copy))
     command = [sys.executable, "-m", __name__, str(spec_path), str(rank), str(processes)]

@@ -8,13 +8,13 @@ canvas, so nothing touches pyplot's global state."""
 from __future__ import annotations
 
 import datetime
-import os
 import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from polydraft.pipelines.runtime.contract import PROJECT_ROOT
 from polydraft.pipelines.runtime.manifest import git_state, write_json_atomic
+from polydraft.pipelines.runtime.nodes import usable_cores
 from polydraft.pipelines.study import verdicts
 from polydraft.pipelines.study.model import Finding, Panel
 from polydraft.pipelines.study.verdicts import Check
@@ -312,8 +312,7 @@ def _machine() -> str:
             if line.startswith("model name")
         ]
         model = names[0] if names else model
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    text = f"{model}, {cores} cores"
+    text = f"{model}, {usable_cores()} cores"
     import torch
 
     if torch.cuda.is_available():

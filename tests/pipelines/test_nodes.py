@@ -50,13 +50,14 @@ def test_each_node_starts_its_share_and_accelerate_gets_the_total(tmp_path):
 
 def test_each_training_process_gets_its_share_of_the_cores(tmp_path, monkeypatch):
     """accelerate launch would set OMP_NUM_THREADS=1: a process gets the node's cores over its processes
-    (at least 1), and a launched process indeed runs that many threads; an OMP_NUM_THREADS the user set
-    is left alone."""
+    (at least 1), the cores this job may use (its CPU affinity), not the machine's, and a launched process
+    indeed runs that many threads; an OMP_NUM_THREADS the user set is left alone."""
     import os
     import subprocess
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)  # the machine's cores
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))  # this job's: SLURM's cpuset
     config = tmp_path / "two.yaml"
     config.write_text("num_machines: 2\nnum_processes: 16\n")
     text = " ".join(accelerate_command(config, 16, "m", [], Machines(2, 1)))
@@ -72,7 +73,7 @@ def test_each_training_process_gets_its_share_of_the_cores(tmp_path, monkeypatch
     command = accelerate_command(single, None, "m", [])
     command = [*command[: command.index("-m", 3)], str(script)]
     done = subprocess.run(command, capture_output=True, text=True, check=True)
-    assert f"threads {os.cpu_count()}" in done.stdout, done.stdout
+    assert f"threads {len(os.sched_getaffinity(0))}" in done.stdout, done.stdout
 
 
 def test_nodes_come_from_slurm_or_from_the_accelerate_config(tmp_path, monkeypatch):

@@ -61,7 +61,7 @@ def recorded(events: list[tuple[str, str, int | None]], lock: threading.Lock):
 def test_independent_stages_run_at_once_and_none_before_its_upstream(recipe_path, tmp_path, monkeypatch):
     """eagle3 and pretrain wait for each other at a barrier: run one at a time, the first to arrive would
     wait alone and break it. Every stage starts after each of its upstream stages ended."""
-    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(4)))
     barrier = threading.Barrier(2, timeout=60)
     events: list[tuple[str, str, int | None]] = []
     stages = recorded(events, threading.Lock())
@@ -201,7 +201,7 @@ def test_in_process_and_several_nodes_run_one_stage_at_a_time(recipe_path):
 
 def test_a_training_launch_gets_its_share_of_the_cores(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(4)))
     config = Path(__file__).resolve().parents[2] / "recipes" / "accelerate" / "single.yaml"
 
     def threads(cores: int | None) -> str:
