@@ -10,7 +10,8 @@ everything else the same way:
 - `run()` steps until `total_steps`: each step's entry goes to the step log (`StepLog`), every
   `log_every` steps one readable line goes to the console (step/total, epoch, loss, lr, throughput,
   time left), every `eval_every` steps the trainer's eval runs, every `checkpoint_every` steps (and at
-  the last) a checkpoint is written with the trainer's state, the tokens seen and the scheduler.
+  the last) a checkpoint is written with the trainer's state, the tokens seen and the scheduler; before
+  each step, torch's threads follow the runner's share of the CPU cores (`train.runtime.CoreShare`).
 
 The heads' trainers (early exit, Medusa / BPD, EAGLE-3) also share what surrounds the loop,
 `run_with_evals`: the held-out eval of the untrained head (kept in the checkpoints, so that a resumed run
@@ -35,7 +36,7 @@ from pydantic import BaseModel
 
 from polydraft.train.checkpoint import resume_checkpoint, save_checkpoint
 from polydraft.train.progress import ProgressLine
-from polydraft.train.runtime import check_finite
+from polydraft.train.runtime import CoreShare, check_finite
 from polydraft.train.step import StepLog, StepStats
 from polydraft.train.steplog import mean_loss, truncate_log
 
@@ -143,7 +144,12 @@ class TrainingLoop:
         progress = ProgressLine(
             self.label, plan.total_steps, "step", initial=self.step, enabled=main_process and not self.quiet
         )
+        cores = CoreShare.from_env()
         while self.step < plan.total_steps:
+            threads = cores.follow()
+            if threads is not None and main_process:
+                log.info("[%s] %d CPU threads a process from step %d on: the stages beside it changed",
+                         self.label, threads, self.step + 1)  # fmt: skip
             stats = train_step(self.step)
             check_finite(
                 stats.loss, self.step + 1, str(self.last_checkpoint) if self.last_checkpoint else None

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,6 +33,48 @@ def check_finite(loss: float, step: int, last_checkpoint: str | None) -> None:
             f"loss is {loss} at step {step}; {kept}. Lower the learning rate (optim.lr), check the "
             "data, or train in fp32 (loop.mixed_precision: no)."
         )
+
+
+CORES_FILE_ENV = "POLYDRAFT_CORES_FILE"
+"""Names the file through which the runner changes the CPU cores of a training process while it runs
+(`pipelines.run.side_by_side`): a stage that ran beside it ended, or one started."""
+
+
+class CoreShare:
+    """The CPU cores a training process may use, as the runner's cores file (`CORES_FILE_ENV`) says: the
+    runner writes the stage's share of the node's cores into it while stages run side by side
+    (`runner.parallel_stages`), and again when the stages beside it change. `follow()` runs once a step:
+    when the file changed, torch's threads become this process's part of the share (the share divided among
+    the node's training processes). Without the file (one stage at a time, or OMP_NUM_THREADS set by the
+    user), it does nothing."""
+
+    def __init__(self, path: Path | None, processes: int) -> None:
+        self.path, self.processes = path, max(1, processes)
+        self.seen: tuple[int, int, int] | None = None
+
+    @classmethod
+    def from_env(cls) -> CoreShare:
+        path = os.environ.get(CORES_FILE_ENV)
+        return cls(Path(path) if path else None, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+    def follow(self) -> int | None:
+        """The new number of threads when the file changed to another share (torch set to it), else None."""
+        if self.path is None:
+            return None
+        try:
+            info = self.path.stat()
+            stamp = (info.st_ino, info.st_mtime_ns, info.st_size)
+            if stamp == self.seen:
+                return None
+            self.seen = stamp
+            cores = int(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):  # not there (yet), or being replaced: the next step looks again
+            return None
+        threads = max(1, cores // self.processes)
+        if threads == torch.get_num_threads():
+            return None
+        torch.set_num_threads(threads)
+        return threads
 
 
 def resolve_mixed_precision(choice: str, cuda: bool) -> str:

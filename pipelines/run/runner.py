@@ -53,6 +53,8 @@ from polydraft.pipelines.schema import Recipe, ResolvedTarget
 log = logging.getLogger(__name__)
 
 KEY_FILE = ".key"
+CORES_FILE = ".cores"
+"""In a side-by-side stage's work folder while it runs: its share of the cores (`train.runtime.CoreShare`)."""
 
 
 @dataclass
@@ -261,8 +263,11 @@ def run_pipeline(
             verbose=verbose,
             leader=leader,
             in_process=in_process,
-            cpu_cores=cores,
+            cpu_cores=cores if stage.side_by_side else None,  # a stage alone has every core
+            cores_file=work_dir / CORES_FILE if cores is not None and stage.side_by_side else None,
         )
+        if ctx.cores_file is not None:
+            ctx.cores_file.write_text(str(cores), encoding="utf-8")
         log.info("%-10s running (work dir %s)", stage.name, work_dir)
         return _Job(stage, inputs, config, key, upstream_hashes, code, rerun_for_code, ctx)
 
@@ -289,6 +294,8 @@ def run_pipeline(
             },
         )
         (work_dir / KEY_FILE).unlink()
+        if job.ctx.cores_file is not None:
+            job.ctx.cores_file.unlink(missing_ok=True)
         failure = work_dir / "failure.json"
         if failure.exists():
             failure.unlink()
@@ -298,13 +305,24 @@ def run_pipeline(
         log.info("%-10s done in %.1f s", name, duration)
         outcomes.append(StageOutcome(name, "ran", result.metrics, duration))
 
+    def share(jobs: list[_Job]) -> None:
+        """Each running stage's share of the cores in its cores file, rewritten when it changed."""
+        cores = max(1, usable_cores() // len(jobs))
+        for job in jobs:
+            if job.ctx.cores_file is not None and job.ctx.cpu_cores != cores:
+                job.ctx.cpu_cores = cores
+                tmp = job.ctx.cores_file.with_name(CORES_FILE + ".tmp")
+                tmp.write_text(str(cores), encoding="utf-8")
+                tmp.replace(job.ctx.cores_file)  # a training process reads the old share or the new one
+                log.info("%-10s %d cores from now on", job.stage.name, cores)
+
     if parallel == 1:
         for stage in enabled:
             job = plan(stage)
             if job is not None:
                 complete(job, _execute(job))
     else:
-        run_side_by_side(enabled, enabled_names, parallel, plan, _execute, complete)
+        run_side_by_side(enabled, enabled_names, parallel, plan, _execute, complete, share)
 
     order = {s.name: i for i, s in enumerate(stages)}
     outcomes.sort(key=lambda o: order[o.name])

@@ -4,8 +4,9 @@ at once, each in a thread of its own.
 On a CPU machine with a few cores, small models train faster in one-thread processes side by side than in
 one process on every core (a batch-1 forward or a small training step leaves most of a second core idle):
 the demo's eagle3 stage trains beside pretrain -> finetune -> early_exit -> calibrate, its chain of
-drafter stages (bench/results/parallel_stages.md). The runner (`pipelines.run.runner`) plans, runs and
-records each stage; this module only decides when each one starts.
+drafter stages (bench/results/parallel_stages.md); when one side ends, the other gets its core. The runner
+(`pipelines.run.runner`) plans, runs and records each stage; this module decides when each one starts and
+how many of the cores each running one gets.
 """
 
 from __future__ import annotations
@@ -47,11 +48,14 @@ def run_side_by_side(
     plan: Callable[[Stage], J | None],
     execute: Callable[[J], StageResult],
     complete: Callable[[J, StageResult], None],
+    share: Callable[[list[J]], None],
 ) -> None:
     """Start each stage, in pipeline order, once none of its upstream stages is waiting or running, up to
     `parallel` `side_by_side` stages at once (any other stage alone): `plan(stage)` (here) gives its job, or None for a stage that does not run;
-    `execute(job)` runs it in a thread of its own; `complete(job, result)` (here) records it. After a
-    failure no stage starts; those running finish and are kept, then the first failure is raised."""
+    `execute(job)` runs it in a thread of its own; `complete(job, result)` (here) records it; `share(jobs)`
+    (here), each time the stages that run change, hands the running jobs their shares of the cores: a
+    stage left running alone gets those of the one that ended. After a failure no stage starts; those
+    running finish and are kept, then the first failure is raised."""
     waiting = list(enabled)
     running: dict[Future[StageResult], tuple[Stage, J]] = {}  # each job with its stage
     failure: BaseException | None = None
@@ -83,6 +87,7 @@ def run_side_by_side(
                 continue
             if not running:
                 break
+            share([job for _, job in running.values()])
             done, _ = wait(running, return_when=FIRST_COMPLETED)
             failed_now = []
             for future in done:

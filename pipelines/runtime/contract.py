@@ -65,6 +65,10 @@ class StageContext:
     """CPU cores this stage's training processes share (`--num_cpu_threads_per_process` is this divided by
     the processes of a node); None: the machine's. Fewer while stages run side by side
     (`runner.parallel_stages`)."""
+    cores_file: Path | None = None
+    """While stages run side by side: the file into which the runner writes this stage's share of the
+    cores whenever the stages beside it change, which its training processes follow
+    (`train.runtime.CoreShare`)."""
 
     def progress(self, total: int, verb: str, unit: str, initial: int = 0) -> ProgressLine:
         """A line of progress every 5% of `total` units, with the rate and the time left (none with

@@ -150,6 +150,8 @@ def launch_training(
     subprocess raises StageFailed with the reason it wrote (see `run_training_process`). With
     `ctx.in_process`, a one-process launch runs in this process instead (`run_in_process`).
     """
+    from polydraft.train.runtime import CORES_FILE_ENV
+
     timeout, why = collective_timeout(launch, ctx.upstream)
     log.info("[%s] collective timeout %.0f s: %s", ctx.name, timeout, why)
     spec_path = spec_for(inputs, ctx, timeout).write(ctx.work_dir / "spec.json")
@@ -158,6 +160,8 @@ def launch_training(
     error_file = ctx.work_dir / TRAINING_ERROR
     error_file.unlink(missing_ok=True)
     env = training_env(launch.cpu, launch.env, config_file, ctx.name)
+    if ctx.cores_file is not None and "OMP_NUM_THREADS" not in os.environ:  # a user's thread count stays
+        env[CORES_FILE_ENV] = str(ctx.cores_file)
     log_path = ctx.work_dir / f"{ctx.name}.log"
     if ctx.in_process:
         refuse_in_process(config_file, launch.num_processes, machines)

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -94,7 +95,10 @@ def test_independent_stages_run_at_once_and_none_before_its_upstream(recipe_path
     for name in alone:  # nothing starts or ends while distill, measure or export runs
         start, end = order.index(("start", name)), order.index(("end", name))
         assert end == start + 1, (name, order[start : end + 1])
-    assert {cores for _, _, cores in events} == {2}, "each of 2 stages side by side gets 2 of the 4 cores"
+    starts = {name: cores for kind, name, cores in events if kind == "start"}
+    assert [starts[name] for name in ("eagle3", "pretrain", *alone)] == [2, 2, None, None, None], (
+        "each of the 2 stages side by side gets 2 of the 4 cores; one alone has every core"
+    )
     manifests = {p.parent.name for p in (tmp_path / "run").glob("*/manifest.json")}
     assert manifests == {
         "distill",
@@ -106,6 +110,42 @@ def test_independent_stages_run_at_once_and_none_before_its_upstream(recipe_path
         "measure",
         "export",
     }
+
+
+def test_a_stage_left_running_alone_gets_the_cores_of_the_chain_that_ended(
+    recipe_path, tmp_path, monkeypatch
+):
+    """eagle3 starts beside pretrain with 2 of the 4 cores and waits until calibrate, the end of the chain
+    beside it, has ended: then its cores file says 4, and it is gone from the stage folder once eagle3
+    is done. The chain's stages, each beside eagle3, kept 2 (their files read at their start and end)."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(4)))
+    chain_done = threading.Event()
+    seen: dict[str, list[str]] = {}
+
+    def watched(stage: Stage) -> Stage:
+        def run(inputs, ctx):
+            seen[stage.name] = [ctx.cores_file.read_text()]
+            if stage.name == "eagle3":
+                assert chain_done.wait(timeout=60)
+                deadline = time.monotonic() + 60  # the runner writes it once calibrate's end is recorded
+                while ctx.cores_file.read_text() != "4" and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                seen["eagle3"].append(ctx.cores_file.read_text())
+                return stage.run(inputs, ctx)
+            result = stage.run(inputs, ctx)
+            seen[stage.name].append(ctx.cores_file.read_text())
+            if stage.name == "calibrate":
+                chain_done.set()
+            return result
+
+        return dataclasses.replace(stage, run=run)
+
+    side = ("pretrain", "finetune", "early_exit", "calibrate", "eagle3")
+    stages = [watched(s) if s.name in side else s for s in fake_stages()]
+    outcomes = run_pipeline(load_recipe(recipe_path, []), tmp_path / "run", stages, TARGET, command="test")
+    assert {o.name: o.status for o in outcomes}["eagle3"] == "ran"
+    assert seen == {name: ["2", "4"] if name == "eagle3" else ["2", "2"] for name in side}
+    assert not list((tmp_path / "run").glob("*/.cores")), "no cores file left in a stage folder"
 
 
 def test_distill_runs_alone_though_pretrain_could_start_beside_it(recipe_path, tmp_path):
