@@ -1,14 +1,17 @@
 """The `hf` backend: a local transformers model, batched with left padding, on a CPU or a GPU.
 
 For small targets, the demo and the tests; big targets go through vLLM (offline or served). Its loop
-(`generate_rows`) is the one `generate` runs for these settings: the model's own KV cache, transformers'
-temperature and top-p warpers and its stop-string criterion, one token per row a step. It differs in one way:
-a row that ended (an EOS, a stop string, its budget) leaves the batch, instead of being computed, padded,
-until the batch's longest answer ends. Rows are dropped from the cache a few at a time: once at most
-`COMPACT_SHARE` of the rows still computed are unfinished, so a batch is compacted a handful of times, not
-at every answer's end (each compaction copies every layer's cache). On the demo target, one thread, 192 of
-the demo's distillation prompts at 32 rows a batch: 17.1-17.2 s against `generate`'s 20.3-20.4 s, which
-computed 13.6k row-steps for 8.4k answer tokens (`bench/results/distill_hf.md`).
+(`generate_rows`) is the one `generate` runs for these settings: transformers' temperature and top-p warpers
+and its stop-string criterion, one token per row a step. It differs in two ways. A row that ended (an EOS, a
+stop string, its budget) leaves the batch, instead of being computed, padded, until the batch's longest
+answer ends; rows are dropped from the cache a few at a time: once at most `COMPACT_SHARE` of the rows still
+computed are unfinished, so a batch is compacted a handful of times, not at every answer's end (each
+compaction copies every layer's cache). And the KV cache is transformers' static one, as long as the prompts
+plus `max_new_tokens`, each step writing its position in place: the growing cache `generate` uses by
+default concatenated every layer's keys and values at each step, a quarter of a step's time on the demo
+target. There, one thread, 192 of the demo's distillation prompts: 14.3-14.7 s at 32 rows a batch and
+13.4-13.9 s at 64 against `generate`'s 19.9-20.0 s, which computed 13.6k row-steps for 8.4k answer tokens
+(`bench/results/distill_hf.md`; 17.1-17.2 s at 32 rows with the growing cache).
 """
 
 from __future__ import annotations
@@ -98,7 +101,7 @@ def generate_rows(
     `stop_criterion`, a transformers `StopStringCriteria`), at most `max_new_tokens`: left-padded
     `input_ids` [B, W] and their `attention_mask`, greedy at temperature 0, else sampled from the
     temperature- and top-p-processed distribution with `generator`."""
-    from transformers import DynamicCache
+    from transformers import StaticCache
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
     warpers = []
@@ -106,17 +109,21 @@ def generate_rows(
         warpers.append(TemperatureLogitsWarper(temperature))
         if top_p < 1.0:
             warpers.append(TopPLogitsWarper(top_p))
-    cache = DynamicCache(config=model.config)
-    mask = attention_mask
-    positions = (mask.long().cumsum(-1) - 1).masked_fill_(mask == 0, 1)
+    width = input_ids.shape[1]
+    cache = StaticCache(config=model.config, max_cache_len=width + max_new_tokens)
+    # the padding mask over the whole cache, each step's column set as its token enters
+    mask = attention_mask.new_zeros(input_ids.shape[0], width + max_new_tokens)
+    mask[:, :width] = attention_mask
+    positions = (attention_mask.long().cumsum(-1) - 1).masked_fill_(attention_mask == 0, 1)
     sequences = input_ids
     rows = list(range(input_ids.shape[0]))  # the batch row each cache row answers
     answers: list[list[int]] = [[] for _ in rows]
     running = [True] * len(rows)
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                logits_to_keep=1, **cache_kwargs(model, cache))  # fmt: skip
+                cache_position=torch.arange(width, device=input_ids.device), logits_to_keep=1,
+                **cache_kwargs(model, cache))  # fmt: skip
     positions = positions[:, -1:]
-    for _ in range(max_new_tokens):
+    for step in range(max_new_tokens):
         scores = out.logits[:, -1, :].float()
         for warp in warpers:
             scores = warp(sequences, scores)
@@ -137,12 +144,13 @@ def generate_rows(
             break
         if len(going) <= COMPACT_SHARE * len(rows):
             keep = torch.tensor(going, device=sequences.device)
-            cache.batch_select_indices(keep)
+            cache.reorder_cache(keep)  # each layer's rows `keep`, in order
             mask, positions, sequences, tokens = mask[keep], positions[keep], sequences[keep], tokens[keep]
             rows = [rows[i] for i in going]
-        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        mask[:, width + step] = 1
         positions = positions + 1
         out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, use_cache=True,
+                    cache_position=torch.tensor([width + step], device=tokens.device),
                     **cache_kwargs(model, cache))  # fmt: skip
     return answers
 

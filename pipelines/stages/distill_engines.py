@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 from typing import Any
 
 from polydraft.distill.engines import (
@@ -23,6 +22,7 @@ from polydraft.distill.requests import Request
 from polydraft.distill.store import RecordWriter
 from polydraft.distill.vllm_backend import INSTALL_HINT
 from polydraft.pipelines.runtime.contract import StageContext, StageFailed
+from polydraft.pipelines.runtime.nodes import usable_cores
 from polydraft.pipelines.schema.inputs import DistillInputs
 
 log = logging.getLogger("polydraft.pipelines.stages.distill")
@@ -40,7 +40,7 @@ def generate_with_hf_processes(
     its share of the cores and of the requests; what they write is counted into `writer`."""
     cfg, target = inputs.distill, inputs.target
     processes = cfg.hf.processes
-    threads = max(1, len(os.sched_getaffinity(0)) // processes)
+    threads = max(1, usable_cores() // processes)
     engine = {
         "path": target.path, "revision": target.revision, "dtype": target.dtype,
         "trust_remote_code": target.trust_remote_code, "device": cfg.hf.device, "max_length": limit,

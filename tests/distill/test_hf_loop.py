@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import torch
 from scipy.stats import chisquare
-from transformers import DynamicCache, GenerationConfig
+from transformers import GenerationConfig, StaticCache
 
 from polydraft.data.prompts import encode_prompt
 from polydraft.decoding.sampling import Sampling, probabilities
@@ -53,8 +53,8 @@ def test_greedy_answers_are_generates_with_rows_ending_at_different_steps(monkey
     assert len({len(a) for a in expected}) >= 3, "the rows should end at different steps"
 
     compactions = []
-    select = DynamicCache.batch_select_indices
-    monkeypatch.setattr(DynamicCache, "batch_select_indices", lambda self, i: (compactions.append(len(i)), select(self, i)))  # fmt: skip
+    select = StaticCache.reorder_cache
+    monkeypatch.setattr(StaticCache, "reorder_cache", lambda self, i: (compactions.append(len(i)), select(self, i)))  # fmt: skip
     answers = generate_rows(
         model, ids, mask, temperature=0.0, top_p=1.0, max_new_tokens=48, eos=set(eos), generator=None
     )
@@ -113,6 +113,34 @@ def test_a_left_padded_row_reads_its_own_positions_with_absolute_position_embedd
         generator=None,
     )  # fmt: skip
     assert answers == expected
+
+
+def test_a_sliding_window_model_answers_as_generate_past_its_window(tiny_tokenizer):
+    """A Mistral whose sliding window (6) is shorter than its prompts and answers: the static cache's sliding
+    layers drop what leaves the window as `generate`'s cache does, rows ending at different steps."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, sliding_window=6, max_position_embeddings=128,
+    )  # fmt: skip
+    model = MistralForCausalLM(config).eval()
+    prompts = [
+        encode_prompt(tiny_tokenizer, f"USER: {t} ASSISTANT:")
+        for t in ("Ja bitte", "Guten Morgen, wie geht es dir heute", "Danke")
+    ]
+    ids, mask = left_padded(tiny_tokenizer, prompts)
+    eos = [tiny_tokenizer.eos_token_id]
+    expected = generated(model, ids, mask, eos, 16)
+    answers = generate_rows(
+        model, ids, mask, temperature=0.0, top_p=1.0, max_new_tokens=16, eos=set(eos), generator=None
+    )
+    assert answers == expected
+    whole = MistralForCausalLM(copy.deepcopy(config)).eval()
+    whole.config.sliding_window = None
+    whole.load_state_dict(model.state_dict())
+    assert generated(whole, ids, mask, eos, 16) != expected, "without its window the model answers otherwise"
 
 
 @pytest.fixture(scope="module")
