@@ -2,7 +2,8 @@
 computes the features (`train.eagle3.target_pass`), the unrolled head's forward with the loss
 (`train.eagle3.ttt_losses`, which includes that pass) and the whole step (with backward and the AdamW update);
 then the whole step with the features kept (`train.eagle3.FeatureCache`, as the demo trains), the loss in
-chunks of 256 rows (recomputed in backward) against unchunked (`loop.loss_chunk_tokens: null`).
+chunks of 256 rows (recomputed in backward) against unchunked (`loop.loss_chunk_tokens: null`); then the
+cache's fill of rows that share a head (`FeatureCache.fill`) against each row computed whole.
 
 The demo's setting: the committed demo target (24 layers, hidden 128), feature layers 2, 12 and 21, a
 1024-token draft vocabulary, 3 unrolled steps, the loss in chunks of 256 rows, batches of `--rows` random
@@ -24,7 +25,8 @@ import torch
 from bench.held_out import record
 from polydraft.models.eagle3 import head_for_target
 from polydraft.train.chunked_loss import model_head
-from polydraft.train.eagle3 import FeatureCache, Unroll, target_pass, ttt_losses
+from polydraft.train.data import collate
+from polydraft.train.eagle3 import FILL_ROWS, FeatureCache, Unroll, target_pass, ttt_losses
 from polydraft.train.losses import IGNORE_INDEX
 
 TARGET = Path(__file__).resolve().parent.parent / "recipes/demo/target/659066c489eb7c49"
@@ -99,6 +101,28 @@ def main() -> None:
             for _ in range(calls):
                 target_pass(target, part, head.aux_layers)
             per_row[n].append(1000 * (time.perf_counter() - clock) / (calls * n))
+    # the feature cache's fill: 64 rows sharing a 36-token head (the demo's system prompt), tails of 60-100
+    fill_rows = [
+        head + torch.randint(5, target.config.vocab_size, (int(n),)).tolist()
+        for head in [torch.randint(5, target.config.vocab_size, (36,)).tolist()]
+        for n in torch.randint(60, 100, (64,))
+    ]
+    fills: dict[str, list[float]] = {"the shared head once": [], "each row whole": []}
+    for _ in range(args.repeats):
+        for name in fills:
+            kept = FeatureCache(2**34)
+            shared = name == "the shared head once"
+            clock = time.perf_counter()
+            if shared:
+                kept.fill(
+                    target, [{"input_ids": r} for r in fill_rows], head.aux_layers, 0, torch.device("cpu")
+                )
+            else:
+                for start in range(0, len(fill_rows), FILL_ROWS):
+                    chunk = fill_rows[start : start + FILL_ROWS]
+                    part = collate([{"input_ids": r, "labels": r} for r in chunk], 0)
+                    kept.target_pass(target, part, head.aux_layers)
+            fills[name].append(1000 * (time.perf_counter() - clock) / len(fill_rows))
     whole = statistics.mean(times["whole step"])
     lines = ["| part | ms per step | share of the step |", "| --- | ---: | ---: |"]
     for name, values in times.items():
@@ -107,6 +131,10 @@ def main() -> None:
     lines += ["", "| rows a target forward | ms per row |", "| ---: | ---: |"]
     for n, values in per_row.items():
         lines.append(f"| {n} | {statistics.mean(values):.1f} ± {statistics.stdev(values):.1f} |")
+    lines += ["", f"| the feature cache's fill, {FILL_ROWS} rows a call, of 64 rows sharing 36 tokens | ms per row |",
+              "| --- | ---: |"]  # fmt: skip
+    for name, values in fills.items():
+        lines.append(f"| {name} | {statistics.mean(values):.1f} ± {statistics.stdev(values):.1f} |")
     setting = (
         f"Demo target, {args.rows} rows of {args.length} tokens a step, {torch.get_num_threads()} threads; "
         f"{args.repeats} interleaved rounds of {args.steps} steps each, mean ± std over the rounds."

@@ -161,6 +161,34 @@ def test_the_feature_cache_runs_the_target_once_per_row_and_trains_the_same_head
             assert step_cached["top1"] == pytest.approx(step["top1"], abs=1e-6), head
 
 
+def test_the_fill_runs_the_tokens_every_row_starts_with_once_and_keeps_each_rows_own_pass(tiny_target):
+    """Rows of different lengths that start with the same 7 tokens (a system prompt): the target runs those
+    7 once, and every row's kept features and final states are those of a pass over the row alone."""
+    from polydraft.train.eagle3 import FeatureCache, target_pass
+
+    torch.manual_seed(0)
+    head = torch.randint(5, 300, (7,)).tolist()
+    rows = [head + torch.randint(5, 300, (n,)).tolist() for n in (3, 9, 1, 14, 6, 5, 11, 2, 8, 4)]
+    calls = []
+    hook = tiny_target.model.layers[0].register_forward_hook(lambda m, a, out: calls.append(a[0].shape[:2]))
+    cache = FeatureCache(2**30)
+    try:
+        cache.fill(tiny_target, [{"input_ids": r} for r in rows], [1, 2, 3], 0, torch.device("cpu"))
+    finally:
+        hook.remove()
+    assert calls[0] == (1, 7), "the shared tokens first, alone"
+    assert sum(b * t for b, t in calls[1:]) < sum(len(r) for r in rows), "then only what follows them"
+    assert all(t <= 14 for _, t in calls[1:])
+    for row in rows:
+        ids = torch.tensor([row])
+        features, last, _ = target_pass(
+            tiny_target, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, [1, 2, 3]
+        )
+        kept_features, kept_last = cache.rows[ids[0].numpy().tobytes()]
+        torch.testing.assert_close(kept_features, features[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(kept_last, last[0], rtol=1e-4, atol=1e-5)
+
+
 def test_the_loss_is_the_kl_from_the_target_restricted_to_the_draft_vocabulary_chunked_or_not():
     """KL(p || q), p the target's softmax over the draft vocabulary's logits, on the rows whose target argmax
     is a draft token: as `F.kl_div` computes it, with its gradient, projected at once or 7 rows at a time."""
