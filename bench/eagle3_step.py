@@ -7,22 +7,25 @@ cache's fill of rows that share a head (`FeatureCache.fill`) against each row co
 
 The demo's setting: the committed demo target (24 layers, hidden 128), feature layers 2, 12 and 21, a
 1024-token draft vocabulary, 3 unrolled steps, the loss in chunks of 256 rows, batches of `--rows` random
-rows of `--length` tokens with the first 40 masked as the prompt. The three measurements are interleaved,
+rows of `--length` tokens with the first `--prompt` (40) masked as the prompt; with `--against`, the
+features-kept step of that commit's trainer too. The three measurements are interleaved,
 `--repeats` rounds of `--steps` each after a warm-up, and reported as mean ± std over the rounds.
 
-    python -m bench.eagle3_step [--rows 2] [--length 110] [--record bench/results/eagle3_step.md]
+    python -m bench.eagle3_step [--rows 2] [--length 110] [--prompt 40] [--against COMMIT] [--record FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
-from bench.held_out import record
+from bench.held_out import module_at, record
 from polydraft.models.eagle3 import head_for_target
 from polydraft.train.chunked_loss import model_head
 from polydraft.train.data import collate
@@ -36,6 +39,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=2)
     parser.add_argument("--length", type=int, default=110)
+    parser.add_argument("--prompt", type=int, default=40, help="the first tokens of each row, masked")
+    parser.add_argument("--against", help="also the features-kept step of this commit's train/eagle3.py")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--record", type=Path)
@@ -50,7 +55,7 @@ def main() -> None:
     teacher = model_head(target.get_output_embeddings(), target.config)
     ids = torch.randint(5, target.config.vocab_size, (args.rows, args.length))
     labels = ids.clone()
-    labels[:, :40] = IGNORE_INDEX
+    labels[:, : args.prompt] = IGNORE_INDEX
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
 
     def features() -> None:
@@ -68,8 +73,10 @@ def main() -> None:
     cache = FeatureCache(2**30)
     cache.target_pass(target, batch, head.aux_layers)
 
-    def cached_step(chunk_tokens: int | None) -> None:
-        sums, _ = ttt_losses(unroll, unroll, teacher, target, batch, chunk_tokens, cache)
+    def cached_step(chunk_tokens: int | None, trainer: ModuleType | None = None) -> None:
+        unrolled = unroll if trainer is None else trainer.Unroll(head, 3)
+        losses = ttt_losses if trainer is None else trainer.ttt_losses
+        sums, _ = losses(unrolled, unrolled, teacher, target, batch, chunk_tokens, cache)
         sums.sum().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -81,6 +88,10 @@ def main() -> None:
         "whole step, features kept, loss in chunks of 256": lambda: cached_step(256),
         "whole step, features kept, loss unchunked": lambda: cached_step(None),
     }
+    if args.against:
+        folder = Path(tempfile.mkdtemp())
+        then = module_at(args.against, "train/eagle3.py", "polydraft.train.eagle3_then", folder)
+        parts[f"the same, {args.against}'s train/eagle3.py"] = lambda: cached_step(None, then)
     for run in parts.values():
         run()
     times: dict[str, list[float]] = {name: [] for name in parts}
@@ -136,7 +147,8 @@ def main() -> None:
     for name, values in fills.items():
         lines.append(f"| {name} | {statistics.mean(values):.1f} ± {statistics.stdev(values):.1f} |")
     setting = (
-        f"Demo target, {args.rows} rows of {args.length} tokens a step, {torch.get_num_threads()} threads; "
+        f"Demo target, {args.rows} rows of {args.length} tokens a step (the first {args.prompt} masked), "
+        f"{torch.get_num_threads()} threads; "
         f"{args.repeats} interleaved rounds of {args.steps} steps each, mean ± std over the rounds."
     )
     record("eagle3_step", setting, lines, args.record)

@@ -1,15 +1,18 @@
 """What the bench scripts that decode the demo's held-out prompts share: the recipe's target, tokenizer and
 eval sets loaded as the measure stage loads them, `mean ± std` cells, and the dated section each appends to
-its record file (`--record`)."""
+its record file (`--record`), and a module as another commit has it (`--against`)."""
 
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import platform
 import statistics
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -71,3 +74,22 @@ def record(script: str, setting: str, lines: list[str], path: Path | None) -> No
     if path:
         with open(path, "a", encoding="utf-8") as handle:
             handle.write("\n" + text)
+
+
+def module_at(commit: str, path: str, name: str, folder: Path) -> ModuleType:
+    """`path` of the repository at `commit`, imported as module `name`."""
+    source = subprocess.run(
+        ["git", "show", f"{commit}:{path}"],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    file = folder / f"{name.rsplit('.', 1)[-1]}.py"
+    file.write_text(source.stdout)
+    spec = importlib.util.spec_from_file_location(name, file)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module

@@ -17,12 +17,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
@@ -32,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 import polydraft.decoding.rsd as rsd  # noqa: E402
 import polydraft.decoding.tree as tree  # noqa: E402
 from bench.engine_overhead import UPSTREAM  # noqa: E402
+from bench.held_out import module_at  # noqa: E402
 from polydraft.decoding.measurement.eval_inputs import repetition_prompts  # noqa: E402
 from polydraft.decoding.measurement.groups import method_label  # noqa: E402
 from polydraft.decoding.sampling import Sampling  # noqa: E402
@@ -40,21 +38,6 @@ from polydraft.pipelines.runtime.target import resolve_target  # noqa: E402
 from polydraft.pipelines.schema.inputs import MeasureInputs  # noqa: E402
 from polydraft.pipelines.stages.measure import load  # noqa: E402
 from polydraft.pipelines.stages.measure_methods import build_methods  # noqa: E402
-
-
-def module_at(commit: str, path: str, name: str, folder: Path) -> ModuleType:
-    """`path` of the repository at `commit`, imported as module `name`."""
-    source = subprocess.run(
-        ["git", "show", f"{commit}:{path}"], cwd=ROOT, capture_output=True, text=True, check=True
-    )
-    file = folder / f"{name.rsplit('.', 1)[-1]}.py"
-    file.write_text(source.stdout)
-    spec = importlib.util.spec_from_file_location(name, file)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def main() -> None:

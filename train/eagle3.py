@@ -13,6 +13,9 @@ between steps (the "online" mode of the reference and of SpecForge). Then the he
 - step j at i is trained towards the target's distribution at position i + j + 1 (the one that predicts
   x_{i+j+2}).
 
+A position's later steps read nothing of other positions' later steps, so steps j > 0 run only where some
+step from 1 on carries loss (before an answer token; about a third of a demo row), packed per row (`Unroll`).
+
 Positions: the reference implementations keep step 0's position ids at every step; here step j's queries
 and keys sit at i + j, where vLLM's proposer and `decoding.eagle3` put the j-th draft step, so the head
 learns the relative positions it drafts with.
@@ -68,14 +71,16 @@ class Eagle3Settings:
 # ----------------------------------------------------------------------------- the unrolled head
 
 
-def ttt_mask(length: int, step: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The additive mask [1, 1, T, (step + 1) T] of step `step`'s queries over the keys of steps 0..step:
-    causal over step 0's, the same position only over each later step's."""
-    blocks = [torch.ones(length, length, dtype=torch.bool, device=device).tril()]
-    blocks += [torch.eye(length, dtype=torch.bool, device=device)] * step
-    allowed = torch.cat(blocks, dim=1)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min).view(1, 1, *allowed.shape)
+def ttt_mask(slots: torch.Tensor, length: int, step: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask [B, 1, M, length + step M] of step `step`'s queries, which sit at the positions
+    `slots` [B, M] of each row, over the keys of steps 0..step: step 0's at every position up to the
+    query's own, each later step's (computed at the same slots) at the same slot only."""
+    keys = torch.arange(length, device=slots.device)
+    allowed = [keys.view(1, 1, -1) <= slots.unsqueeze(-1)]
+    same = torch.eye(slots.shape[1], dtype=torch.bool, device=slots.device).expand(slots.shape[0], -1, -1)
+    allowed = torch.cat(allowed + [same] * step, dim=-1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=slots.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min).unsqueeze(1)
 
 
 def step_rows(labels: torch.Tensor, step: int) -> torch.Tensor:
@@ -86,8 +91,22 @@ def step_rows(labels: torch.Tensor, step: int) -> torch.Tensor:
     return valid
 
 
+def packed_slots(wanted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots [B, M], filled [B, M]) for `wanted` [B, T] bool, M its most positions in a row: each row's
+    wanted positions in order, then other positions of the row (`filled` False) up to M."""
+    order = torch.sort((~wanted).to(torch.int8), dim=1, stable=True).indices
+    width = int(wanted.sum(1).max())
+    filled = torch.arange(width, device=wanted.device) < wanted.sum(1, keepdim=True)
+    return order[:, :width], filled
+
+
 class Unroll(nn.Module):
-    """The head unrolled for the training-time test: the one module accelerate prepares."""
+    """The head unrolled for the training-time test: the one module accelerate prepares.
+
+    Step 0 runs over every position: its keys are the committed prefix every later step reads. A later
+    step at position i reads only step 0's keys and its own chain at i, so steps 1.. run only at the positions
+    some step from 1 on trains (those before an answer token, about a third of a demo row), packed per row:
+    the same outputs at those positions as steps over every position, for a fraction of the work."""
 
     def __init__(self, head: Eagle3Head, steps: int) -> None:
         super().__init__()
@@ -98,19 +117,36 @@ class Unroll(nn.Module):
     ) -> list[torch.Tensor]:
         """Per step, the rows `rows[j]` [B, T] select: the head's final-norm outputs [N_j, H], or with
         `project` its draft logits [N_j, V_draft]."""
-        batch, length, _ = embeds.shape
+        batch, length, width = embeds.shape
         hidden = self.head.project(features)
         cache = DynamicCache()
-        out = []
-        for j in range(self.steps):
-            # the token after each position's input, j + 1 ahead (the tail reads zeros: no loss there)
-            tokens = torch.cat([embeds[:, j + 1 :], embeds.new_zeros(batch, j + 1, embeds.shape[-1])], 1)
-            positions = torch.arange(j, j + length, device=embeds.device).expand(batch, -1)
-            mask = ttt_mask(length, j, hidden.dtype, hidden.device)
-            hidden = self.head(tokens, hidden, positions, mask, cache)
-            normed = self.head.normed(hidden[rows[j]])
-            out.append(self.head.lm_head(normed) if project else normed)
+        # the token after each position's input, j + 1 ahead at step j (past the end: zeros, no loss there)
+        ahead = torch.cat([embeds, embeds.new_zeros(batch, self.steps, width)], 1)
+        slots = torch.arange(length, device=embeds.device).expand(batch, -1)
+        hidden = self._step(0, hidden, ahead, slots, length, cache)
+        out = [self._emitted(hidden[rows[0]], project)]
+        if self.steps == 1:
+            return out
+        wanted = torch.stack(rows[1:]).any(0)
+        if not bool(wanted.any()):  # no later step trains in this batch: empty rows, still in the graph
+            return out + [self._emitted(hidden[r], project) for r in rows[1:]]
+        slots, filled = packed_slots(wanted)
+        hidden = hidden.gather(1, slots.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+        for j in range(1, self.steps):
+            hidden = self._step(j, hidden, ahead, slots, length, cache)
+            out.append(self._emitted(hidden[rows[j].gather(1, slots) & filled], project))
         return out
+
+    def _step(
+        self, j: int, hidden: torch.Tensor, ahead: torch.Tensor, slots: torch.Tensor, length: int, cache: Any
+    ) -> torch.Tensor:
+        """Step j at the positions `slots` [B, M]: the token j + 1 ahead of each, at position i + j."""
+        tokens = ahead.gather(1, (slots + j + 1).unsqueeze(-1).expand(-1, -1, ahead.shape[-1]))
+        return self.head(tokens, hidden, slots + j, ttt_mask(slots, length, j, hidden.dtype), cache)
+
+    def _emitted(self, outputs: torch.Tensor, project: bool) -> torch.Tensor:
+        normed = self.head.normed(outputs)
+        return self.head.lm_head(normed) if project else normed
 
 
 # ----------------------------------------------------------------------------- the loss
@@ -239,10 +275,11 @@ class _Head:
 
 def _shared_head(target: nn.Module, head: list[int], aux_layers: list[int], device: torch.device) -> _Head:
     ids = torch.tensor([head], device=device)
+    cache = DynamicCache(config=target.config)
     with feature_capture(target, aux_layers) as states:
-        out = target.base_model(input_ids=ids, use_cache=True)
+        out = target.base_model(input_ids=ids, use_cache=True, **cache_kwargs(target.base_model, cache))
     features = torch.cat(states, dim=-1)[0].to(device)
-    return _Head(len(head), out.past_key_values, features, out.last_hidden_state[0].to(device))
+    return _Head(len(head), cache, features, out.last_hidden_state[0].to(device))
 
 
 def _after_head(

@@ -31,12 +31,65 @@ BLOCK = {"enabled": True, "aux_layers": [1, 2, 3], "draft_vocab_size": 300, "ttt
 
 
 def test_step_j_attends_to_the_committed_prefix_and_its_own_earlier_steps_at_the_same_position():
-    allowed = ttt_mask(3, 2, torch.float32, torch.device("cpu"))[0, 0] == 0
+    allowed = ttt_mask(torch.arange(3).view(1, 3), 3, 2, torch.float32)[0, 0] == 0
     assert allowed.tolist() == [
         [True, False, False, True, False, False, True, False, False],
         [True, True, False, False, True, False, False, True, False],
         [True, True, True, False, False, True, False, False, True],
     ]
+    # queries at positions 1 and 3 only: step 0's keys up to each, then each slot's own
+    allowed = ttt_mask(torch.tensor([[1, 3]]), 4, 1, torch.float32)[0, 0] == 0
+    assert allowed.tolist() == [
+        [True, True, False, False, True, False],
+        [True, True, True, True, False, True],
+    ]
+
+
+def test_later_steps_only_where_they_train_give_the_outputs_and_gradients_of_every_position():
+    """Steps 1 and 2 run packed at the positions some later step trains (rows of different lengths and
+    answers): the per-step outputs and every gradient equal those of the three steps run at every position
+    with the full mask (written out here)."""
+    from transformers import DynamicCache, LlamaConfig
+
+    from polydraft.models.eagle3 import Eagle3Head, layer_config
+    from polydraft.train.eagle3 import Unroll
+
+    torch.manual_seed(0)
+    target = LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                         num_hidden_layers=3, max_position_embeddings=64)  # fmt: skip
+    head = Eagle3Head(layer_config(target, None), 16, [0, 1, 2], torch.arange(0, 50, 2))
+    features, embeds = torch.randn(2, 12, 48), torch.randn(2, 12, 16)
+    labels = torch.full((2, 12), X)
+    labels[0, 5:10], labels[1, 8:12] = 1, 1  # answers at 5..9 and 8..11; row 0 padded after 9
+    rows = [step_rows(labels, j) for j in range(3)]
+
+    def every_position() -> list[torch.Tensor]:
+        hidden, cache, out = head.project(features), DynamicCache(), []
+        for j in range(3):
+            tokens = torch.cat([embeds[:, j + 1 :], embeds.new_zeros(2, j + 1, 16)], 1)
+            blocks = [torch.ones(12, 12, dtype=torch.bool).tril()] + [torch.eye(12, dtype=torch.bool)] * j
+            mask = torch.zeros(12, 12 * (j + 1)).masked_fill_(
+                ~torch.cat(blocks, 1), torch.finfo(torch.float32).min
+            )
+            hidden = head(
+                tokens, hidden, torch.arange(j, j + 12).expand(2, -1), mask.view(1, 1, 12, -1), cache
+            )
+            out.append(head.lm_head(head.normed(hidden[rows[j]])))
+        return out
+
+    def outputs_and_grads(run) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        head.zero_grad()
+        out = run()
+        sum((o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum() for o in out).backward()
+        return [o.detach() for o in out], [p.grad.clone() for p in head.parameters()]
+
+    packed, packed_grads = outputs_and_grads(lambda: Unroll(head, 3)(features, embeds, rows, project=True))
+    full, full_grads = outputs_and_grads(every_position)
+    assert [o.shape[0] for o in packed] == [int(r.sum()) for r in rows] == [9, 9, 9]
+    for a, b in zip(packed, full, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(packed_grads, full_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_step_j_at_i_learns_the_target_at_i_plus_j_plus_1_where_token_i_plus_j_plus_2_is_an_answer():
