@@ -92,10 +92,11 @@ def step_rows(labels: torch.Tensor, step: int) -> torch.Tensor:
 
 
 def packed_slots(wanted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(slots [B, M], filled [B, M]) for `wanted` [B, T] bool, M its most positions in a row: each row's
-    wanted positions in order, then other positions of the row (`filled` False) up to M."""
+    """(slots [B, M], filled [B, M]) for `wanted` [B, T] bool, M its most positions in a row (at least 1:
+    every process of a run calls the head as often, whatever its batch): each row's wanted positions in
+    order, then other positions of the row (`filled` False) up to M."""
     order = torch.sort((~wanted).to(torch.int8), dim=1, stable=True).indices
-    width = int(wanted.sum(1).max())
+    width = max(1, int(wanted.sum(1).max()))
     filled = torch.arange(width, device=wanted.device) < wanted.sum(1, keepdim=True)
     return order[:, :width], filled
 
@@ -127,10 +128,7 @@ class Unroll(nn.Module):
         out = [self._emitted(hidden[rows[0]], project)]
         if self.steps == 1:
             return out
-        wanted = torch.stack(rows[1:]).any(0)
-        if not bool(wanted.any()):  # no later step trains in this batch: empty rows, still in the graph
-            return out + [self._emitted(hidden[r], project) for r in rows[1:]]
-        slots, filled = packed_slots(wanted)
+        slots, filled = packed_slots(torch.stack(rows[1:]).any(0))
         hidden = hidden.gather(1, slots.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
         for j in range(1, self.steps):
             hidden = self._step(j, hidden, ahead, slots, length, cache)

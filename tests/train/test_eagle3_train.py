@@ -90,6 +90,12 @@ def test_later_steps_only_where_they_train_give_the_outputs_and_gradients_of_eve
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     for a, b in zip(packed_grads, full_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    # a batch whose answers leave the later steps nothing to train: they still run, on one empty slot a row
+    labels = torch.full((2, 12), X)
+    labels[:, 2] = 1
+    out = Unroll(head, 3)(features, embeds, [step_rows(labels, j) for j in range(3)], project=True)
+    assert [o.shape[0] for o in out] == [2, 0, 0]
+    sum(o.sum() for o in out).backward()
 
 
 def test_step_j_at_i_learns_the_target_at_i_plus_j_plus_1_where_token_i_plus_j_plus_2_is_an_answer():
