@@ -11,10 +11,7 @@ between steps (the "online" mode of the reference and of SpecForge). Then the he
   at positions <= i and to its own earlier steps' keys at i: what the j-th draft step of a round sees at
   inference (the committed prefix read with true features, then the chain's own steps);
 - step j at i is trained towards the target's distribution at position i + j + 1 (the one that predicts
-  x_{i+j+2}).
-
-A position's later steps read nothing of other positions' later steps, so steps j > 0 run only where some
-step from 1 on carries loss (before an answer token; about a third of a demo row), packed per row (`Unroll`).
+  x_{i+j+2}); steps j > 0 run only where some of them carries loss (`Unroll`).
 
 Positions: the reference implementations keep step 0's position ids at every step; here step j's queries
 and keys sit at i + j, where vLLM's proposer and `decoding.eagle3` put the j-th draft step, so the head
@@ -34,6 +31,7 @@ The stage entry point is `pipelines.stages.eagle3`.
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -248,27 +246,17 @@ class FeatureCache:
 
 def _common_head(rows: Sequence[list[int]]) -> list[int]:
     """The tokens every row starts with, each row keeping at least one token after them."""
-    if not rows:
-        return []
-    head = rows[0][: min(len(r) for r in rows) - 1]
-    for row in rows[1:]:
-        same = 0
-        while same < len(head) and row[same] == head[same]:
-            same += 1
-        head = head[:same]
-    return head
+    return os.path.commonprefix(list(rows))[: min(len(r) for r in rows) - 1] if rows else []
 
 
 @dataclass
 class _Head:
-    """The target's pass over the tokens a chunk of rows shares: its cache, features and final states."""
+    """The target's pass over the h tokens a chunk of rows starts with: its cache, its features [h, 3H]
+    and final states [h, H]."""
 
-    length: int
     cache: Any
     features: torch.Tensor
-    """[h, 3H]"""
     last: torch.Tensor
-    """[h, H]"""
 
 
 def _shared_head(target: nn.Module, head: list[int], aux_layers: list[int], device: torch.device) -> _Head:
@@ -277,7 +265,7 @@ def _shared_head(target: nn.Module, head: list[int], aux_layers: list[int], devi
     with feature_capture(target, aux_layers) as states:
         out = target.base_model(input_ids=ids, use_cache=True, **cache_kwargs(target.base_model, cache))
     features = torch.cat(states, dim=-1)[0].to(device)
-    return _Head(len(head), cache, features, out.last_hidden_state[0].to(device))
+    return _Head(cache, features, out.last_hidden_state[0].to(device))
 
 
 def _after_head(
@@ -290,8 +278,9 @@ def _after_head(
     ids, tail_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
     cache = copy.deepcopy(head.cache)
     cache.batch_repeat_interleave(len(tails))
-    mask = torch.cat([tail_mask.new_ones(len(tails), head.length), tail_mask], dim=1)
-    positions = torch.arange(head.length, head.length + ids.shape[1], device=device).expand(len(tails), -1)
+    length = head.features.shape[0]
+    mask = torch.cat([tail_mask.new_ones(len(tails), length), tail_mask], dim=1)
+    positions = torch.arange(length, length + ids.shape[1], device=device).expand(len(tails), -1)
     with feature_capture(target, aux_layers) as states:
         out = target.base_model(
             input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
