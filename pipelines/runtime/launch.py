@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel
 
 from polydraft.pipelines.runtime.contract import (
@@ -27,6 +26,7 @@ from polydraft.pipelines.runtime.nodes import Machines, processes_per_node, usab
 from polydraft.pipelines.schema import (
     LaunchConfig,
 )
+from polydraft.pipelines.schema.common import AccelerateFile
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def resolve_accelerate_config(path: str) -> Path:
 
 def distributed_type(config_file: Path) -> str:
     """An accelerate config's `distributed_type` (`NO` when it names none)."""
-    return str((yaml.safe_load(config_file.read_text(encoding="utf-8")) or {}).get("distributed_type", "NO"))
+    return AccelerateFile.read(config_file).distributed_type
 
 
 def cpu_fallback(config_file: Path) -> str | None:

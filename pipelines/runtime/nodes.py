@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
+from polydraft.pipelines.schema.common import AccelerateFile
 
 if TYPE_CHECKING:
     from polydraft.pipelines.schema import Recipe
@@ -55,8 +55,8 @@ class NodeError(RuntimeError):
 
 def machines_of(config_file: Path) -> tuple[int, int]:
     """(num_machines, machine_rank) of an accelerate config file."""
-    config = yaml.safe_load(config_file.read_text(encoding="utf-8")) or {}
-    return int(config.get("num_machines", 1)), int(config.get("machine_rank", 0))
+    config = AccelerateFile.read(config_file)
+    return config.num_machines, config.machine_rank
 
 
 @dataclass(frozen=True)
@@ -133,8 +133,8 @@ def processes_per_node(config_file: Path, recipe_count: int | None) -> int:
     `num_processes` (accelerate's total over its `num_machines`) divided by its `num_machines`."""
     if recipe_count is not None:
         return recipe_count
-    config = yaml.safe_load(config_file.read_text(encoding="utf-8")) or {}
-    return max(1, int(config.get("num_processes", 1)) // max(1, int(config.get("num_machines", 1))))
+    config = AccelerateFile.read(config_file)
+    return max(1, config.num_processes // max(1, config.num_machines))
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

@@ -5,6 +5,7 @@ Every field's default lives here and is documented once, in the docstring under 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
@@ -295,6 +296,25 @@ class LaunchConfig(StrictModel):
     """Train on the CPU even when a GPU exists. Multi-process CPU runs use gloo DDP."""
     env: dict[str, str] = Field(default_factory=dict)
     """Extra environment variables for the training processes."""
+
+
+class AccelerateFile(BaseModel):
+    """What polydraft reads of the accelerate config file `launch.accelerate_config` names, with accelerate's
+    own default for a key the file leaves out; every other key is accelerate's alone."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    distributed_type: str = "NO"
+    num_machines: int = 1
+    num_processes: int = 1
+    """accelerate's count over all its `num_machines`."""
+    machine_rank: int = 0
+
+    @classmethod
+    def read(cls, path: Path) -> AccelerateFile:
+        import yaml
+
+        return cls.model_validate(yaml.safe_load(path.read_text(encoding="utf-8")) or {})
 
 
 class RunnerConfig(StrictModel):
