@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
+import yaml
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from polydraft.data.offline import KINDS
@@ -312,8 +313,6 @@ class AccelerateFile(BaseModel):
 
     @classmethod
     def read(cls, path: Path) -> AccelerateFile:
-        import yaml
-
         return cls.model_validate(yaml.safe_load(path.read_text(encoding="utf-8")) or {})
 
 
