@@ -33,7 +33,8 @@ from bench.held_out import load_held_out, mean_std, record  # noqa: E402
 from polydraft.decoding.control import FixedK  # noqa: E402
 from polydraft.decoding.engine import autoregressive  # noqa: E402
 from polydraft.decoding.lm import CachedLM  # noqa: E402
-from polydraft.decoding.measurement.latency import chain_cost, predicted_speedup, run_latencies  # noqa: E402
+from polydraft.decoding.measurement.costs import chain_cost, predicted_speedup  # noqa: E402
+from polydraft.decoding.measurement.latency import run_latencies  # noqa: E402
 from polydraft.decoding.measurement.metrics import summarize  # noqa: E402
 from polydraft.decoding.sampling import Sampling  # noqa: E402
 from polydraft.decoding.sd import speculative  # noqa: E402

@@ -44,9 +44,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from polydraft.decoding.lm import CachedLM  # noqa: E402
+from polydraft.decoding.measurement.costs import predicted_speedup  # noqa: E402
 from polydraft.decoding.measurement.eval_inputs import repetition_prompts  # noqa: E402
 from polydraft.decoding.measurement.groups import method_label  # noqa: E402
-from polydraft.decoding.measurement.latency import predicted_speedup  # noqa: E402
 from polydraft.decoding.sampling import Sampling  # noqa: E402
 from polydraft.pipelines.run.recipe import load_recipe  # noqa: E402
 from polydraft.pipelines.runtime.target import resolve_target  # noqa: E402

@@ -20,8 +20,8 @@ import torch
 
 from polydraft.decoding.engine import Generation
 from polydraft.decoding.lm import CachedLM, parameter_count
+from polydraft.decoding.measurement.costs import RoundCost, predicted_speedup
 from polydraft.decoding.measurement.eval_inputs import EAGLE3_PREFIX, DrafterSource, EvalSet
-from polydraft.decoding.measurement.latency import RoundCost, predicted_speedup
 from polydraft.decoding.measurement.metrics import summarize
 from polydraft.decoding.measurement.results import MeasureMetrics, MethodHeadline, ResultRow, prompt_results
 

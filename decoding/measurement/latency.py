@@ -25,7 +25,9 @@ target steps (bench/results/demo_task.md). Timing the models apart would charge 
 The `ar` step likewise follows an untimed step of the target, as `ar` makes its steps: timed right
 after the other probes' calls instead, it took 6.04 ms against 5.2-6.2 ms per call (prefills included)
 in the same run's `ar` decoding, which put `sd` at 85% of a prediction it could not reach.
-Tree rounds are timed apart, size by size (their prediction leaves it out).
+A tree verification is timed the same way, right after a drafter's root step and level calls of a
+round, the drafters in turn over the repeats: timed on the target alone, size after size, the size of
+10 took 14.41 ms against 15.01 ms (median) in the same run's `rsd_s` rounds (engine_overhead.md).
 
 The prediction is a model, not a bound: latencies timed in a probe differ from those inside the decoding
 (the shares of it reached were 86-108% over four runs of the same drafters, bench/results/demo_task.md),
@@ -55,7 +57,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from polydraft.decoding.engine import Generation, Round
 from polydraft.decoding.lm import CachedLM
 from polydraft.decoding.tree import TreeShape, tree_attention
 
@@ -87,9 +88,6 @@ class ChainRounds:
 
     def as_json(self) -> dict[str, dict[str, float] | list[float]]:
         return {"verify": {str(n): s for n, s in sorted(self.verify.items())}, "draft": self.draft}
-
-
-RoundCost = Callable[[Round], float]
 
 
 def _check(context: Tensor, sizes: Sequence[int], repeats: int) -> None:
@@ -153,14 +151,37 @@ def _lm_once(
             chain[n] = _timed(lm, tokens[:, :n])
         lm.crop(length)
     for n in tree_sizes:
-        rows = torch.ones(n, n, dtype=torch.bool, device=lm.device).tril()
-        mask = tree_attention(length, 0, rows, lm.dtype)
-        positions = torch.arange(length, length + n, device=lm.device).view(1, -1)
-        before = lm.seconds
-        lm.forward(tokens[:, :n], n, positions, mask)
-        tree[n] = lm.seconds - before
+        tree[n] = _tree_call(lm, tokens, n)
         lm.crop(length)
     return Latencies(chain, tree)
+
+
+def _tree_call(lm: CachedLM, tokens: Tensor, n: int) -> float:
+    """Seconds of one masked call of `lm` on n new tokens after its cached positions, a causal pattern
+    given as the explicit additive mask with explicit positions (a chain is a tree of one child each)."""
+    length = lm.length
+    rows = torch.ones(n, n, dtype=torch.bool, device=lm.device).tril()
+    mask = tree_attention(length, 0, rows, lm.dtype)
+    positions = torch.arange(length, length + n, device=lm.device).view(1, -1)
+    before = lm.seconds
+    lm.forward(tokens[:, :n].to(lm.device), n, positions, mask)
+    return lm.seconds - before
+
+
+def _trees_once(
+    target: CachedLM, drafter: CachedLM, tokens: Tensor, length: int, sizes: Sequence[int], levels: list[int]
+) -> dict[int, float]:
+    """Each tree verification size of the target right after a drafter's calls of a tree round (its root
+    step, then one masked call per size in `levels`), as `tree_decode` makes them; both cropped back."""
+    tree: dict[int, float] = {}
+    for n in sizes:
+        drafter.forward(tokens[:, :1].to(drafter.device))
+        for size in levels:
+            _tree_call(drafter, tokens, size)
+        tree[n] = _tree_call(target, tokens, n)
+        target.crop(length)
+        drafter.crop(length)
+    return tree
 
 
 def _rounds(
@@ -300,56 +321,12 @@ def self_speculative_latencies(model, context: Tensor, max_drafts: int, repeats:
     return _median_rounds(samples)
 
 
-def chain_cost(rounds: ChainRounds) -> RoundCost:
-    """Cost of a chain round: t_T(k + 1) + t_D,1 + ... + t_D,k."""
-
-    def cost(round: Round) -> float:
-        return rounds.verify[round.drafted + 1] + sum(rounds.draft[: round.drafted])
-
-    return cost
-
-
-def ar_cost(target: Latencies) -> RoundCost:
-    """Cost of an `ar` round: one target step."""
-    return lambda round: target.chain[1]
-
-
-def tree_cost(target: Latencies, drafter: Latencies, shape: TreeShape) -> RoundCost:
-    """Cost of a tree round: t_T(N + 1) masked, t_D(1) on the root, a masked call per level but the last."""
-
-    def cost(round: Round) -> float:
-        if round.draft_length == 0:  # one token left: a plain target step
-            return target.chain[1]
-        levels = shape.level_sizes(round.draft_length)[:-1]
-        return target.tree[round.drafted + 1] + drafter.chain[1] + sum(drafter.tree[size] for size in levels)
-
-    return cost
-
-
-def predicted_speedup(
-    generations: Sequence[Generation],
-    target_step: float,
-    cost: RoundCost,
-    prefill: float = 0.0,
-    ar_prefill: float = 0.0,
-) -> float | None:
-    """(generations x `ar_prefill` + tokens x t_T(1)) / (generations x `prefill` + sum of the rounds'
-    costs) over these generations (None without rounds): `prefill` is the method's extra for its first
-    calls on a prompt, `ar_prefill` the target's (F_T)."""
-    rounds = [r for g in generations for r in g.rounds]
-    if not rounds:
-        return None
-    tokens = sum(len(g.tokens) for g in generations)
-    count = len(generations)
-    return (count * ar_prefill + tokens * target_step) / (count * prefill + sum(cost(r) for r in rounds))
-
-
 @dataclass(frozen=True)
 class RunLatencies:
     """What a measure run's predicted speedups are computed from."""
 
     target: Latencies
-    """The target alone: an `ar` step, and every tree verification size."""
+    """The target's `ar` step, and every tree verification size (after a drafter's tree calls)."""
     drafters: dict[str, Latencies]
     """Standalone drafters alone, by name: one step, and every tree level size."""
     rounds: dict[str, ChainRounds]
@@ -400,11 +377,13 @@ def run_latencies(
     max_nodes = max((shape.max_nodes for shape in shapes), default=0)
     levels = sorted({size for shape in shapes for size in shape.level_sizes(shape.depth)[:-1]})
     all_levels = list(range(1, max(levels) + 1)) if levels else []
+    # the levels of a round of the first tree: what the drafter calls before the target's tree verification
+    levels_of_round = shapes[0].level_sizes(shapes[0].depth)[:-1] if shapes else []
     tree_sizes = list(range(2, max_nodes + 2)) if shapes else []
     _check(context, [max_draft_length + 1, *tree_sizes], repeats)
     length = _prefill(target, context, tree_sizes)
     for lm in drafters.values():
-        _prefill(lm, context, all_levels)
+        _prefill(lm, context, [*all_levels, 1 + sum(levels_of_round)] if levels_of_round else all_levels)
     for model in self_speculative.values():
         _prefill_self_speculative(model, context.to(model.device))
     for featured, head in eagle3.values():
@@ -415,8 +394,17 @@ def run_latencies(
     round_samples: dict[str, list[ChainRounds]] = {
         name: [] for name in [*drafters, *self_speculative, *eagle3]
     }
-    for _ in range(repeats):
-        target_samples.append(_lm_once(target, tokens.to(target.device), length, [1], tree_sizes, warm=True))
+    standalone = list(drafters.values())
+    for repeat in range(repeats):
+        if shapes and standalone:  # tree sizes after a drafter's tree calls, the drafters in turn
+            step = _lm_once(target, tokens.to(target.device), length, [1], [], warm=True)
+            drafter = standalone[repeat % len(standalone)]
+            trees = _trees_once(target, drafter, tokens, length, tree_sizes, levels_of_round)
+            target_samples.append(Latencies(step.chain, trees))
+        else:
+            target_samples.append(
+                _lm_once(target, tokens.to(target.device), length, [1], tree_sizes, warm=True)
+            )
         for name, lm in drafters.items():
             drafter_samples[name].append(_lm_once(lm, tokens.to(lm.device), length, [1], all_levels))
             round_samples[name].append(_rounds_once(target, lm, tokens, length, max_draft_length))

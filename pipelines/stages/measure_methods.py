@@ -15,9 +15,10 @@ from polydraft.decoding.eagle3 import eagle3_decode
 from polydraft.decoding.engine import autoregressive
 from polydraft.decoding.lattice import CandidateTree
 from polydraft.decoding.lm import CachedLM
+from polydraft.decoding.measurement.costs import ar_cost, chain_cost, tree_cost
 from polydraft.decoding.measurement.eval_inputs import EvalSet
 from polydraft.decoding.measurement.groups import Drafter, Method
-from polydraft.decoding.measurement.latency import RunLatencies, ar_cost, chain_cost, run_latencies, tree_cost
+from polydraft.decoding.measurement.latency import RunLatencies, run_latencies
 from polydraft.decoding.rsd import recursive_speculative
 from polydraft.decoding.sampling import Sampling
 from polydraft.decoding.sd import speculative

@@ -7,17 +7,14 @@ import torch
 
 from polydraft.decoding.engine import Generation, Round
 from polydraft.decoding.lm import CachedLM
+from polydraft.decoding.measurement.costs import ar_cost, chain_cost, predicted_speedup, tree_cost
 from polydraft.decoding.measurement.latency import (
     ChainRounds,
     Latencies,
-    ar_cost,
-    chain_cost,
     chain_round_latencies,
     lm_latencies,
-    predicted_speedup,
     run_latencies,
     self_speculative_latencies,
-    tree_cost,
 )
 from polydraft.decoding.tree import TreeShape
 from polydraft.models.tiny import build_llama
@@ -251,3 +248,25 @@ def test_the_ar_step_is_the_mean_of_consecutive_steps_after_an_untimed_one(monke
     run = run_latencies(target, {}, {}, {}, torch.arange(3, 15).view(1, -1), 1, [], repeats=1)
     assert run.target.chain[1] == pytest.approx(4.5, abs=0.01)
     assert target.length == 0
+
+
+def test_tree_verifications_are_timed_right_after_a_drafters_tree_calls(tiny_lm, monkeypatch):
+    # as tree_decode makes them: the drafter's root step and a masked call per level, then the target's
+    # masked verification; timed on the target alone, a size is faster (its caches still hold it)
+    target = CachedLM(build_llama(64, 32, 4, 4, 64, seed=2))
+    calls: list[tuple[str, int, bool]] = []
+    forward = CachedLM.forward
+
+    def logged(self, input_ids, num_logits=1, position_ids=None, attention_mask=None):
+        calls.append(
+            ("target" if self is target else "drafter", input_ids.shape[1], attention_mask is not None)
+        )
+        return forward(self, input_ids, num_logits, position_ids, attention_mask)
+
+    monkeypatch.setattr(CachedLM, "forward", logged)
+    shape = TreeShape.beam(2, 3)  # levels of 2 nodes: the drafter calls 2 and 2 before a verification
+    run_latencies(target, {"d": tiny_lm}, {}, {}, torch.arange(3, 23).view(1, -1), 1, [shape], 2)
+    verifications = [i for i, (who, _, masked) in enumerate(calls) if who == "target" and masked]
+    assert len(verifications) == 2 * shape.max_nodes  # sizes 2..max_nodes + 1, in each of 2 repeats
+    for i in verifications:
+        assert calls[i - 3 : i] == [("drafter", 1, False), ("drafter", 2, True), ("drafter", 2, True)]
