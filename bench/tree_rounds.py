@@ -1,9 +1,9 @@
-"""The tree round's time between forward calls: this checkout's `decoding.tree` and `decoding.sampling`
-against another commit's, interleaved prompt by prompt in one process.
+"""The tree round's time between forward calls: this checkout's `decoding.tree`, `decoding.sampling` and
+`CachedLM.keep` (`decoding.lm`) against another commit's, interleaved prompt by prompt in one process.
 
 Loads a finished demo run's target and drafters as its measure stage does (`pipelines.stages.measure.load`),
 builds the `rsd_s` row of one drafter on one eval set, and decodes every repetition's prompts at T=0 twice
-per prompt, once with each version of the two modules (the order alternating), `--repeats` times. Prints
+per prompt, once with each version of the three pieces (the order alternating), `--repeats` times. Prints
 per version the wall time, the time inside the models' forward calls (the engine's own clocks) and the time
 between them per round, and checks that both versions wrote the same tokens.
 
@@ -26,6 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import polydraft.decoding.lm as lm  # noqa: E402
 import polydraft.decoding.rsd as rsd  # noqa: E402
 import polydraft.decoding.tree as tree  # noqa: E402
 from bench.engine_overhead import UPSTREAM  # noqa: E402
@@ -58,8 +59,10 @@ def main() -> None:
             args.against, "decoding/sampling.py", "polydraft.decoding.sampling_then", Path(folder)
         )
         other = module_at(args.against, "decoding/tree.py", "polydraft.decoding.tree_then", Path(folder))
+        other_lm = module_at(args.against, "decoding/lm.py", "polydraft.decoding.lm_then", Path(folder))
     other.stochastic_beam_step = other_sampling.stochastic_beam_step  # the tree round of that commit, whole
     versions = {args.against: other, "this checkout": tree}
+    keeps = {args.against: other_lm.CachedLM.keep, "this checkout": lm.CachedLM.keep}
 
     recipe = load_recipe(args.recipe)
     inputs = MeasureInputs.of(recipe, resolve_target(recipe.target, recipe.data, build=False))
@@ -83,8 +86,10 @@ def main() -> None:
                 order = list(versions) if (index + repeat) % 2 == 0 else list(versions)[::-1]
                 for name in order:
                     rsd.tree_decode, rsd.draft_tree = versions[name].tree_decode, versions[name].draft_tree
+                    lm.CachedLM.keep = keeps[name]  # the caches are this checkout's objects
                     results[name].append(method.decode(prompt, index))
     rsd.tree_decode, rsd.draft_tree = tree.tree_decode, tree.draft_tree
+    lm.CachedLM.keep = keeps["this checkout"]
     same = [g.tokens for g in results[args.against]] == [g.tokens for g in results["this checkout"]]
 
     lines = [

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from polydraft.decoding.sampling import Sampling, gumbel_topk, probabilities
-from polydraft.decoding.tree import Rescore, Tree, ancestor_mask
+from polydraft.decoding.tree import Rescore, Tree
 
 
 def head_log_probs(logits: Tensor, sampling: Sampling) -> Tensor:
@@ -142,7 +142,7 @@ def candidate_tree(
                 tokens.append(drawn[row][rank])
                 parents.append(parent)
                 depths.append(level)
-    tree = Tree(tokens, parents, depths, fed=0, ancestors=ancestor_mask(parents, range(len(tokens)), device))
+    tree = Tree(tokens, parents, depths, fed=0)
     if sampling.greedy:
         return tree, None
     rows = torch.tensor([0, *depths], device=device).clamp(max=head_logp.shape[0] - 1)

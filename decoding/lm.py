@@ -127,7 +127,9 @@ class CachedLM:
         if indices == list(range(len(indices))):
             self.crop(start + len(indices))
             return
-        index = torch.tensor(indices, device=self.device) + start
+        # positions before the first one that moves stay where they are; each later one is copied into
+        # place one by one (a path is a few positions: two views and a copy cost less than a gather)
+        first = next(place for place, index in enumerate(indices) if index != place)
         kept = start + len(indices)
         for layer in self.cache.layers:
             # a sliding layer that has not filled its window holds every position, like a full one
@@ -138,12 +140,13 @@ class CachedLM:
                 raise NotImplementedError(
                     f"tree decoding needs cache layers that hold every position, not {type(layer).__name__}"
                 )
-            # the chosen positions move down in place (index_select copies them first), the tail is dropped
-            at = index.to(layer.keys.device)  # each layer's cache sits on its layer's device
-            layer.keys[..., start:kept, :] = layer.keys.index_select(-2, at)
-            layer.values[..., start:kept, :] = layer.values.index_select(-2, at)
-            layer.keys = layer.keys[..., :kept, :]
-            layer.values = layer.values[..., :kept, :]
+            # the chosen positions move down in place, in increasing order (each moves to a place at or
+            # before its own, after every position that lands there has been read), the tail is dropped
+            for states in (layer.keys, layer.values):
+                for place in range(first, len(indices)):
+                    states.narrow(-2, start + place, 1).copy_(states.narrow(-2, start + indices[place], 1))
+            layer.keys = layer.keys.narrow(-2, 0, kept)
+            layer.values = layer.values.narrow(-2, 0, kept)
             if sliding:
                 layer.cumulative_length = kept
 

@@ -50,8 +50,6 @@ class Tree:
     depths: list[int] = field(default_factory=list)
     fed: int = 0
     """Nodes processed by the drafter (all levels but the last); their p(.|node) rows exist."""
-    ancestors: Tensor | None = None
-    """[N, N] bool on the models' device: ancestors[i, j] when node j is node i or one of its ancestors."""
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -64,16 +62,21 @@ class Tree:
         return result
 
 
-def ancestor_mask(parents: list[int], rows: Iterable[int], device: torch.device) -> Tensor:
-    """[len(rows), N] bool over the N nodes of `parents` (each node's parent comes before it, -1: the root):
-    row r marks node rows[r] and its ancestors (seed 002 Alg. 5: a node's row is its parent's plus itself).
+def ancestor_mask(
+    parents: list[int], rows: Iterable[int], device: torch.device, columns: list[int] | None = None
+) -> Tensor:
+    """[len(rows), len(columns)] bool over the nodes of `parents` (each node's parent comes before it, -1:
+    the root): entry (r, c) when node columns[c] is node rows[r] or one of its ancestors (seed 002 Alg. 5: a
+    node's row is its parent's plus itself). `columns` defaults to every node in order; the target's
+    verification gives its input order (`target_order`) for both.
 
     Built in Python, once per call: a tree is a few nodes, and a tensor op per node would cost more."""
     lineage: list[set[int]] = []
     for node, parent in enumerate(parents):
         lineage.append((lineage[parent] if parent >= 0 else set()) | {node})
-    marks = [[j in lineage[i] for j in range(len(parents))] for i in rows]
-    return torch.tensor(marks, dtype=torch.bool, device=device).reshape(len(marks), len(parents))
+    columns = list(range(len(parents))) if columns is None else columns
+    marks = [[j in lineage[i] for j in columns] for i in rows]
+    return torch.tensor(marks, dtype=torch.bool, device=device).reshape(len(marks), len(columns))
 
 
 def tree_attention(num_cached: int, num_pending: int, tree_rows: Tensor, dtype: torch.dtype) -> Tensor:
@@ -131,12 +134,12 @@ def tree_inputs(
     committed token).
     """
     device, cached = target.device, target.length
-    assert tree.ancestors is not None
-    slots = torch.tensor(order, device=device)
-    rows = tree.ancestors.index_select(0, slots).index_select(1, slots)
-    mask = tree_attention(cached, pending.shape[1], rows, target.dtype)
-    depths = torch.tensor([tree.depths[node] for node in order], device=device)
-    positions = torch.cat([torch.arange(cached, length, device=device), depths + (length - 1)]).view(1, -1)
+    mask = tree_attention(
+        cached, pending.shape[1], ancestor_mask(tree.parents, order, device, order), target.dtype
+    )
+    # one tensor per input, from Python lists: a tree is a few nodes
+    places = [*range(cached, length), *((length - 1) + tree.depths[node] for node in order)]
+    positions = torch.tensor(places, device=device).view(1, -1)
     nodes = torch.tensor([tree.tokens[node] for node in order], device=device).view(1, -1)
     return torch.cat([pending, nodes], dim=1), positions, mask
 
@@ -261,7 +264,6 @@ def draft_tree(
         parents=parents,
         depths=depths,
         fed=len(tokens) - len(frontier),
-        ancestors=ancestor_mask(parents, range(len(tokens)), device),
     )
     return tree, (torch.cat(dists) if dists else None)
 

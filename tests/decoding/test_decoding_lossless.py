@@ -16,7 +16,7 @@ from polydraft.decoding.lm import CachedLM
 from polydraft.decoding.rsd import DrafterTree, recursive_speculative
 from polydraft.decoding.sampling import Sampling, probabilities
 from polydraft.decoding.sd import speculative
-from polydraft.decoding.tree import TreeShape, draft_tree, target_order, tree_attention
+from polydraft.decoding.tree import TreeShape, ancestor_mask, draft_tree, target_order, tree_attention
 from tests.decoding_helpers import single_thread_fixture, tiny_pair
 
 single_thread = single_thread_fixture()
@@ -135,7 +135,9 @@ def test_tree_logits_equal_uncached_logits_of_each_path(pair, shape):
         )
         assert len(tree) > shape.depth  # a real tree, not a chain
         n = len(prompt)
-        mask = tree_attention(0, n, tree.ancestors, target.dtype)
+        mask = tree_attention(
+            0, n, ancestor_mask(tree.parents, range(len(tree)), target.device), target.dtype
+        )
         positions = torch.cat([torch.arange(n), torch.tensor(tree.depths) + n - 1]).view(1, -1)
         logits, _ = target.forward(torch.tensor([prompt + tree.tokens]), len(tree) + 1, positions, mask)
 

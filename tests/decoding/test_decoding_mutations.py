@@ -166,7 +166,8 @@ VARIANTS: dict[str, tuple[object, str, str, str, list[str]]] = {
         "lineage[parent - 1] if parent >= 1", ["greedy:rsd", "grid:rsd_s:T1-topp0.8"],
     ),
     "wrong tree position ids (depth + n)": (
-        polydraft.decoding.tree, "tree_inputs", "depths + (length - 1)", "depths + length", ["greedy:rsd", "grid:rsd_c:T0.7-topk2"],
+        polydraft.decoding.tree, "tree_inputs", "(length - 1) + tree.depths[node]", "length + tree.depths[node]",
+        ["greedy:rsd", "grid:rsd_c:T0.7-topk2"],
     ),
     "sd target cache not cropped after a rejection": (
         polydraft.decoding.sd, "DrafterProposer", "self.target.crop(n + accepted)", "self.target.crop(n + drafts)",
@@ -213,9 +214,9 @@ VARIANTS: dict[str, tuple[object, str, str, str, list[str]]] = {
         "rows = torch.tensor([0, *[d - 1 for d in depths]], device=device)",
         ["exact:medusa:T0.7-topk2", "grid:medusa:T1-topk2"],
     ),
-    "wrong tree mask for the medusa tree (a node does not see its ancestors)": (
-        polydraft.decoding.lattice, "candidate_tree", "ancestor_mask(parents, range(len(tokens)), device)",
-        "ancestor_mask([-1] * len(parents), range(len(tokens)), device)",
+    "wrong verification mask for the medusa tree (a node does not see its ancestors)": (
+        polydraft.decoding.tree, "tree_inputs", "ancestor_mask(tree.parents, order, device, order)",
+        "ancestor_mask([-1] * len(tree.parents), order, device, order)",
         ["greedy-table:medusa", "exact:medusa:T1-topp0.8"],
     ),
     "rescored lattice rows not renormalised over the top k": (

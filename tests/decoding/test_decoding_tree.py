@@ -45,6 +45,10 @@ def test_ancestor_mask_matches_brute_force_for_every_node_and_for_a_level(seed):
     assert torch.equal(ancestor_mask(tree.parents, range(size), torch.device("cpu")), expected)
     last = [i for i in range(size) if tree.depths[i] == max(tree.depths)]
     assert torch.equal(ancestor_mask(tree.parents, last, torch.device("cpu")), expected[last])
+    # in the target's input order (rows and columns both permuted), as its verification reads the tree
+    order = target_order(tree)
+    permuted = expected[order][:, order]
+    assert torch.equal(ancestor_mask(tree.parents, order, torch.device("cpu"), order), permuted)
 
 
 def test_ancestor_mask_of_no_rows_or_no_nodes_has_the_shape_it_names():
