@@ -18,7 +18,7 @@ process, `--repeats` times, and splits each method's measured time per round int
 Then `--profile` runs each method once more under cProfile and lists the engine's functions that take the
 `between` time (own time, the models' forward passes excluded), so the overhead can be read by function.
 
-    python -m bench.engine_overhead --run-dir runs/demo [--eval-set de-en] [--repeats 3] [--profile] \
+    python -m bench.engine_overhead --run-dir runs/demo/demo [--eval-set de-en] [--repeats 3] [--profile] \
         [--record bench/results/engine_overhead.md]
 
 Run it with nothing else on the machine.
@@ -119,7 +119,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "demo")
+    parser.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "demo" / "demo")
     parser.add_argument("--recipe", default=str(ROOT / "recipes" / "demo" / "demo.yaml"))
     parser.add_argument("--eval-set", default="de-en")
     parser.add_argument("--repeats", type=int, default=3)

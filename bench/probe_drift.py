@@ -9,7 +9,7 @@ first call), its verification of K + 1 positions and their ratio: the ratio is w
 of `sd` reads from them, so a probe that drifts with the process, or that times verifications unlike the
 decoding's, shows as a ratio that differs from the decoding's.
 
-    python -m bench.probe_drift --run-dir runs/demo [--drafter de-en] [--eval-set de-en] [--phases 2]
+    python -m bench.probe_drift --run-dir runs/demo/demo [--drafter de-en] [--eval-set de-en] [--phases 2]
         [--record bench/results/engine_overhead.md]
 
 Run it with nothing else on the machine (one thread: OMP_NUM_THREADS=1, as the demo's measure processes).
@@ -66,7 +66,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "demo")
+    parser.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "demo" / "demo")
     parser.add_argument("--recipe", default=str(ROOT / "recipes" / "demo" / "demo.yaml"))
     parser.add_argument("--drafter", default="de-en")
     parser.add_argument("--eval-set", default="de-en")

@@ -7,7 +7,7 @@ per prompt, once with each version of the three pieces (the order alternating), 
 per version the wall time, the time inside the models' forward calls (the engine's own clocks) and the time
 between them per round, and checks that both versions wrote the same tokens.
 
-    python -m bench.tree_rounds --run-dir runs/demo --against 2b5ab8a [--drafter de-en] [--eval-set de-en]
+    python -m bench.tree_rounds --run-dir runs/demo/demo --against 2b5ab8a [--drafter de-en] [--eval-set de-en]
         [--repeats 2] [--record bench/results/engine_overhead.md]
 
 Run it with nothing else on the machine (one thread: OMP_NUM_THREADS=1, as the demo's measure processes).
@@ -45,7 +45,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "demo")
+    parser.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "demo" / "demo")
     parser.add_argument("--recipe", default=str(ROOT / "recipes" / "demo" / "demo.yaml"))
     parser.add_argument("--against", required=True, help="the commit whose tree round to compare with")
     parser.add_argument("--drafter", default="de-en")

@@ -14,7 +14,7 @@ checked against `ar`'s. A synthetic part first shows what the counting of failur
 rounds whose tokens are each accepted with probability 0.8, counted as `decoding.control` counts them
 (one failure per rejection) and as Alg. 2 lines 18-19 read literally (r = A, n = min(A + 2, K)).
 
-    python -m bench.ts_sweep --run-dir runs/demo [--recipe recipes/demo/demo.yaml] [--prompts 8] \
+    python -m bench.ts_sweep --run-dir runs/demo/demo [--recipe recipes/demo/demo.yaml] [--prompts 8] \
         [--repetitions 3] [--offset 24] [--record bench/results/ts_sweep.md] [key.path=value ...]
 """
 
