@@ -181,14 +181,15 @@ def truncated_gumbel(perturbed: Tensor, bound: Tensor) -> Tensor:
 
 def stochastic_beam_step(
     log_probs: Tensor, sum_log_probs: Tensor, gamma: Tensor, width: int, generator: torch.Generator | None
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[list[int], list[int], Tensor, Tensor]:
     """One level of stochastic beam search (seed 002 Alg. 9; Kool et al. 2019).
 
     log_probs [N, V] next-token log-probabilities of the N beam sequences, sum_log_probs [N] their
     sequence log-probabilities, gamma [N] their truncated Gumbels (0 at the root). Selects the top-`width`
     (parent, token) pairs by truncated perturbed sequence log-probability, which samples `width`
-    sequences without replacement. Returns parents, tokens, new sum_log_probs and gamma, all [W'] in
-    decreasing order of the truncated Gumbel, W' <= width (pairs of probability zero are dropped).
+    sequences without replacement. Returns parents and tokens (lists: the tree is built in Python), new
+    sum_log_probs and gamma [W'], all in decreasing order of the truncated Gumbel, W' <= width (pairs of
+    probability zero are dropped).
     With `generator=None` no noise is added: a deterministic beam search (used for greedy decoding).
     """
     scores = log_probs + sum_log_probs.view(-1, 1)
@@ -197,11 +198,13 @@ def stochastic_beam_step(
     else:
         keys = truncated_gumbel(scores + gumbel(tuple(scores.shape), generator, scores.device), gamma)
     vocab = scores.shape[-1]
-    k = min(width, keys.numel())
-    values, flat = torch.topk(keys.reshape(-1), k)
+    values, flat = torch.topk(keys.reshape(-1), min(width, keys.numel()))
     # sorted: the pairs of probability zero (key -inf) come last
-    count = sum(value > float("-inf") for value in values.tolist())
-    flat, values = flat[:count], values[:count]
-    parents, tokens = flat // vocab, flat % vocab
+    picked = [
+        index for index, value in zip(flat.tolist(), values.tolist(), strict=True) if value > float("-inf")
+    ]
+    if len(picked) < len(values):
+        flat, values = flat[: len(picked)], values[: len(picked)]
+    parents, tokens = [index // vocab for index in picked], [index % vocab for index in picked]
     # without noise the keys are the scores
     return parents, tokens, values if generator is None else scores.reshape(-1)[flat], values

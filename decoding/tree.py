@@ -240,9 +240,7 @@ def draft_tree(
             rows, drawn, sum_log_p, gamma = stochastic_beam_step(
                 log_p, sum_log_p, gamma, shape.beam_width, noise
             )
-            chosen = [
-                (frontier[row], token) for row, token in zip(rows.tolist(), drawn.tolist(), strict=True)
-            ]
+            chosen = [(frontier[row], token) for row, token in zip(rows, drawn, strict=True)]
         size = len(tokens)
         for parent, token in chosen:
             tokens.append(token)

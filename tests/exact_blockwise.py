@@ -75,7 +75,7 @@ class DecoderExplorer(Explorer):
         probs = log_probs[0].double().exp()
         token = self.choose((probs / probs.sum()).tolist())
         score = sum_log_probs + log_probs[0, token]
-        return torch.zeros(1, dtype=torch.long), torch.tensor([token]), score.view(1), gamma
+        return [0], [token], score.view(1), gamma
 
 
 def decoder_law(explorer: DecoderExplorer, method: str, sampling: Sampling) -> tuple[dict, set[str]]:

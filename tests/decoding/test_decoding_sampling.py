@@ -108,7 +108,7 @@ def test_stochastic_beam_siblings_are_drawn_without_replacement():
             p1.log().view(1, -1), torch.zeros(1), torch.zeros(1), 3, gen
         )
         rows, level2, _, _ = stochastic_beam_step(p2[level1].log(), sums, gamma, 3, gen)
-        kids = level2[level1[rows] == node].tolist()
+        kids = [token for row, token in zip(rows, level2) if level1[row] == node]
         if len(kids) >= 2:
             pairs[kids[0], kids[1]] += 1
     q = p2[node]
