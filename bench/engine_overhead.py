@@ -16,10 +16,12 @@ process, `--repeats` times, and splits each method's measured time per round int
 - `probe`: the round cost the latency model charges (`Method.cost`).
 
 Then `--profile` runs each method once more under cProfile and lists the engine's functions that take the
-`between` time (own time, the models' forward passes excluded), so the overhead can be read by function.
+`between` time (own time, the models' forward passes excluded), so the overhead can be read by function;
+`--ops` runs each once more under torch's profiler and counts the tensor operations a round runs outside
+the forward passes (the outermost aten calls: what a fused or compiled round would have to take over).
 
     python -m bench.engine_overhead --run-dir runs/demo/demo [--eval-set de-en] [--repeats 3] [--profile] \
-        [--record bench/results/engine_overhead.md]
+        [--ops] [--record bench/results/engine_overhead.md]
 
 Run it with nothing else on the machine.
 """
@@ -35,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
@@ -43,6 +45,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from polydraft.decoding.eagle3 import Eagle3Drafter  # noqa: E402
+from polydraft.decoding.eesd import SelfSpeculative  # noqa: E402
 from polydraft.decoding.lm import CachedLM  # noqa: E402
 from polydraft.decoding.measurement.costs import predicted_speedup  # noqa: E402
 from polydraft.decoding.measurement.eval_inputs import repetition_prompts  # noqa: E402
@@ -55,6 +59,24 @@ from polydraft.pipelines.stages.measure import load  # noqa: E402
 from polydraft.pipelines.stages.measure_methods import build_methods  # noqa: E402
 
 UPSTREAM = ("pretrain", "finetune", "early_exit", "heads", "eagle3", "calibrate")
+
+
+def load_run(recipe_path: str, run_dir: Path):
+    """(MeasureInputs, the measure stage's `load`) of a finished run of `recipe_path` in `run_dir`: its target,
+    drafters and eval sets as the measure stage holds them, the probes timed again in this process."""
+    recipe = load_recipe(recipe_path)
+    inputs = MeasureInputs.of(recipe, resolve_target(recipe.target, recipe.data, build=False))
+    upstream = {s: run_dir / s for s in UPSTREAM if (run_dir / s).is_dir()}
+    with tempfile.TemporaryDirectory() as folder:  # measure writes the probes' latencies beside its rows
+        return inputs, load(inputs, upstream, Path(folder) / "latency.json")
+
+
+def greedy_methods(inputs: MeasureInputs, loaded, eval_set, seed: int) -> list:
+    """The measure stage's methods for `eval_set` at T=0 with `seed`, on the loaded run."""
+    return build_methods(
+        inputs.measure, eval_set, Sampling(0.0, 1.0), seed, loaded.target, loaded.target_lm,
+        loaded.drafters, loaded.eos_ids, loaded.latencies,
+    )  # fmt: skip
 
 
 def kept(fields: dict, pair: str) -> bool:
@@ -115,6 +137,50 @@ def engine_functions(profile: cProfile.Profile, top: int) -> list[tuple[str, flo
     return sorted(rows, key=lambda r: -r[1])[:top]
 
 
+FORWARD = "polydraft forward"
+"""The profiler's name for a model's forward call (`tensor_ops`)."""
+CLOCKED = (
+    (CachedLM, "forward"),
+    (SelfSpeculative, "draft_step"),
+    (SelfSpeculative, "verify"),
+    (Eagle3Drafter, "_forward"),
+)
+"""The calls whose time the engine counts as forward time (`Generation.target_seconds`, `draft_seconds`)."""
+
+
+def tensor_ops(method, prompts: list) -> tuple[float, list[tuple[str, float]]]:
+    """The outermost aten operations `method`'s rounds run outside the models' forward calls (`CLOCKED`),
+    decoding `prompts` once under torch's profiler: (operations a round, the most frequent (name, a round))."""
+    originals = [getattr(owner, name) for owner, name in CLOCKED]
+
+    def marked(call):
+        def run(*args, **kwargs):
+            with torch.profiler.record_function(FORWARD):
+                return call(*args, **kwargs)
+
+        return run
+
+    for (owner, name), call in zip(CLOCKED, originals, strict=True):
+        setattr(owner, name, marked(call))
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            rounds = sum(method.decode(prompt, index).target_calls for index, prompt in enumerate(prompts))
+    finally:
+        for (owner, name), call in zip(CLOCKED, originals, strict=True):
+            setattr(owner, name, call)
+    counts: Counter[str] = Counter()
+    for event in profile.events():
+        if not event.name.startswith("aten::"):
+            continue
+        parent, outermost = event.cpu_parent, True
+        while parent is not None and outermost:  # inside a forward call or inside another aten call
+            outermost = parent.name != FORWARD and not parent.name.startswith("aten::")
+            parent = parent.cpu_parent
+        if outermost:
+            counts[event.name] += 1
+    return sum(counts.values()) / rounds, [(name, n / rounds) for name, n in counts.most_common(8)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -124,17 +190,13 @@ def main() -> None:
     parser.add_argument("--eval-set", default="de-en")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--ops", action="store_true")
     parser.add_argument("--record", type=Path)
     args = parser.parse_args()
 
-    recipe = load_recipe(args.recipe)
-    inputs = MeasureInputs.of(recipe, resolve_target(recipe.target, recipe.data, build=False))
-    upstream = {s: args.run_dir / s for s in UPSTREAM if (args.run_dir / s).is_dir()}
-    with tempfile.TemporaryDirectory() as folder:  # measure writes the probes' latencies beside its rows
-        loaded = load(inputs, upstream, Path(folder) / "latency.json")
+    inputs, loaded = load_run(args.recipe, args.run_dir)
     cfg = inputs.measure
     eval_set = next(s for s in loaded.eval_sets if s.name == args.eval_set)
-    sampling = Sampling(0.0, 1.0)
 
     totals: dict[str, list[dict[str, float]]] = defaultdict(list)
     speedups: dict[str, list[tuple[float, float | None]]] = defaultdict(list)
@@ -144,11 +206,9 @@ def main() -> None:
         prompts = repetition_prompts(eval_set.prompts, cfg.seeds, seed, cfg.num_prompts, cfg.disjoint_prompts)
 
         def build(seed=seed):
-            methods = build_methods(
-                cfg, eval_set, sampling, seed, loaded.target, loaded.target_lm, loaded.drafters,
-                loaded.eos_ids, loaded.latencies,
-            )  # fmt: skip
-            return [m for m in methods if kept(m.fields, eval_set.pair)]
+            return [
+                m for m in greedy_methods(inputs, loaded, eval_set, seed) if kept(m.fields, eval_set.pair)
+            ]
 
         for method in build():  # warm-up, as measure_group does
             method.decode(prompts[0], -1)
@@ -176,7 +236,8 @@ def main() -> None:
 
     lines = [
         f"## {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%MZ} - `python -m bench.engine_overhead "
-        f"--eval-set {args.eval_set} --repeats {args.repeats}{' --profile' if args.profile else ''}` "
+        f"--eval-set {args.eval_set} --repeats {args.repeats}{' --profile' if args.profile else ''}"
+        f"{' --ops' if args.ops else ''}` "
         f"(commit {git_head()}, {torch.get_num_threads()} threads)",
         "",
         f"The run's target and drafters ({args.run_dir.name}), the `{args.eval_set}` eval set at T=0, "
@@ -224,6 +285,14 @@ def main() -> None:
             lines.append(f"- {method_label(method.fields)}: " + "; ".join(
                 f"`{name}` {own * 1e3:.1f} ms / {calls} calls" for name, own, calls in engine_functions(profile, 6)
             ))  # fmt: skip
+    if args.ops and last is not None:
+        methods, prompts = last
+        lines += ["", "### Tensor operations between the forward calls (torch profiler, one more pass)", ""]
+        lines += ["| method | ops a round | the most frequent, a round |", "| --- | ---: | --- |"]
+        for method in methods:
+            per_round, names = tensor_ops(method, prompts)
+            common = ", ".join(f"`{name.removeprefix('aten::')}` {n:.1f}" for name, n in names)
+            lines.append(f"| {method_label(method.fields)} | {per_round:.1f} | {common} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.record:

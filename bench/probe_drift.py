@@ -21,7 +21,6 @@ import argparse
 import datetime
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -29,17 +28,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.engine_overhead import UPSTREAM  # noqa: E402
+from bench.engine_overhead import greedy_methods, load_run  # noqa: E402
 from polydraft.decoding.lm import CachedLM  # noqa: E402
 from polydraft.decoding.measurement.eval_inputs import repetition_prompts  # noqa: E402
 from polydraft.decoding.measurement.groups import method_label  # noqa: E402
 from polydraft.decoding.measurement.latency import RunLatencies  # noqa: E402
-from polydraft.decoding.sampling import Sampling  # noqa: E402
-from polydraft.pipelines.run.recipe import load_recipe  # noqa: E402
-from polydraft.pipelines.runtime.target import resolve_target  # noqa: E402
-from polydraft.pipelines.schema.inputs import MeasureInputs  # noqa: E402
-from polydraft.pipelines.stages.measure import load  # noqa: E402
-from polydraft.pipelines.stages.measure_methods import build_methods, measure_latencies  # noqa: E402
+from polydraft.pipelines.stages.measure_methods import measure_latencies  # noqa: E402
 
 
 def logged(target: CachedLM, calls: dict[int, list[float]]) -> None:
@@ -74,11 +68,7 @@ def main() -> None:
     parser.add_argument("--record", type=Path)
     args = parser.parse_args()
 
-    recipe = load_recipe(args.recipe)
-    inputs = MeasureInputs.of(recipe, resolve_target(recipe.target, recipe.data, build=False))
-    upstream = {s: args.run_dir / s for s in UPSTREAM if (args.run_dir / s).is_dir()}
-    with tempfile.TemporaryDirectory() as folder:
-        loaded = load(inputs, upstream, Path(folder) / "latency.json")
+    inputs, loaded = load_run(args.recipe, args.run_dir)
     cfg = inputs.measure
     k = cfg.draft_length
     eval_set = next(s for s in loaded.eval_sets if s.name == args.eval_set)
@@ -93,10 +83,7 @@ def main() -> None:
             prompts = repetition_prompts(
                 eval_set.prompts, cfg.seeds, seed, cfg.num_prompts, cfg.disjoint_prompts
             )
-            methods = build_methods(
-                cfg, eval_set, Sampling(0.0, 1.0), seed, loaded.target, loaded.target_lm, loaded.drafters,
-                loaded.eos_ids, loaded.latencies,
-            )  # fmt: skip
+            methods = greedy_methods(inputs, loaded, eval_set, seed)
             methods = [m for m in methods if method_label(m.fields) in labels]
             for index, prompt in enumerate(prompts):
                 for method in methods if index % 2 == 0 else methods[::-1]:

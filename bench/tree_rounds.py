@@ -29,16 +29,10 @@ sys.path.insert(0, str(ROOT))
 import polydraft.decoding.lm as lm  # noqa: E402
 import polydraft.decoding.rsd as rsd  # noqa: E402
 import polydraft.decoding.tree as tree  # noqa: E402
-from bench.engine_overhead import UPSTREAM  # noqa: E402
+from bench.engine_overhead import greedy_methods, load_run  # noqa: E402
 from bench.held_out import module_at  # noqa: E402
 from polydraft.decoding.measurement.eval_inputs import repetition_prompts  # noqa: E402
 from polydraft.decoding.measurement.groups import method_label  # noqa: E402
-from polydraft.decoding.sampling import Sampling  # noqa: E402
-from polydraft.pipelines.run.recipe import load_recipe  # noqa: E402
-from polydraft.pipelines.runtime.target import resolve_target  # noqa: E402
-from polydraft.pipelines.schema.inputs import MeasureInputs  # noqa: E402
-from polydraft.pipelines.stages.measure import load  # noqa: E402
-from polydraft.pipelines.stages.measure_methods import build_methods  # noqa: E402
 
 
 def main() -> None:
@@ -64,21 +58,14 @@ def main() -> None:
     versions = {args.against: other, "this checkout": tree}
     keeps = {args.against: other_lm.CachedLM.keep, "this checkout": lm.CachedLM.keep}
 
-    recipe = load_recipe(args.recipe)
-    inputs = MeasureInputs.of(recipe, resolve_target(recipe.target, recipe.data, build=False))
-    upstream = {s: args.run_dir / s for s in UPSTREAM if (args.run_dir / s).is_dir()}
-    with tempfile.TemporaryDirectory() as folder:
-        loaded = load(inputs, upstream, Path(folder) / "latency.json")
+    inputs, loaded = load_run(args.recipe, args.run_dir)
     cfg = inputs.measure
     eval_set = next(s for s in loaded.eval_sets if s.name == args.eval_set)
     label = f"rsd_s[{args.drafter}]"
     results: dict[str, list] = {name: [] for name in versions}
     for seed in cfg.seeds:
         prompts = repetition_prompts(eval_set.prompts, cfg.seeds, seed, cfg.num_prompts, cfg.disjoint_prompts)
-        methods = build_methods(
-            cfg, eval_set, Sampling(0.0, 1.0), seed, loaded.target, loaded.target_lm, loaded.drafters,
-            loaded.eos_ids, loaded.latencies,
-        )  # fmt: skip
+        methods = greedy_methods(inputs, loaded, eval_set, seed)
         method = next(m for m in methods if method_label(m.fields).startswith(label))
         method.decode(prompts[0], 0)  # warm-up
         for repeat in range(args.repeats):
