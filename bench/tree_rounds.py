@@ -56,7 +56,12 @@ def main() -> None:
         other_lm = module_at(args.against, "decoding/lm.py", "polydraft.decoding.lm_then", Path(folder))
     other.stochastic_beam_step = other_sampling.stochastic_beam_step  # the tree round of that commit, whole
     versions = {args.against: other, "this checkout": tree}
-    keeps = {args.against: other_lm.CachedLM.keep, "this checkout": lm.CachedLM.keep}
+    # each version's cache too: its reset (the cache it builds), forward and keep; the objects are this checkout's
+    parts = ("reset", "forward", "keep")
+    caches = {
+        args.against: {part: getattr(other_lm.CachedLM, part) for part in parts},
+        "this checkout": {part: getattr(lm.CachedLM, part) for part in parts},
+    }
 
     inputs, loaded = load_run(args.recipe, args.run_dir)
     cfg = inputs.measure
@@ -73,10 +78,12 @@ def main() -> None:
                 order = list(versions) if (index + repeat) % 2 == 0 else list(versions)[::-1]
                 for name in order:
                     rsd.tree_decode, rsd.draft_tree = versions[name].tree_decode, versions[name].draft_tree
-                    lm.CachedLM.keep = keeps[name]  # the caches are this checkout's objects
+                    for part, function in caches[name].items():
+                        setattr(lm.CachedLM, part, function)
                     results[name].append(method.decode(prompt, index))
     rsd.tree_decode, rsd.draft_tree = tree.tree_decode, tree.draft_tree
-    lm.CachedLM.keep = keeps["this checkout"]
+    for part, function in caches["this checkout"].items():
+        setattr(lm.CachedLM, part, function)
     same = [g.tokens for g in results[args.against]] == [g.tokens for g in results["this checkout"]]
 
     lines = [

@@ -1,7 +1,8 @@
 """A causal LM with its own KV cache, called the lean way: the decoder stack, then the head on the needed rows.
 
 `CachedLM` wraps any Hugging Face causal LM. `forward` runs the model's decoder (`model.base_model`,
-e.g. `LlamaModel`) on new tokens against a `DynamicCache` it owns, then applies the output head only to
+e.g. `LlamaModel`) on new tokens against a `DynamicCache` it owns (its full-attention layers sharing one
+buffer: `decoding.kv_buffer`), then applies the output head only to
 the last `num_logits` positions: a drafter step needs one row, a verification K+1, never the prompt.
 It returns those logits and the matching hidden states (the input of the head, i.e. the final-norm
 output), which Cali-TS feeds to the calibration model.
@@ -25,9 +26,10 @@ import time
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from polydraft.decoding.kv_buffer import BufferLayer, KVBuffer
 from polydraft.models.decoder_layers import cache_kwargs
 from polydraft.models.eagle3 import feature_capture
 from polydraft.models.placement import input_device
@@ -60,7 +62,8 @@ class CachedLM:
 
     def reset(self) -> None:
         """An empty cache and zeroed counters, for a new sequence."""
-        self.cache = DynamicCache(config=self.model.config)
+        self.kv = KVBuffer(self.model.config)
+        self.cache = self.kv.cache
         # sliding-window layers must keep the states they would evict until rejected drafts are cropped
         self.cache.activate_past_recording()
         self.seconds = 0.0
@@ -101,6 +104,8 @@ class CachedLM:
                 use_cache=True,
                 **cache_kwargs(self.decoder, self.cache),
             )
+        if not self.kv.packed:
+            self.kv.pack()
         if self.aux_layers:
             self.features = torch.cat(states, dim=-1)[0].to(self.device)
         hidden = out.last_hidden_state[0, -num_logits:]
@@ -127,11 +132,15 @@ class CachedLM:
         if indices == list(range(len(indices))):
             self.crop(start + len(indices))
             return
-        # positions before the first one that moves stay where they are; each later one is copied into
-        # place one by one (a path is a few positions: two views and a copy cost less than a gather)
+        # positions before the first one that moves stay where they are; the full-attention layers move the
+        # later ones together (`KVBuffer.keep`), any other layer one by one (a path is a few positions: two
+        # views and a copy cost less than a gather)
         first = next(place for place, index in enumerate(indices) if index != place)
         kept = start + len(indices)
+        self.kv.keep(start, first, indices)
         for layer in self.cache.layers:
+            if type(layer) is BufferLayer:
+                continue
             # a sliding layer that has not filled its window holds every position, like a full one
             sliding = type(layer) is DynamicSlidingWindowLayer
             if not (
