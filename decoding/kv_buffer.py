@@ -12,7 +12,8 @@ those layers at once.
 
 A layer holds the states of its first forward (a prompt, whose shape is only known then) as they come;
 `KVBuffer.pack` then gives every such layer its place in the buffer of its group, sized for the group's
-layers exactly, and a group grows (doubling its capacity) when a forward would run past its end.
+layers exactly, and a group grows (doubling its capacity) when a forward would run past its end. A second
+forward or a crop before the pack is refused (`CachedLM` packs after every first forward).
 Sliding-window layers stay HF's own (they drop positions as they go).
 """
 
@@ -53,14 +54,12 @@ class BufferLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[-2]
         if self.slots is None:
-            if self.loose is None:
-                self.loose = key_states, value_states
-            else:
-                self.loose = tuple(
-                    torch.cat([held, new], dim=-2)
-                    for held, new in zip(self.loose, (key_states, value_states))
+            if self.loose is not None:
+                raise RuntimeError(
+                    "a BufferLayer takes one forward before `KVBuffer.pack` gives it its place"
                 )
-            self.length += n
+            self.loose = key_states, value_states
+            self.length = n
             return self.loose
         if self.length + n > self.slots[0].shape[-2]:
             self.group.grow(self.length + n)
@@ -96,10 +95,9 @@ class BufferLayer(CacheLayerMixin):
         length = (
             min(self.length, tokens_to_remove) if tokens_to_remove > 0 else self.length + tokens_to_remove
         )
-        length = max(0, length)
         if self.slots is None and self.loose is not None:
-            self.loose = tuple(states.narrow(-2, 0, length) for states in self.loose)
-        self.length = length
+            raise RuntimeError("a BufferLayer is cropped only after `KVBuffer.pack` gave it its place")
+        self.length = max(0, length)
 
     def reset(self) -> None:
         raise NotImplementedError("a BufferLayer is not reset: `CachedLM.reset` builds a new cache")

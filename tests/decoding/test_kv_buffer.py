@@ -1,6 +1,7 @@
 """`decoding.kv_buffer`: the shared-buffer cache gives the logits HF's `DynamicLayer` cache gives, bit for
 bit, through forwards, tree keeps, crops and growth past its first capacity."""
 
+import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
@@ -63,3 +64,12 @@ def test_one_group_holds_every_full_attention_layer():
     assert group.layers == buffered.cache.layers
     assert group.buffers[0].shape == (3, 1, 2, FIRST_CAPACITY, 8)
     assert torch.equal(buffered.cache.layers[1].keys, group.buffers[0][1, ..., :3, :])
+
+
+def test_a_layer_refuses_a_second_forward_or_a_crop_before_it_is_packed():
+    layer, states = BufferLayer(), torch.zeros(1, 2, 3, 8)
+    layer.update(states, states)
+    with pytest.raises(RuntimeError, match="one forward before"):
+        layer.update(states, states)
+    with pytest.raises(RuntimeError, match="cropped only after"):
+        layer.crop(-1)
